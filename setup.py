@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="kvm_maglev",
+    version="0.1.0",
+    description="Key-Value Means (KVM) and Maglev long-context models for Hugging Face transformers",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    package_dir={"": "src"},
+    packages=find_packages("src"),
+    include_package_data=True,
+    package_data={"kvm_maglev": ["model_cards/*.md", "assets/**/*"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4,<3",
+        "transformers>=5.17,<6",
+        "safetensors>=0.4",
+        "huggingface_hub>=1.0",
+        "pyyaml>=6",
+        "tokenizers>=0.21",
+        "tiktoken>=0.7",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+    },
+    entry_points={"console_scripts": ["kvm-maglev=kvm_maglev.cli:main"]},
+)

@@ -1,0 +1,43 @@
+"""KVM (Key-Value Means) and Maglev (Sliding Recurrent Memory) models for transformers.
+
+Names are imported lazily so that the command line starts fast and importing the package
+does not pull in torch until a model class is actually used.
+"""
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "KVMConfig": "kvm_maglev.models.kvm.configuration_kvm",
+    "KVMCache": "kvm_maglev.models.kvm.cache_kvm",
+    "KVMModel": "kvm_maglev.models.kvm.modeling_kvm",
+    "KVMForCausalLM": "kvm_maglev.models.kvm.modeling_kvm",
+    "MaglevConfig": "kvm_maglev.models.maglev.configuration_maglev",
+    "MaglevCache": "kvm_maglev.models.maglev.cache_maglev",
+    "MaglevModel": "kvm_maglev.models.maglev.modeling_maglev",
+    "MaglevForCausalLM": "kvm_maglev.models.maglev.modeling_maglev",
+}
+
+__all__ = sorted(_EXPORTS) + ["register_auto_classes"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kvm_maglev' has no attribute {name!r}")
+
+
+def register_auto_classes() -> None:
+    """Register both architectures with the transformers Auto classes (no remote code needed)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    for prefix, model_type in (("KVM", "kvm"), ("Maglev", "maglev")):
+        config_cls = __getattr__(f"{prefix}Config")
+        try:
+            AutoConfig.register(model_type, config_cls)
+            AutoModel.register(config_cls, __getattr__(f"{prefix}Model"))
+            AutoModelForCausalLM.register(config_cls, __getattr__(f"{prefix}ForCausalLM"))
+        except ValueError:
+            pass  # already registered in this process

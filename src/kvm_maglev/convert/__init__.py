@@ -1,0 +1,1 @@
+"""Converters from research checkpoints to Hub-ready transformers folders."""
