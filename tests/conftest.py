@@ -1,0 +1,16 @@
+"""Shared pytest setup: test data location and a small CPU thread count for stable timings."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+DATA_DIR = Path(__file__).parent / "data"
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """Folder with the research reference fixtures copied into the project."""
+    return DATA_DIR
