@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 _SUBCOMMANDS = {
     "convert": "kvm_maglev.convert.cli",
+    "bench": "kvm_maglev.benchmarks.cli",
 }
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: decode speed, prefill time and cache size of KVM, Maglev and baselines."""

@@ -1,0 +1,117 @@
+"""Benchmark decode speed, prefill time and cache size against full and sliding-window attention."""
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import transformers
+from packaging import version
+
+# transformers 5.24 renamed the model keyword `past_key_values` to `cache`.
+_CACHE_KEYWORD = "cache" if version.parse(transformers.__version__) >= version.parse("5.24") else "past_key_values"
+
+from .models import cache_bytes, closed_form_cache_bytes
+
+
+@dataclass
+class Measurement:
+    """Numbers for one model, batch size and context length."""
+
+    model: str
+    batch_size: int
+    context: int
+    prefill_s: float
+    decode_ms_median: float
+    decode_ms_p99: float
+    decode_ms_max: float
+    decode_tokens_per_s: float
+    cache_bytes: int
+    cache_bytes_closed_form: Optional[int]
+    step_ms: List[float] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _row_lengths(batch_size: int, context: int, generator: torch.Generator) -> List[int]:
+    """Row 0 has the full context; other rows are shorter by up to a quarter (padded rows)."""
+    if batch_size == 1:
+        return [context]
+    cuts = torch.randint(0, max(1, context // 4), (batch_size - 1,), generator=generator).tolist()
+    return [context] + [context - c for c in cuts]
+
+
+def _left_padded_batch(lengths: List[int], vocab: int, generator: torch.Generator, device: torch.device):
+    width = max(lengths)
+    ids = torch.randint(vocab, (len(lengths), width), generator=generator)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids.to(device), mask.to(device)
+
+
+def _returned_cache(output):
+    """The cache a forward returned (``cache`` on transformers >= 5.24, else ``past_key_values``)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+@torch.inference_mode()
+def measure(
+    name: str,
+    model: torch.nn.Module,
+    context: int,
+    batch_size: int,
+    decode_steps: int,
+    prefill_chunk: int,
+    seed: int = 0,
+) -> Measurement:
+    """Prefill ``context`` tokens in chunks, then time ``decode_steps`` single-token steps."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    lengths = _row_lengths(batch_size, context, generator)
+    ids, mask = _left_padded_batch(lengths, model.config.vocab_size, generator, device)
+    use_mask = batch_size > 1
+    cache = None
+    _sync(device)
+    start = time.perf_counter()
+    out = None
+    for begin in range(0, ids.shape[1], prefill_chunk):
+        end = min(begin + prefill_chunk, ids.shape[1])
+        kwargs = {"attention_mask": mask[:, :end]} if use_mask else {}
+        out = model(input_ids=ids[:, begin:end], use_cache=True, **{_CACHE_KEYWORD: cache}, **kwargs)
+        cache = _returned_cache(out)
+    _sync(device)
+    prefill_s = time.perf_counter() - start
+    next_ids = out.logits[:, -1:].argmax(-1)
+    step_ms = []
+    for _ in range(decode_steps):
+        mask = torch.cat([mask, mask.new_ones(batch_size, 1)], dim=1)
+        kwargs = {"attention_mask": mask} if use_mask else {}
+        _sync(device)
+        start = time.perf_counter()
+        out = model(input_ids=next_ids, use_cache=True, **{_CACHE_KEYWORD: cache}, **kwargs)
+        next_ids = out.logits[:, -1:].argmax(-1)
+        _sync(device)
+        step_ms.append((time.perf_counter() - start) * 1e3)
+        cache = _returned_cache(out)
+    ordered = sorted(step_ms)
+    median = statistics.median(step_ms)
+    return Measurement(
+        model=name,
+        batch_size=batch_size,
+        context=context,
+        prefill_s=prefill_s,
+        decode_ms_median=median,
+        decode_ms_p99=ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        decode_ms_max=ordered[-1],
+        decode_tokens_per_s=batch_size * 1e3 / median,
+        cache_bytes=cache_bytes(cache),
+        cache_bytes_closed_form=closed_form_cache_bytes(model, context + decode_steps, batch_size),
+        step_ms=step_ms,
+    )

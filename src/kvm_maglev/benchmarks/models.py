@@ -1,0 +1,129 @@
+"""Model shapes and builders for the benchmarks: our models and the baselines users would pick."""
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Backbone shape shared by every benchmarked model (default: the research 120M, 4 layers)."""
+
+    num_layers: int = 4
+    hidden_size: int = 768
+    num_heads: int = 6
+    vocab_size: int = 50304
+    chunk_len: int = 256  # KVM block size; the sliding-window baselines use KVM's window
+    window_chunks: int = 2
+
+    @property
+    def window(self) -> int:
+        return self.chunk_len * self.window_chunks
+
+    @property
+    def mlp_size(self) -> int:
+        """SwiGLU width with about the parameters of a 4x two-matrix MLP."""
+        return (8 * self.hidden_size) // 3
+
+
+TINY = Shape(num_layers=2, hidden_size=64, num_heads=2, vocab_size=512, chunk_len=16, window_chunks=2)
+SHAPES = {"default": Shape(), "tiny": TINY}
+
+
+def _llama(shape: Shape) -> torch.nn.Module:
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.mlp_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_heads,
+        max_position_embeddings=1 << 20,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
+
+
+def _mistral(shape: Shape) -> torch.nn.Module:
+    config = MistralConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.mlp_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_heads,
+        sliding_window=shape.window,
+        max_position_embeddings=1 << 20,
+        attn_implementation="sdpa",
+    )
+    return MistralForCausalLM(config)
+
+
+def _kvm(shape: Shape, **budget) -> torch.nn.Module:
+    from kvm_maglev import KVMConfig, KVMForCausalLM
+
+    config = KVMConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        chunk_size=shape.chunk_len,
+        window_chunks=shape.window_chunks,
+        **budget,
+    )
+    return KVMForCausalLM(config)
+
+
+def _maglev(shape: Shape) -> torch.nn.Module:
+    from kvm_maglev import MaglevConfig, MaglevForCausalLM
+
+    config = MaglevConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_heads,
+        use_memory=True,
+        sliding_window=shape.window,
+    )
+    return MaglevForCausalLM(config)
+
+
+MODEL_BUILDERS: Dict[str, Callable[[Shape], torch.nn.Module]] = {
+    "kvm_fixed": lambda shape: _kvm(shape, state_budget_mode="fixed", state_min_slots=shape.chunk_len),
+    "kvm_sqrt16": lambda shape: _kvm(
+        shape, state_budget_mode="power_law", state_growth_factor=16.0, state_growth_exponent=0.5,
+        state_min_slots=shape.chunk_len,
+    ),
+    "maglev": _maglev,
+    "llama_full": _llama,
+    "mistral_swa": _mistral,
+}
+
+
+def cache_bytes(cache) -> int:
+    """Bytes a cache holds: our caches report ``nbytes()``; transformers' caches are summed per layer."""
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes())
+    total = 0
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def closed_form_cache_bytes(model: torch.nn.Module, num_tokens: int, batch_size: int) -> Optional[int]:
+    """Cache size predicted from the config alone (KV heads x head dim x kept tokens)."""
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    if hasattr(config, "cache_bytes"):
+        return int(config.cache_bytes(num_tokens, batch_size=batch_size, dtype=dtype))
+    kept = num_tokens
+    if getattr(config, "sliding_window", None):
+        kept = min(num_tokens, config.sliding_window)
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    return per_token * kept * batch_size * torch.finfo(dtype).bits // 8
