@@ -1,0 +1,269 @@
+"""`kvm-maglev convert maglev SRC OUT`: a nanochat / Maglev research checkpoint -> a transformers folder.
+
+Small steps that a caller can compose: `read_checkpoint` (folder -> state dict + meta),
+`build_config` (meta -> MaglevConfig), `convert_state_dict` (research keys -> ours),
+`build_model`, `write_folder` (atomic save with the model's own code).
+"""
+
+import argparse
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
+from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
+
+COMPILE_PREFIX = "_orig_mod."
+
+# Research (nanochat + Maglev) key -> our key; `{i}` stands for a layer index.
+# The Maglev tensors follow the table in MAGLEV.md. Override with --key-map FILE.json.
+BLOCK_KEY_MAP = {
+    "attn.c_q.weight": "self_attn.q_proj.weight",
+    "attn.c_k.weight": "self_attn.k_proj.weight",
+    "attn.c_v.weight": "self_attn.v_proj.weight",
+    "attn.c_proj.weight": "self_attn.o_proj.weight",
+    "attn.ve_gate.weight": "self_attn.value_gate.weight",
+    "attn.mem_k.weight": "self_attn.memory_k_proj.weight",
+    "attn.mem_v.weight": "self_attn.memory_v_proj.weight",
+    "attn.mem_gate.weight": "self_attn.memory_gate.weight",
+    "mlp.c_fc.weight": "mlp.up_proj.weight",
+    "mlp.c_proj.weight": "mlp.down_proj.weight",
+}
+DEFAULT_KEY_MAP = {
+    "transformer.wte.weight": "model.embed_tokens.weight",
+    "lm_head.weight": "lm_head.weight",
+    "value_embeds.{i}.weight": "model.value_embeddings.{i}.weight",
+    "resid_lambdas": "model.residual_lambdas",
+    "x0_lambdas": "model.x0_lambdas",
+    "smear_gate.weight": "model.smear_gate.weight",
+    "smear_lambda": "model.smear_lambda",
+    "backout_lambda": "model.backout_lambda",
+    "memory_init": "model.memory_init",
+    "prefiller_resid_lambdas": "model.prefiller_residual_lambdas",
+    "prefiller_x0_lambdas": "model.prefiller_x0_lambdas",
+    **{f"transformer.h.{{i}}.{k}": f"model.layers.{{i}}.{v}" for k, v in BLOCK_KEY_MAP.items()},
+    **{f"prefiller.h.{{i}}.{k}": f"model.prefiller_layers.{{i}}.{v}" for k, v in BLOCK_KEY_MAP.items()},
+}
+PREFILLER_KEYS = re.compile(r"^(prefiller\.h\.|prefiller_resid_lambdas$|prefiller_x0_lambdas$)")
+MAGLEV_META_FIELDS = ("sliding_window", "memory_gate_channels", "prefiller_window_pattern",
+                      "prefiller_shares_blocks", "consistency_weight", "consistency_loss",
+                      "consistency_detach_target")
+
+
+# ----- reading ---------------------------------------------------------------------------------
+def find_step(source: Path, step: int | None) -> int:
+    """The requested step, or the newest `model_<step>.pt` in the folder."""
+    steps = sorted(int(m.group(1)) for p in source.glob("model_*.pt")
+                   if (m := re.fullmatch(r"model_(\d+)\.pt", p.name)))
+    if not steps:
+        raise FileNotFoundError(f"no model_<step>.pt checkpoint in {source}")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint for step {step} in {source} (steps: {steps})")
+    return step
+
+
+def read_checkpoint(source: str | Path, step: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Load `model_<step>.pt` (weights only, never pickled code) and `meta_<step>.json`."""
+    source = Path(source)
+    if not source.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {source} does not exist")
+    step = find_step(source, step)
+    meta_path = source / f"meta_{step:06d}.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path} is missing")
+    meta = json.loads(meta_path.read_text())
+    state = torch.load(source / f"model_{step:06d}.pt", map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"model_{step:06d}.pt is not a state dict of tensors")
+    return normalize_state_dict(state), meta
+
+
+def normalize_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Strip torch.compile's `_orig_mod.` prefix and upcast bf16/fp16 tensors to float32."""
+    return {key.removeprefix(COMPILE_PREFIX): (value.float() if value.is_floating_point() else value)
+            for key, value in state.items()}
+
+
+# ----- config ------------------------------------------------------------------------------------
+def build_config(meta: dict, state: dict[str, torch.Tensor], keep_prefiller: bool = False) -> MaglevConfig:
+    """MaglevConfig from nanochat's `model_config` (+ the `maglev` mapping); features that a
+    checkpoint lacks (older nanochat: no smear, backout or value embeddings) are switched off."""
+    if "model_config" not in meta:
+        raise ValueError("meta json has no 'model_config'")
+    nano = dict(meta["model_config"])
+    nano.setdefault("window_pattern", "L")  # nanochat's patch for checkpoints older than sliding windows
+    missing = [k for k in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd") if k not in nano]
+    if missing:
+        raise ValueError(f"meta json model_config lacks {missing}")
+    maglev = meta.get("maglev")
+    use_memory = maglev is not None or "memory_init" in state
+    fields = dict(
+        vocab_size=nano["vocab_size"],
+        hidden_size=nano["n_embd"],
+        num_hidden_layers=nano["n_layer"],
+        num_attention_heads=nano["n_head"],
+        num_key_value_heads=nano["n_kv_head"],
+        max_position_embeddings=nano["sequence_len"],
+        window_pattern=nano["window_pattern"],
+        use_value_embeddings=any(k.startswith("value_embeds.") for k in state),
+        use_smear="smear_gate.weight" in state,
+        use_backout="backout_lambda" in state,
+        use_memory=use_memory,
+        sliding_window=None,
+        has_prefiller=False,
+    )
+    if "transformer.wte.weight" in state:
+        rows = state["transformer.wte.weight"].shape[0]
+        fields["pad_vocab_size_to"] = 64 if rows != nano["vocab_size"] else 1
+    gate = next((v for k, v in state.items() if k.endswith("attn.ve_gate.weight")), None)
+    if gate is not None:
+        fields["value_embedding_gate_channels"] = gate.shape[1]
+    if use_memory:
+        if maglev is None:
+            raise ValueError("checkpoint has Maglev tensors but meta json has no 'maglev' mapping")
+        unknown = set(maglev) - set(MAGLEV_META_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown fields in meta json 'maglev': {sorted(unknown)}")
+        fields.update(maglev)
+        fields["has_prefiller"] = keep_prefiller
+    elif keep_prefiller:
+        raise ValueError("--keep-prefiller needs a Maglev checkpoint (memory tensors and a 'maglev' meta mapping)")
+    return MaglevConfig(**fields)
+
+
+# ----- weights -------------------------------------------------------------------------------------
+def compile_key_map(key_map: dict[str, str]) -> list[tuple[re.Pattern, str]]:
+    """Turn `{i}` patterns into regexes; a research key matches at most one pattern."""
+    compiled = []
+    for research, ours in key_map.items():
+        pattern = re.escape(research).replace(re.escape("{i}"), r"(?P<i>\d+)")
+        compiled.append((re.compile(f"^{pattern}$"), ours))
+    return compiled
+
+
+def rename_key(key: str, compiled: list[tuple[re.Pattern, str]]) -> str | None:
+    for pattern, ours in compiled:
+        match = pattern.match(key)
+        if match:
+            return ours.replace("{i}", match.group("i")) if "i" in match.groupdict() else ours
+    return None
+
+
+def patch_missing_scalars(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """nanochat's checkpoint_manager patch: old checkpoints lack the per-layer lambdas (identity values)."""
+    state = dict(state)
+    state.setdefault("resid_lambdas", torch.ones(num_layers))
+    state.setdefault("x0_lambdas", torch.zeros(num_layers))
+    return state
+
+
+def convert_state_dict(
+    state: dict[str, torch.Tensor],
+    config: MaglevConfig,
+    key_map: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Research state dict -> ours. Q's tensors are dropped unless `config.has_prefiller`."""
+    compiled = compile_key_map(DEFAULT_KEY_MAP if key_map is None else key_map)
+    state = patch_missing_scalars(state, config.num_hidden_layers)
+    converted, unknown = {}, []
+    for key, value in state.items():
+        ours = rename_key(key, compiled)
+        if ours is None:
+            unknown.append(key)
+        elif ours.startswith("model.prefiller_") and not config.has_prefiller:
+            continue
+        else:
+            converted[ours] = value
+    if unknown:
+        raise ValueError(f"checkpoint keys with no mapping (use --key-map): {sorted(unknown)[:10]}")
+    return converted
+
+
+def build_model(config: MaglevConfig, state: dict[str, torch.Tensor]) -> MaglevForCausalLM:
+    """Instantiate the model and load the converted weights strictly (shapes and names checked)."""
+    model = MaglevForCausalLM(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"converted weights do not fit the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
+    for key, value in state.items():
+        if value.shape != expected[key].shape:
+            raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(expected[key].shape)}")
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+# ----- writing ---------------------------------------------------------------------------------------
+def write_folder(model: MaglevForCausalLM, out: str | Path, overwrite: bool = False) -> Path:
+    """Save config (with auto_map), safetensors and the model's code into a temporary folder beside
+    OUT, then rename it into place, so OUT is never half-written."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_with_code(model, staging)
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def save_with_code(model: MaglevForCausalLM, folder: Path) -> None:
+    """save_pretrained with the modeling files copied and auto_map for AutoConfig/AutoModel/AutoModelForCausalLM."""
+    model.config.register_for_auto_class()
+    model.register_for_auto_class("AutoModelForCausalLM")
+    model.save_pretrained(folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config.setdefault("auto_map", {})["AutoModel"] = "modeling_maglev.MaglevModel"
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def convert(source: str | Path, out: str | Path, step: int | None = None, keep_prefiller: bool = False,
+            key_map: dict[str, str] | None = None, overwrite: bool = False) -> Path:
+    """The whole conversion: read -> config -> weights -> model -> atomic write."""
+    state, meta = read_checkpoint(source, step)
+    config = build_config(meta, state, keep_prefiller)
+    model = build_model(config, convert_state_dict(state, config, key_map))
+    return write_folder(model, out, overwrite)
+
+
+def load_key_map(path: str | None) -> dict[str, str]:
+    """The default mapping, updated with a user's JSON object `{research_pattern: our_pattern}`."""
+    key_map = dict(DEFAULT_KEY_MAP)
+    if path is None:
+        return key_map
+    user = json.loads(Path(path).read_text())
+    if not isinstance(user, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in user.items()):
+        raise ValueError(f"--key-map {path} must hold a JSON object of strings")
+    key_map.update(user)
+    return key_map
+
+
+# ----- command line -----------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="nanochat/Maglev checkpoint folder (model_<step>.pt, meta_<step>.json)")
+    parser.add_argument("out", help="output folder (written atomically)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    parser.add_argument("--keep-prefiller", action="store_true", help="keep the prefiller Q (training, 'prefiller' prefill)")
+    parser.add_argument("--key-map", default=None, help="JSON file {research_key_pattern: our_key_pattern} ({i} = layer)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = convert(args.source, args.out, step=args.step, keep_prefiller=args.keep_prefiller,
+                  key_map=load_key_map(args.key_map), overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,520 @@
+"""Maglev (Sliding Recurrent Memory) on an exact nanochat GPT backbone.
+
+The decoder P is a nanochat GPT with sliding-window attention whose keys and values carry the
+previous token's memory `m_{t-1} = rms_norm(h_{t-1})`. Training runs the prefiller Q in
+parallel and feeds P the shifted prefiller memories; inference feeds P its own memories.
+"""
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .cache_maglev import MaglevCache
+from .configuration_maglev import MaglevConfig
+
+# transformers 5.24 renamed the model keyword and output field `past_key_values` to `cache`.
+CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+_GENERATE_CACHE_KWARG = (
+    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)
+
+
+@dataclass
+class MaglevModelOutput(BaseModelOutputWithPast):
+    """Base output plus P's memories `m`, the prefiller's `m'` (lifted training) and their consistency loss."""
+
+    memories: torch.Tensor | None = None
+    prefiller_memories: torch.Tensor | None = None
+    consistency_loss: torch.Tensor | None = None
+
+
+@dataclass
+class MaglevCausalLMOutput(CausalLMOutputWithPast):
+    """Causal-LM output with the two parts of `loss = lm_loss + consistency_weight * consistency_loss`."""
+
+    lm_loss: torch.Tensor | None = None
+    consistency_loss: torch.Tensor | None = None
+
+
+def rms_norm(x: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """Weightless RMSNorm as nanochat (eps=None means the dtype's machine epsilon)."""
+    return F.rms_norm(x, (x.size(-1),), eps=eps)
+
+
+def rotary_tables(config: MaglevConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin of shape [1, T, 1, head_dim/2], computed in float32 like nanochat, then cast."""
+    channels = torch.arange(0, config.head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = 1.0 / (config.rope_theta ** (channels / config.head_dim))
+    freqs = torch.outer(positions.to(torch.float32), inv_freq)
+    return freqs.cos().to(dtype)[None, :, None, :], freqs.sin().to(dtype)[None, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """nanochat's rotation of the two channel halves (x: [B, T, H, D])."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
+    """[Tq, Tk] boolean mask: a query sees itself and `left` earlier keys (never unwritten slots)."""
+    q = query_positions[:, None]
+    k = key_positions[None, :]
+    return (k <= q) & (k >= q - left) & (k >= 0)
+
+
+class MaglevAttention(nn.Module):
+    """nanochat attention (GQA, value embeddings, rotary, QK-norm) with optional memory injection."""
+
+    def __init__(self, config: MaglevConfig, layer_idx: int, with_memory: bool):
+        super().__init__()
+        self.config = config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.kv_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.kv_dim, bias=False)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.value_gate = (
+            nn.Linear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False)
+            if config.has_value_embedding(layer_idx) else None
+        )
+        self.with_memory = with_memory
+        if with_memory:
+            self.memory_k_proj = nn.Linear(config.hidden_size, config.kv_dim, bias=False)
+            self.memory_v_proj = nn.Linear(config.hidden_size, config.kv_dim, bias=False)
+            self.memory_gate = nn.Linear(config.memory_gate_channels, self.num_kv_heads, bias=False)
+
+    def forward(self, x, value_embedding, memory, rotary, window, store, start):
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        if memory is not None:
+            # Maglev: the previous token's memory enters keys (before rotary/QK-norm) and values.
+            gate = torch.sigmoid(self.memory_gate(x[..., : self.config.memory_gate_channels])).unsqueeze(-1)
+            k = k + gate * self.memory_k_proj(memory).view_as(k)
+            v = v + gate * self.memory_v_proj(memory).view_as(v)
+        if value_embedding is not None:
+            channels = self.config.value_embedding_gate_channels
+            gate = self.config.value_embedding_gate_scale * torch.sigmoid(self.value_gate(x[..., :channels]))
+            v = v + gate.unsqueeze(-1) * value_embedding.view_as(v)
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        eps = self.config.rms_norm_eps
+        q = rms_norm(q, eps) * self.config.qk_norm_scale
+        k = rms_norm(k, eps) * self.config.qk_norm_scale
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        query_positions = torch.arange(start, start + length, device=x.device)
+        if store is None:
+            keys, values, key_positions = k, v, query_positions
+        else:
+            keys, values, key_positions = store.update(k, v, start)
+        mask = window_mask(query_positions, key_positions, window)
+        groups = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MaglevMLP(nn.Module):
+    """nanochat MLP: relu^2 between two bias-free projections."""
+
+    def __init__(self, config: MaglevConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class MaglevBlock(GradientCheckpointingLayer):
+    """Pre-norm nanochat block (weightless norms)."""
+
+    def __init__(self, config: MaglevConfig, layer_idx: int, with_memory: bool):
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.self_attn = MaglevAttention(config, layer_idx, with_memory)
+        self.mlp = MaglevMLP(config)
+
+    def forward(self, hidden, value_embedding, memory, rotary, window, store, start):
+        hidden = hidden + self.self_attn(rms_norm(hidden, self.eps), value_embedding, memory, rotary, window,
+                                         store, start)
+        return hidden + self.mlp(rms_norm(hidden, self.eps))
+
+
+class MaglevPreTrainedModel(PreTrainedModel):
+    config_class = MaglevConfig
+    config: MaglevConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MaglevBlock"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Fresh weights in nanochat's spirit; Maglev's memory projections small and random, gates at zero."""
+        config = self.config
+        bound = math.sqrt(3.0 / config.hidden_size)
+        if isinstance(module, MaglevAttention):
+            for proj in (module.q_proj, module.k_proj, module.v_proj):
+                init.uniform_(proj.weight, -bound, bound)
+            init.zeros_(module.o_proj.weight)
+            if module.value_gate is not None:
+                init.zeros_(module.value_gate.weight)
+            if module.with_memory:
+                init.normal_(module.memory_k_proj.weight, std=config.memory_init_std)
+                init.normal_(module.memory_v_proj.weight, std=config.memory_init_std)
+                init.zeros_(module.memory_gate.weight)
+        elif isinstance(module, MaglevMLP):
+            init.uniform_(module.up_proj.weight, -bound, bound)
+            init.zeros_(module.down_proj.weight)
+        elif isinstance(module, MaglevModel):
+            init.normal_(module.embed_tokens.weight, std=1.0)
+            for table in module.value_embeddings.values():
+                init.uniform_(table.weight, -bound, bound)
+            for name in ("residual_lambdas", "prefiller_residual_lambdas"):
+                if getattr(module, name, None) is not None:
+                    init.ones_(getattr(module, name))
+            for name in ("x0_lambdas", "prefiller_x0_lambdas"):
+                if getattr(module, name, None) is not None:
+                    init.constant_(getattr(module, name), 0.1)
+            if module.smear_gate is not None:
+                init.zeros_(module.smear_gate.weight)
+                init.zeros_(module.smear_lambda)
+            if module.backout_lambda is not None:
+                init.constant_(module.backout_lambda, 0.2)
+            if module.memory_init is not None:
+                init.zeros_(module.memory_init)
+        elif isinstance(module, MaglevForCausalLM):
+            init.normal_(module.lm_head.weight, std=0.001)
+
+
+class MaglevModel(MaglevPreTrainedModel):
+    """Embeddings, the decoder P's blocks and (when kept) the prefiller Q; returns `m = rms_norm(h)`."""
+
+    def __init__(self, config: MaglevConfig):
+        super().__init__(config)
+        rows = config.padded_vocab_size
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size)
+        self.value_embeddings = nn.ModuleDict({
+            str(i): nn.Embedding(rows, config.kv_dim)
+            for i in range(config.num_hidden_layers) if config.has_value_embedding(i)
+        })
+        layers = config.num_hidden_layers
+        self.layers = nn.ModuleList([MaglevBlock(config, i, config.use_memory) for i in range(layers)])
+        self.residual_lambdas = nn.Parameter(torch.ones(layers))
+        self.x0_lambdas = nn.Parameter(torch.zeros(layers))
+        self.smear_gate = nn.Linear(config.smear_gate_channels, 1, bias=False) if config.use_smear else None
+        self.smear_lambda = nn.Parameter(torch.zeros(1)) if config.use_smear else None
+        self.backout_lambda = nn.Parameter(torch.zeros(1)) if config.use_backout else None
+        self.memory_init = nn.Parameter(torch.zeros(config.hidden_size)) if config.use_memory else None
+        separate_prefiller = config.use_memory and config.has_prefiller and not config.prefiller_shares_blocks
+        self.prefiller_layers = (
+            nn.ModuleList([MaglevBlock(config, i, with_memory=False) for i in range(layers)])
+            if separate_prefiller else None
+        )
+        self.prefiller_residual_lambdas = nn.Parameter(torch.ones(layers)) if separate_prefiller else None
+        self.prefiller_x0_lambdas = nn.Parameter(torch.zeros(layers)) if separate_prefiller else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    # ----- pieces ----------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor, previous_embedding: torch.Tensor | None):
+        """Normed token embeddings with nanochat's smear; the first token of a chunk is smeared with
+        the cached previous embedding when there is one. Returns (x0, last pre-smear embedding)."""
+        x = rms_norm(self.embed_tokens(input_ids).to(self.dtype), self.config.rms_norm_eps)
+        raw_last = x[:, -1:]
+        if self.smear_gate is not None:
+            channels = self.config.smear_gate_channels
+            lam = self.smear_lambda.to(x.dtype)
+            if previous_embedding is not None:
+                predecessors = torch.cat([previous_embedding.to(x.dtype), x[:, :-1]], dim=1)
+                x = x + lam * torch.sigmoid(self.smear_gate(x[..., :channels])) * predecessors
+            elif x.shape[1] > 1:
+                gate = lam * torch.sigmoid(self.smear_gate(x[:, 1:, :channels]))
+                x = torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
+        return x, raw_last
+
+    def run_stack(self, input_ids, x0, memory, cache, start, prefiller=False, hidden_states=None):
+        """One parallel pass over a chunk through P's (or Q's) blocks; returns `h` (after backout)."""
+        config = self.config
+        if prefiller:
+            windows = config.prefiller_windows
+            blocks = self.layers if self.prefiller_layers is None else self.prefiller_layers
+            res_l = self.residual_lambdas if self.prefiller_layers is None else self.prefiller_residual_lambdas
+            x0_l = self.x0_lambdas if self.prefiller_layers is None else self.prefiller_x0_lambdas
+        else:
+            windows, blocks, res_l, x0_l = config.decoder_windows, self.layers, self.residual_lambdas, self.x0_lambdas
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        rotary = rotary_tables(config, positions, x0.dtype)
+        x, backout = x0, None
+        for i, block in enumerate(blocks):
+            x = res_l[i] * x + x0_l[i] * x0
+            if hidden_states is not None:
+                hidden_states.append(x)
+            table = self.value_embeddings[str(i)] if str(i) in self.value_embeddings else None
+            value_embedding = None if table is None else table(input_ids).to(x.dtype)
+            store = None if cache is None else cache.layer_stores[i]
+            x = block(x, value_embedding, memory, rotary, windows[i], store, start)
+            if self.backout_lambda is not None and i == config.backout_layer:
+                backout = x
+        if backout is not None:
+            x = x - self.backout_lambda.to(x.dtype) * backout
+        return x
+
+    def decode_chunk(self, input_ids, memory, cache, start, hidden_states=None):
+        """P over a chunk in parallel with the given memory inputs; updates the cache. Returns m."""
+        previous = None if cache is None else cache.previous_embedding
+        x0, raw_last = self.embed(input_ids, previous)
+        h = self.run_stack(input_ids, x0, memory, cache, start, hidden_states=hidden_states)
+        memories = rms_norm(h, self.config.rms_norm_eps)
+        if cache is not None:
+            cache.advance(input_ids.shape[1], raw_last, memories[:, -1:] if memory is not None else None)
+        return memories
+
+    def prefiller_memories(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Q on the whole sequence in parallel (no memory, Q's windows): m'."""
+        x0, _ = self.embed(input_ids, None)
+        h = self.run_stack(input_ids, x0, None, None, 0, prefiller=True)
+        return rms_norm(h, self.config.rms_norm_eps)
+
+    def shifted_memories(self, memories: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
+        """mu_t = memories_{t-1}; mu_0 = `first` (the cached memory) or the learned memory_init."""
+        if first is None:
+            first = self.memory_init.to(memories.dtype).expand(memories.shape[0], 1, -1)
+        return torch.cat([first, memories[:, :-1]], dim=1)
+
+    def recurrent(self, input_ids, cache, hidden_states=None):
+        """The paper's inference: token after token through P, each fed the previous token's memory."""
+        outputs, per_step = [], []
+        for t in range(input_ids.shape[1]):
+            first = cache.last_memory
+            if first is None:
+                first = self.memory_init.to(self.dtype).expand(input_ids.shape[0], 1, -1)
+            step_states = None if hidden_states is None else []
+            outputs.append(self.decode_chunk(input_ids[:, t:t + 1], first, cache, cache.seen_tokens, step_states))
+            per_step.append(step_states)
+        if hidden_states is not None:
+            hidden_states.extend(torch.cat(states, dim=1) for states in zip(*per_step))
+        return torch.cat(outputs, dim=1)
+
+    def consistency(self, memories, targets, attention_mask):
+        """L_cons over real tokens: mean squared error over tokens and channels, or mean 1 - cosine."""
+        if self.config.consistency_detach_target:
+            targets = targets.detach()
+        memories, targets = memories.float(), targets.float()
+        if self.config.consistency_loss == "mse":
+            per_token = (memories - targets).square().mean(dim=-1)
+        else:
+            per_token = 1.0 - F.cosine_similarity(memories, targets, dim=-1)
+        if attention_mask is None:
+            return per_token.mean()
+        weights = attention_mask.to(per_token.dtype)
+        return (per_token * weights).sum() / weights.sum().clamp(min=1.0)
+
+    def uses_prefiller(self, lifted: bool, start: int, length: int) -> bool:
+        """Q reads the chunk for lifted training, and for prompts in "prefiller" mode; decoding
+        steps after the prompt are recurrent."""
+        config = self.config
+        wanted = config.has_prefiller if lifted else (config.memory_prefill == "prefiller" and length > 1)
+        if wanted and start > 0:
+            raise NotImplementedError("the prefiller reads a whole sequence in one forward; a multi-token step "
+                                      "on a non-empty cache is not supported in this mode")
+        return wanted
+
+    # ----- forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: MaglevCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        lifted: bool | None = None,
+        memory_inputs: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MaglevModelOutput:
+        """`lifted` (default: in training mode) runs lifted parallel training when the prefiller is
+        kept; `memory_inputs` (tests, research) runs P in parallel on the given `mu`."""
+        cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
+        if inputs_embeds is not None or input_ids is None:
+            raise ValueError("Maglev needs input_ids (value embeddings and smear read token ids); "
+                             "inputs_embeds is not supported")
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got shape {tuple(input_ids.shape)}")
+        if cache is not None and not isinstance(cache, MaglevCache):
+            raise TypeError(f"Maglev needs a MaglevCache, got {type(cache).__name__}")
+        config = self.config
+        use_cache = (config.use_cache and not self.training) if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if use_cache and cache is None:
+            cache = MaglevCache(config)
+        if not use_cache:
+            cache = None
+        start = 0 if cache is None else cache.seen_tokens
+        consistency_mask = check_attention_mask(attention_mask, input_ids, start)
+        if lifted is None:
+            lifted = self.training
+        hidden_states = [] if output_hidden_states else None
+        prefiller_memories = consistency_loss = None
+
+        if not config.use_memory:
+            memories = self.decode_chunk(input_ids, None, cache, start, hidden_states)
+        elif memory_inputs is not None:
+            memories = self.decode_chunk(input_ids, memory_inputs.to(self.dtype), cache, start, hidden_states)
+        elif self.uses_prefiller(lifted, start, input_ids.shape[1]):
+            prefiller_memories = self.prefiller_memories(input_ids)
+            mu = self.shifted_memories(prefiller_memories, None)
+            memories = self.decode_chunk(input_ids, mu, cache, start, hidden_states)
+            if lifted:
+                consistency_loss = self.consistency(memories, prefiller_memories, consistency_mask)
+        else:
+            recurrent_cache = cache if cache is not None else MaglevCache(config)
+            memories = self.recurrent(input_ids, recurrent_cache, hidden_states)
+
+        if hidden_states is not None:
+            hidden_states.append(memories)
+        return MaglevModelOutput(
+            last_hidden_state=memories,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            memories=memories if config.use_memory else None,
+            prefiller_memories=prefiller_memories,
+            consistency_loss=consistency_loss,
+            **{CACHE_NAME: cache},
+        )
+
+
+def check_attention_mask(attention_mask: torch.Tensor | None, input_ids: torch.Tensor, start: int):
+    """Allow no mask, all ones, or right padding on a fresh sequence; returns the mask over this chunk's tokens.
+
+    Left padding and padded cached batches come with a later release."""
+    if attention_mask is None:
+        return None
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"attention_mask must be [batch, length], got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask[:, -input_ids.shape[1]:]
+    if bool(attention_mask.all()):
+        return None
+    right_padded = bool((mask[:, 1:] <= mask[:, :-1]).all()) and start == 0 and bool(mask[:, 0].all())
+    if not right_padded:
+        raise NotImplementedError("Maglev supports padded batches only as right padding without a cache "
+                                  "(left padding is not supported yet)")
+    return mask
+
+
+class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
+    """Maglev with nanochat's untied, soft-capped language-model head."""
+
+    _tied_weights_keys = {}
+
+    def __init__(self, config: MaglevConfig):
+        super().__init__(config)
+        self.model = MaglevModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head, padded rows sliced away, float32, tanh soft-capping (nanochat)."""
+        logits = self.lm_head(hidden)[..., : self.config.vocab_size].float()
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: MaglevCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        memory_inputs: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MaglevCausalLMOutput:
+        """Training forward (labels given or training mode): lifted parallel training with the
+        consistency loss; otherwise inference with `config.memory_prefill`."""
+        cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
+        for ignored in ("output_attentions", "return_dict", "cache_position", "position_ids"):
+            kwargs.pop(ignored, None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            lifted=self.training or labels is not None,
+            memory_inputs=memory_inputs,
+        )
+        hidden = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        else:
+            hidden = hidden[:, logits_to_keep]
+        logits = self.logits(hidden)
+        loss = lm_loss = None
+        if labels is not None:
+            lm_loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = lm_loss
+            if outputs.consistency_loss is not None:
+                loss = lm_loss + self.config.consistency_weight * outputs.consistency_loss
+        return MaglevCausalLMOutput(
+            loss=loss,
+            lm_loss=lm_loss,
+            consistency_loss=outputs.consistency_loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
+        )
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() gets a MaglevCache (never a DynamicCache) unless the user passed one or disabled caching."""
+        user_cache = model_kwargs.get(_GENERATE_CACHE_KWARG)
+        if user_cache is not None:
+            if not isinstance(user_cache, MaglevCache):
+                raise TypeError(f"Maglev needs a MaglevCache, got {type(user_cache).__name__}")
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.use_cache is False:
+            return
+        if getattr(generation_config, "is_assistant", False):
+            raise NotImplementedError("assisted decoding needs a croppable cache; MaglevCache cannot crop yet")
+        model_kwargs[_GENERATE_CACHE_KWARG] = MaglevCache(self.config)
+
+
+__all__ = ["MaglevCausalLMOutput", "MaglevForCausalLM", "MaglevModel", "MaglevModelOutput", "MaglevPreTrainedModel"]
