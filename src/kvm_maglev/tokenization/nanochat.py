@@ -136,7 +136,9 @@ def read_nanochat_encoding(path: str | os.PathLike) -> NanochatEncoding:
     try:
         loaded = _EncodingUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as error:
-        raise ValueError(f"{path}: {error}") from error
+        if "refusing" in str(error):
+            raise ValueError(f"{path}: {error}") from error
+        raise ValueError(f"{path}: not a readable tokenizer pickle ({error})") from error
     except Exception as error:  # truncated or corrupted bytes surface as many exception types
         raise ValueError(f"{path}: not a readable tokenizer pickle ({type(error).__name__}: {error})") from error
     if not isinstance(loaded, _CapturedEncoding):

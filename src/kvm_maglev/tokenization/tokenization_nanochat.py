@@ -9,11 +9,11 @@ from transformers import PreTrainedTokenizerFast
 
 
 class NanochatTokenizerFast(PreTrainedTokenizerFast):
-    """PreTrainedTokenizerFast whose chat template keeps its control tokens while plain text never makes them."""
+    """PreTrainedTokenizerFast whose chat template keeps its control tokens while plain text never makes them.
 
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("split_special_tokens", True)
-        super().__init__(*args, **kwargs)
+    `split_special_tokens=True` comes from tokenizer_config.json. No __init__ here on purpose:
+    transformers 5 loads tokenizer.json only for subclasses that do not define one.
+    """
 
     def apply_chat_template(self, conversation, *args, **kwargs):
         """Render with the template, matching its control tokens (as nanochat's render_conversation emits them)."""
