@@ -1,0 +1,166 @@
+"""Fine-tune a KVM or Maglev model (any causal-LM folder) on local text with Trainer.
+
+Single process:
+    python examples/finetune.py --model MODEL_DIR --output-dir runs/ft
+LoRA (attention, MLP and, for Maglev, the memory projections):
+    python examples/finetune.py --model MODEL_DIR --output-dir runs/lora --lora
+Several processes (DDP; `--cpu` for a CPU-only machine):
+    accelerate launch --num_processes 2 --cpu examples/finetune.py --model MODEL_DIR --output-dir runs/ddp
+
+The text file is read with `datasets` (one document per line), tokenised and packed into blocks
+of `--block-size` tokens; a fraction of the blocks is held out for the evaluation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, default_data_collator, set_seed
+
+from kvm_maglev.training import LossComponentsTrainer, group_texts_dataset, lora_target_modules, parameter_digest
+
+DEFAULT_TEXT = Path(__file__).parent / "data" / "tiny_corpus.txt"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="model folder (or Hub id) loaded with trust_remote_code")
+    parser.add_argument("--output-dir", required=True, help="where checkpoints and the final model go")
+    parser.add_argument("--train-file", default=str(DEFAULT_TEXT), help="plain text, one document per line")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per packed training block")
+    parser.add_argument("--eval-fraction", type=float, default=0.1, help="share of blocks held out (0 = no eval)")
+    parser.add_argument("--max-steps", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=4, help="per-device micro-batch size")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--logging-steps", type=int, default=10)
+    parser.add_argument("--eval-steps", type=int, default=50)
+    parser.add_argument("--save-steps", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (also works on CPU)")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--resume", nargs="?", const=True, default=None,
+                        help="resume from the latest checkpoint in --output-dir, or from the given checkpoint")
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter instead of all weights")
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lora-alpha", type=int, default=16)
+    parser.add_argument("--lora-targets", default=None,
+                        help="comma-separated module names (default: the documented targets of the architecture)")
+    parser.add_argument("--merge-lora", action="store_true", help="also save the merged model to OUTPUT_DIR/merged")
+    parser.add_argument("--check-replicas", action="store_true",
+                        help="after training, check that every process holds identical parameters "
+                             "(writes OUTPUT_DIR/replicas.json)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.eval_fraction < 1:
+        parser.error(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    return args
+
+
+def build_datasets(args: argparse.Namespace, tokenizer) -> tuple:
+    """Packed train and evaluation datasets from the local text file."""
+    import datasets
+
+    raw = datasets.load_dataset("text", data_files={"train": args.train_file}, split="train")
+    blocks = group_texts_dataset(raw["text"], tokenizer, args.block_size)
+    if args.eval_fraction == 0:
+        return blocks, None
+    num_eval = max(1, round(len(blocks) * args.eval_fraction))
+    if num_eval >= len(blocks):
+        raise ValueError(f"only {len(blocks)} blocks of {args.block_size} tokens: too few to hold out {num_eval}")
+    split = blocks.train_test_split(test_size=num_eval, shuffle=True, seed=args.seed)
+    return split["train"], split["test"]
+
+
+def add_lora(model, args: argparse.Namespace):
+    """Wrap `model` in a PEFT LoRA model on the documented (or given) target modules."""
+    from peft import LoraConfig, get_peft_model
+
+    if args.lora_targets:
+        targets = [name.strip() for name in args.lora_targets.split(",") if name.strip()]
+    else:
+        targets = lora_target_modules(model)
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                        target_modules=targets, task_type="CAUSAL_LM")
+    model = get_peft_model(model, config)
+    model.print_trainable_parameters()
+    return model
+
+
+def check_replicas(model, output_dir: str) -> dict:
+    """Gather every process's parameter digest; raise if they differ, and record them."""
+    digest = parameter_digest(model)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        digests = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(digests, digest)
+        rank = torch.distributed.get_rank()
+    else:
+        digests, rank = [digest], 0
+    report = {"world_size": len(digests), "digests": digests, "identical": len(set(digests)) == 1}
+    if rank == 0:
+        Path(output_dir, "replicas.json").write_text(json.dumps(report, indent=2))
+    if not report["identical"]:
+        raise RuntimeError(f"processes ended with different parameters: {digests}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    set_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=torch.float32)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if args.lora:
+        model = add_lora(model, args)
+    train_dataset, eval_dataset = build_datasets(args, tokenizer)
+
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        logging_steps=args.logging_steps,
+        eval_strategy="steps" if eval_dataset is not None else "no",
+        eval_steps=args.eval_steps,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        bf16=args.bf16,
+        seed=args.seed,
+        report_to="none",
+        label_names=["labels"],
+        # every parameter must get a gradient each step: DDP then needs no unused-parameter search
+        ddp_find_unused_parameters=False,
+        use_cpu=not torch.cuda.is_available(),
+    )
+    trainer = LossComponentsTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+    )
+    trainer.train(resume_from_checkpoint=args.resume)
+    if eval_dataset is not None:
+        trainer.evaluate()
+    trainer.save_model(args.output_dir)
+    if args.check_replicas:
+        check_replicas(trainer.model, args.output_dir)
+    if args.lora and args.merge_lora and trainer.is_world_process_zero():
+        merged = trainer.model.merge_and_unload()
+        merged.save_pretrained(os.path.join(args.output_dir, "merged"))
+        tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

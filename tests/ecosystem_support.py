@@ -1,0 +1,93 @@
+"""Tiny models and a tokenizer for the ecosystem tests (Trainer, PEFT, accelerate, lm-eval, pipeline).
+
+Everything is built offline from the project's own files: a byte-level BPE tokenizer trained
+in-process on the example corpus, and model folders saved with save_pretrained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CORPUS = REPO_ROOT / "examples" / "data" / "tiny_corpus.txt"
+EOS = "<|endoftext|>"
+# a minimal chat template, so that pipeline/apply_chat_template can be exercised on the baseline model
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def corpus_lines() -> list[str]:
+    return [line for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on the example corpus: exact round trips, no downloads."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus_lines(), trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def save_tiny_llama(folder: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama (hidden 32) with the tiny tokenizer, saved as a Hub-style folder."""
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+LORA_TARGETS_FOR_TESTS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+# model kinds the ecosystem tests run on; each maps to a builder of a saved model folder
+MODEL_BUILDERS = {"llama": save_tiny_llama}
+_FOLDERS: dict[str, Path] = {}
+
+
+def model_folder(kind: str, base: Path) -> Path:
+    """The saved folder of a tiny model of `kind`, built once per test session under `base`."""
+    if kind not in _FOLDERS:
+        _FOLDERS[kind] = MODEL_BUILDERS[kind](base / f"model_{kind}")
+    return _FOLDERS[kind]
+
+
+def load_example(name: str):
+    """Import examples/<name>.py as a module (the examples are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO_ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
