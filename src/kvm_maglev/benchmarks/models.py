@@ -92,10 +92,17 @@ def _maglev(shape: Shape) -> torch.nn.Module:
 
 
 MODEL_BUILDERS: Dict[str, Callable[[Shape], torch.nn.Module]] = {
-    "kvm_fixed": lambda shape: _kvm(shape, state_budget_mode="fixed", state_min_slots=shape.chunk_len),
+    # the research kvm_wd / kvm_sqrt16_wd budgets: 256 fixed slots, or 16 * sqrt(N) (min 256)
+    "kvm_fixed": lambda shape: _kvm(
+        shape, state_budget_mode="fixed", state_budget_min=shape.chunk_len, state_max_chunks=1
+    ),
     "kvm_sqrt16": lambda shape: _kvm(
-        shape, state_budget_mode="power_law", state_growth_factor=16.0, state_growth_exponent=0.5,
-        state_min_slots=shape.chunk_len,
+        shape,
+        state_budget_mode="power_law",
+        state_budget_factor=16.0,
+        state_budget_exponent=0.5,
+        state_budget_min=shape.chunk_len,
+        state_max_chunks=10000,
     ),
     "maglev": _maglev,
     "llama_full": _llama,
