@@ -1,0 +1,271 @@
+"""`kvm-maglev convert kvm SRC OUT`: research KVM checkpoint -> transformers folder.
+
+SRC is a research trainer checkpoint (`model_stepNNNNNN.pt`, with `--config` naming its
+research YAML) or the research code's final `save_pretrained` folder. The steps are small
+functions so that later tooling (tokenizer, model card, sharding) can reuse them:
+load_research_checkpoint -> kvm_config_from_research + convert_state_dict -> build_model
+-> write_model_folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM, KVMModel
+
+# research fields that must have exactly these values (or be absent) for our model to be exact
+_REQUIRED_VALUES = {
+    "token_mixer": ("kvm",),
+    "alt_token_mixer": ("swa",),
+    "token_mixer_class_path": (None, "model.kvm_mixer.SequenceMixer"),
+    "alt_token_mixer_class_path": (None, "model.swa_mixer.SequenceMixer"),
+    "use_skip_connections": (0, False),
+    "use_l2wrap": (0, False),
+    "model_class_path": ("model.rwkv7_backbone.RWKV7BackboneForCausalLM",),
+}
+_TOKEN_SHIFT_MODES = ("rwkv", "none")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+
+# research parameter names (inside transformer.h.N.) -> ours (inside model.layers.N.)
+_LAYER_RENAMES = {
+    "ln_attn": "input_layernorm",
+    "ln_mlp": "post_attention_layernorm",
+    "lambdas": "block_lambdas",
+    "attn.c_q": "self_attn.q_proj",
+    "attn.c_k": "self_attn.k_proj",
+    "attn.c_v": "self_attn.v_proj",
+    "attn.c_proj": "self_attn.o_proj",
+    "attn.ln_q": "self_attn.q_norm",
+    "attn.ln_k": "self_attn.k_norm",
+    "attn.ln_s_k": "self_attn.state_key_norm",
+    "attn.key_weighting": "self_attn.merge_gate_proj",
+    "attn.front_head_temp": "self_attn.window_temperature",
+    "attn.state_head_temp": "self_attn.state_temperature",
+    "attn.x_q": "self_attn.q_shift",
+    "attn.x_k": "self_attn.k_shift",
+    "attn.x_v": "self_attn.v_shift",
+    "attn.lamb": "self_attn.value_residual_lambda",
+    "attn.v_gate0": "self_attn.value_gate_bias",
+    "attn.v_gate1": "self_attn.value_gate_down",
+    "attn.v_gate2": "self_attn.value_gate_up",
+    "mlp.c_fc": "mlp.up_proj",
+    "mlp.c_proj": "mlp.down_proj",
+    "mlp.x_k": "mlp.shift",
+}
+_TOP_RENAMES = {
+    "transformer.wte.weight": "model.embed_tokens.weight",
+    "transformer.ln_emb.weight": "model.embed_norm.weight",
+    "transformer.ln_emb.bias": "model.embed_norm.bias",
+    "transformer.ln_head.weight": "model.norm.weight",
+    "transformer.ln_head.bias": "model.norm.bias",
+    "lm_head.weight": "lm_head.weight",
+}
+
+
+def load_research_checkpoint(source: str | Path, config_path: str | Path | None = None) -> tuple[dict, dict]:
+    """Return (research model fields, research state dict) from a .pt checkpoint or a final folder."""
+    source = Path(source)
+    if source.is_dir():
+        config_file, weights = source / "config.json", source / "model.safetensors"
+        if not config_file.is_file() or not weights.is_file():
+            raise ValueError(f"{source} is not a research save_pretrained folder (needs config.json and model.safetensors)")
+        fields = json.loads(config_file.read_text())
+        if fields.get("model_type") != "rwkv7backbone":
+            raise ValueError(f"{config_file}: model_type {fields.get('model_type')!r} is not 'rwkv7backbone'")
+        return fields, load_file(str(weights))
+    if not source.is_file():
+        raise ValueError(f"{source} does not exist")
+    if config_path is None:
+        raise ValueError("a research .pt checkpoint needs --config pointing at its research YAML")
+    document = yaml.safe_load(Path(config_path).read_text())
+    if not isinstance(document, dict) or not isinstance(document.get("model"), dict):
+        raise ValueError(f"{config_path}: expected a research YAML with a top-level 'model:' mapping")
+    checkpoint = torch.load(str(source), map_location="cpu", weights_only=True)
+    state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{source}: expected a trainer checkpoint dict with a 'model' state dict")
+    state = {key.replace("_orig_mod.", ""): value for key, value in state.items()}
+    return dict(document["model"]), state
+
+
+def _check_supported(fields: dict) -> None:
+    for name, allowed in _REQUIRED_VALUES.items():
+        if name in fields and fields[name] not in allowed:
+            raise ValueError(f"research field {name}={fields[name]!r} is not supported: allowed {allowed}")
+    for name in ("kvm_token_shift_mode", "swa_token_shift_mode"):
+        if fields.get(name, "rwkv") not in _TOKEN_SHIFT_MODES:
+            raise ValueError(f"research field {name}={fields[name]!r} is not supported: allowed {_TOKEN_SHIFT_MODES}")
+
+
+def kvm_config_from_research(fields: dict, **overrides: Any) -> KVMConfig:
+    """Map research MixerConfig fields (see configuration_kvm's table) to a KVMConfig."""
+    _check_supported(fields)
+    get = fields.get
+    hidden, heads = int(get("hidden_size", 768)), int(get("num_attention_heads", 6))
+    alt_every = int(get("alt_layer_every", -1) or 0)
+    token_shift_att = bool(get("use_tokenshift_att", 0))
+    dtype = get("param_dtype") or get("dtype") or get("torch_dtype")
+    kwargs = dict(
+        vocab_size=int(get("vocab_size", 50304)),
+        hidden_size=hidden,
+        num_hidden_layers=int(get("num_hidden_layers", 12)),
+        num_attention_heads=heads,
+        head_dim=get("d_qk_head") or get("d_head"),
+        value_head_dim=get("d_v_head") or get("d_head"),
+        intermediate_size=int(float(get("ffn_expansion", 4.0)) * hidden) // 32 * 32,
+        rope_theta=float(get("rope_theta", 10000.0)),
+        rotary_dim=int(get("rope_partial_dim", 64)),
+        chunk_size=int(get("chunk_len", 256)),
+        window_chunks=int(get("n_bswa_chunks", 2)),
+        sink_slots=int(get("sink_len", 1)),
+        state_budget_mode=get("state_budget_mode", "fixed"),
+        state_budget_min=int(get("state_min_len", -1)),
+        state_budget_factor=float(get("state_growth_factor", 1.0)),
+        state_budget_exponent=float(get("state_growth_exponent", 0.5)),
+        state_budget_saturation=get("state_saturation_n"),
+        state_budget_round_to=max(int(get("state_round_down", 1)), 1),
+        state_max_chunks=int(get("n_max_d_chunks", 1)),
+        merge_gate_keys=bool(get("kvm_use_merge_gate_keys", 1)),
+        merge_gate_values=bool(get("kvm_use_merge_gate_values", 1)),
+        merge_gate_appends=bool(get("kvm_apply_merge_gate_to_appends", 1)),
+        merge_gate_initial_state=bool(get("kvm_apply_merge_gate_to_initial_state", 0)),
+        head_temperatures=bool(get("kvm_use_head_temps", 1)),
+        state_value_norms=bool(get("kvm_use_vlens", 1)),
+        kvm_token_shift=token_shift_att and get("kvm_token_shift_mode", "rwkv") == "rwkv",
+        ffn_token_shift=bool(get("use_tokenshift_ffn", 0)),
+        value_residual=bool(get("use_value_residual", 1)),
+        kvm_value_residual_mode=get("kvm_value_residual_mode", "rwkv"),
+        sliding_window_every=alt_every if alt_every > 0 else 0,
+        sliding_window=int(get("swa_window_size", -1)),
+        sliding_window_rope_theta=float(get("alt_rope_theta", 10000.0)),
+        sliding_window_rotary_dim=int(get("alt_rope_partial_dim", 64)) if alt_every > 0 else None,
+        sliding_window_token_shift=token_shift_att and get("swa_token_shift_mode", "rwkv") == "rwkv",
+        sliding_window_value_residual_mode=get("swa_value_residual_mode", "rwkv"),
+        sliding_window_share_value_residual=bool(get("alt_share_v0", 0)),
+        block_lambdas=bool(get("use_block_lambdas", 0)),
+        residual_scale=float(get("residual_scale") or 1.0),
+        logit_softcap=float(get("logit_softcap") or 0.0),
+        max_position_embeddings=int(get("max_position_embeddings", 1 << 30)),
+        tie_word_embeddings=False,
+    )
+    if kwargs["sliding_window"] <= 0:
+        kwargs["sliding_window"] = kwargs["chunk_size"]
+    if dtype in ("bfloat16", "float16", "float32"):
+        kwargs["dtype"] = dtype
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if get(name) is not None:
+            kwargs[name] = get(name)
+    kwargs.update(overrides)
+    return KVMConfig(**kwargs)
+
+
+def convert_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename research parameters to ours; unknown names are an error, never dropped."""
+    converted = {}
+    for key, value in state.items():
+        key = key.replace("_orig_mod.", "")
+        if key in _TOP_RENAMES:
+            converted[_TOP_RENAMES[key]] = value
+            continue
+        match = re.fullmatch(r"transformer\.h\.(\d+)\.(.+?)((?:\.weight|\.bias)?)", key)
+        if match and match.group(2) in _LAYER_RENAMES:
+            converted[f"model.layers.{match.group(1)}.{_LAYER_RENAMES[match.group(2)]}{match.group(3)}"] = value
+            continue
+        raise ValueError(f"research parameter {key!r} has no KVM counterpart (unsupported switch?)")
+    return converted
+
+
+def build_model(config: KVMConfig, state: dict[str, torch.Tensor]) -> KVMForCausalLM:
+    """Instantiate KVMForCausalLM and load the converted weights strictly (shapes and names)."""
+    model = KVMForCausalLM(config)
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if isinstance(dtype, torch.dtype):
+        model = model.to(dtype)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the config: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    for key, value in state.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise ValueError(f"{key}: shape {tuple(value.shape)} does not match the config's {tuple(expected[key].shape)}")
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def write_model_folder(model: KVMForCausalLM, out: str | Path, overwrite: bool = False,
+                       extra_files: list[Path] = ()) -> Path:
+    """save_pretrained with our code files and auto_map, into a temporary folder renamed into place."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists (pass --overwrite to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        type(model.config).register_for_auto_class()
+        KVMModel.register_for_auto_class("AutoModel")
+        type(model).register_for_auto_class("AutoModelForCausalLM")
+        model.save_pretrained(staging, safe_serialization=True)
+        config_file = staging / "config.json"
+        config = json.loads(config_file.read_text())
+        auto_map = config.setdefault("auto_map", {})
+        auto_map.setdefault("AutoModel", "modeling_kvm.KVMModel")
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for extra in extra_files:
+            shutil.copy2(extra, staging / extra.name)
+        if out.exists():
+            backup = out.with_name(f".{out.name}.old")
+            shutil.rmtree(backup, ignore_errors=True)
+            out.rename(backup)
+            staging.rename(out)
+            shutil.rmtree(backup)
+        else:
+            staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def research_tokenizer_files(source: str | Path) -> list[Path]:
+    """Tokenizer files of a research final folder (none for a .pt checkpoint)."""
+    source = Path(source)
+    return [source / name for name in TOKENIZER_FILES if source.is_dir() and (source / name).is_file()]
+
+
+def convert(source: str | Path, out: str | Path, config_path: str | Path | None = None,
+            overwrite: bool = False, **overrides: Any) -> Path:
+    """Whole conversion: research checkpoint at `source` -> transformers folder at `out`."""
+    fields, research_state = load_research_checkpoint(source, config_path)
+    config = kvm_config_from_research(fields, **overrides)
+    model = build_model(config, convert_state_dict(research_state))
+    return write_model_folder(model, out, overwrite=overwrite, extra_files=research_tokenizer_files(source))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="research model_stepNNNNNN.pt or final save_pretrained folder")
+    parser.add_argument("out", help="output folder (must not exist unless --overwrite)")
+    parser.add_argument("--config", help="research YAML of a .pt checkpoint (its 'model:' section is read)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = convert(args.src, args.out, config_path=args.config, overwrite=args.overwrite)
+    except (ValueError, FileExistsError, TypeError) as error:
+        print(f"error: {error}")
+        return 2
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,621 @@
+"""KVM (Key-Value Means) language model for transformers.
+
+Each KVM layer attends, in one softmax, to a block sliding window (the last
+`window_chunks` chunk-aligned blocks, causal inside) and to a compressed state of
+key/value slots. A block leaving the window updates the state: its most novel tokens are
+appended while the state is below its budget, the rest are merged winner-take-all into
+their most similar slot. Optional layers in between are plain sliding-window attention.
+The full forward and cached decoding run the same chunk loop, so they agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .cache_kvm import KVMCache, KVMLayerCache, SlidingWindowLayerCache
+from .configuration_kvm import KVMConfig, state_dtype_for
+
+# transformers 5.24 renamed the output/cache keyword `past_key_values` to `cache`.
+CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
+# ---- small math helpers --------------------------------------------------------------------
+def rotary_tables(
+    positions: torch.Tensor, rotary_dim: int, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """float32 cos/sin [..., T, head_dim] for adjacent-pair rotary on the first `rotary_dim` channels.
+
+    Frequencies run from 1 to 1/theta over the pairs (endpoints included) as in the research
+    code; the sign of the paired term is folded into `sin`. None when nothing rotates.
+    """
+    if rotary_dim == 0:
+        return None
+    freqs = (1.0 / theta) ** torch.linspace(0.0, 1.0, rotary_dim // 2, dtype=torch.float32, device=positions.device)
+    freqs = torch.cat([freqs.repeat_interleave(2), freqs.new_zeros(head_dim - rotary_dim)])
+    angles = positions.float().unsqueeze(-1) * freqs
+    sin = angles.sin()
+    sin[..., 1::2] *= -1
+    return angles.cos(), sin
+
+
+def apply_rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Rotate adjacent channel pairs of x [B, H, T, D]; tables are [T, D] or [B, T, D]."""
+    if tables is None:
+        return x
+    cos, sin = (t.to(x.dtype) for t in tables)
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return cos * x + sin * swapped
+
+
+def token_shift(x: torch.Tensor, mix: torch.Tensor, previous: torch.Tensor | None, first: str) -> torch.Tensor:
+    """x + mix * (x[t-1] - x[t]); x[-1] is the carried token, else x[0] ('first') or zeros ('zero')."""
+    if previous is None:
+        previous = x[:, :1] if first == "first" else torch.zeros_like(x[:, :1])
+    previous = previous.to(x.dtype)
+    return x + mix * (torch.cat([previous, x[:, :-1]], dim=1) - x)
+
+
+def lower_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (the last q_len of kv_len positions) sees keys up to its own position."""
+    q_idx = torch.arange(q_len, device=device).unsqueeze(1)
+    kv_idx = torch.arange(kv_len, device=device).unsqueeze(0)
+    return kv_idx <= q_idx + (kv_len - q_len)
+
+
+def value_residual_rank(hidden_size: int) -> int:
+    return max(32, int(round(1.3 * hidden_size**0.5 / 32) * 32))
+
+
+# ---- attention -----------------------------------------------------------------------------
+class KVMAttentionBase(nn.Module):
+    """q/k/v projections with per-head layer norm, optional token shift and value residual."""
+
+    def __init__(self, config: KVMConfig, layer_idx: int, token_shift_on: bool, value_residual_mode: str):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.qk_head_dim
+        self.value_head_dim = config.v_head_dim
+        qk, vv = self.num_heads * self.head_dim, self.num_heads * self.value_head_dim
+        self.q_proj = nn.Linear(config.hidden_size, qk, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, qk, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, vv, bias=False)
+        self.o_proj = nn.Linear(vv, config.hidden_size, bias=False)
+        self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
+        self.token_shift_on = token_shift_on
+        self.value_residual_mode = value_residual_mode if config.value_residual else "none"
+        if token_shift_on:
+            self.q_shift = nn.Parameter(torch.zeros(qk))
+            self.k_shift = nn.Parameter(torch.zeros(qk))
+        if token_shift_on or self.value_residual_mode in ("rwkv", "rwkv_post_tokenshift"):
+            # also the token-shift mix of the value-gate input in 'rwkv_post_tokenshift'
+            self.v_shift = nn.Parameter(torch.zeros(vv))
+        if self.value_residual_mode == "linear":
+            self.value_residual_lambda = nn.Parameter(torch.tensor(0.5))
+        elif self.value_residual_mode != "none":
+            rank = value_residual_rank(config.hidden_size)
+            self.value_gate_bias = nn.Parameter(torch.zeros(1, 1, vv))
+            self.value_gate_down = nn.Linear(config.hidden_size, rank, bias=False)
+            self.value_gate_up = nn.Linear(rank, vv, bias=False)
+
+    def value_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.value_gate_bias + self.value_gate_up(self.value_gate_down(x)))
+
+    def project(self, x: torch.Tensor, v_first: torch.Tensor | None, carries) -> tuple[torch.Tensor, ...]:
+        """Return q, k [B, H, T, Dqk] (normed, not rotated) and v [B, H, T, Dv]."""
+        batch, length, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.value_residual_mode == "linear":
+            v = (1 - self.value_residual_lambda) * v + self.value_residual_lambda * v_first.view_as(v)
+        elif self.value_residual_mode == "rwkv":
+            v = v + (v_first.to(v.dtype) - v) * self.value_gate(x).to(v.dtype)
+        previous = {name: carries.get(name) for name in ("q", "k", "v", "x")} if carries is not None else {}
+        if carries is not None:
+            for name, value in (("q", q), ("k", k), ("v", v), ("x", x)):
+                if (self.value_residual_mode == "rwkv_post_tokenshift") if name == "x" else self.token_shift_on:
+                    carries.set(name, value)
+        if self.token_shift_on:
+            q = token_shift(q, self.q_shift, previous.get("q"), "first")
+            k = token_shift(k, self.k_shift, previous.get("k"), "first")
+            v = token_shift(v, self.v_shift, previous.get("v"), "first")
+        if self.value_residual_mode == "rwkv_post_tokenshift":
+            heads = (self.num_heads, self.value_head_dim)
+            prev_x = previous.get("x")
+            shifted = token_shift(
+                x.unflatten(-1, heads), self.v_shift.view(1, 1, *heads),
+                None if prev_x is None else prev_x.unflatten(-1, heads), "first",
+            ).flatten(-2)
+            v = v + (v_first.to(v.dtype) - v) * self.value_gate(shifted).to(v.dtype)
+        q = self.q_norm(q.view(batch, length, self.num_heads, -1)).transpose(1, 2)
+        k = self.k_norm(k.view(batch, length, self.num_heads, -1)).transpose(1, 2)
+        v = v.view(batch, length, self.num_heads, -1).transpose(1, 2)
+        return q, k, v
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(y.transpose(1, 2).flatten(2))
+
+
+class KVMSlidingWindowAttention(KVMAttentionBase):
+    """Plain causal attention over the last `sliding_window` tokens (research 'swa' mixer)."""
+
+    def __init__(self, config: KVMConfig, layer_idx: int):
+        super().__init__(config, layer_idx, config.sliding_window_token_shift, config.sliding_window_value_residual_mode)
+        self.window = config.sliding_window_size
+
+    def forward(self, x, v_first, rotary, cache: SlidingWindowLayerCache | None) -> torch.Tensor:
+        cache = cache if cache is not None else SlidingWindowLayerCache()
+        q, k, v = self.project(x, v_first, cache.carries)
+        q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        start, length = cache.seen, q.shape[2]
+        if start == 0:
+            cache.window.start_at(0)
+        cache.window.append((k, v))
+        first_key = max(0, start - self.window + 1)
+        keys, values = cache.window.view(first_key, start + length)
+        q_pos = torch.arange(start, start + length, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(first_key, start + length, device=q.device).unsqueeze(0)
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        cache.window.drop_before(start + length - self.window)
+        cache.seen = start + length
+        return self.output(y)
+
+
+class KVMAttention(KVMAttentionBase):
+    """Joint softmax over the block sliding window and the key-value-means state."""
+
+    def __init__(self, config: KVMConfig, layer_idx: int):
+        super().__init__(config, layer_idx, config.kvm_token_shift, config.kvm_value_residual_mode)
+        self.state_key_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
+        self.gated = config.merge_gate_keys or config.merge_gate_values
+        if self.gated:
+            self.merge_gate_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        if config.head_temperatures:
+            self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
+            self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
+
+    # -- state helpers --
+    def normalize_state_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        norm = self.state_key_norm
+        return F.layer_norm(keys, norm.normalized_shape, norm.weight.to(keys.dtype), norm.bias.to(keys.dtype), norm.eps)
+
+    def state_keys_from(self, k: torch.Tensor, state_dtype: torch.dtype) -> torch.Tensor:
+        """Keys as they enter the state: rotary channels zeroed, then layer-normed."""
+        rotary = self.config.rotary_dim
+        k = torch.cat([torch.zeros_like(k[..., :rotary]), k[..., rotary:]], dim=-1).to(state_dtype)
+        return self.normalize_state_keys(k)
+
+    def slot_norms(self, values: torch.Tensor) -> torch.Tensor:
+        """float32 value norm of a new slot (or a count of 1 when value norms are off)."""
+        if self.config.state_value_norms:
+            return torch.linalg.vector_norm(values.float(), dim=-1, keepdim=True)
+        return values.new_ones(values.shape[:-1] + (1,), dtype=torch.float32)
+
+    def temperature(self, name: str) -> torch.Tensor | float:
+        if not self.config.head_temperatures:
+            return 1.0
+        return getattr(self, name).view(1, self.num_heads, 1, 1)
+
+    def read_state(self, cache: KVMLayerCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """State keys/values as attention reads them; recomputed only when the state changed."""
+        if cache.read_cache is None:
+            keys = self.normalize_state_keys(cache.state_keys) * self.temperature("state_temperature")
+            if self.config.state_value_norms:
+                values = F.normalize(cache.state_values.float(), dim=-1) * cache.state_norms
+            else:
+                values = cache.state_values / cache.state_norms
+            cache.read_cache = (keys.to(dtype), values.to(dtype))
+        return cache.read_cache
+
+    def add_initial_tokens(self, cache: KVMLayerCache, k, v, gate, state_dtype) -> None:
+        """Tokens of the first chunk enter the state directly, one slot each."""
+        keys, values = self.state_keys_from(k, state_dtype), v.to(state_dtype)
+        if self.config.merge_gate_initial_state and gate is not None:
+            keys, values = keys * gate.to(state_dtype), values * gate.to(state_dtype)
+        norms = self.slot_norms(v)
+        if cache.state_keys is not None:
+            keys = torch.cat([cache.state_keys, keys], dim=2)
+            values = torch.cat([cache.state_values, values], dim=2)
+            norms = torch.cat([cache.state_norms, norms], dim=2)
+        cache.set_state(keys, values, norms)
+
+    def fold_block(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> None:
+        """Fold window block `block` (>= 1) into the state: append the most novel, merge the rest."""
+        config, chunk = self.config, self.config.chunk_size
+        begin = block * chunk
+        tensors = cache.window.view(begin, begin + chunk)
+        k_block, v_block = tensors[0], tensors[1].to(state_dtype)
+        gate = tensors[2].to(state_dtype) if self.gated else None
+        keys = self.state_keys_from(k_block, state_dtype)
+        keys_gated = keys * gate if config.merge_gate_keys else keys
+        values_gated = v_block * gate if config.merge_gate_values else v_block
+        keys_append, values_append = (keys_gated, values_gated) if config.merge_gate_appends else (keys, v_block)
+
+        current = cache.state_len
+        context_len = (block + config.window_chunks) * chunk
+        desired = max(min(config.state_budget(context_len), (block + 1) * chunk), current)
+        n_append = min(desired - current, chunk)
+        keys_merge, values_merge = keys_gated, values_gated
+        if n_append > 0:
+            if n_append == chunk:
+                order = torch.arange(chunk, device=keys.device).expand(keys.shape[:2] + (chunk,))
+            else:
+                with torch.no_grad():
+                    reference = self.normalize_state_keys(cache.state_keys)
+                    novelty = torch.matmul(keys, reference.transpose(-1, -2)).float().amax(dim=-1)
+                    order = torch.argsort(novelty, dim=-1)
+            append_idx = order[..., :n_append].sort(dim=-1).values
+            merge_idx = order[..., n_append:].sort(dim=-1).values
+            new_keys, new_values = gather_tokens(keys_append, append_idx), gather_tokens(values_append, append_idx)
+            cache.set_state(
+                torch.cat([cache.state_keys, new_keys], dim=2),
+                torch.cat([cache.state_values, new_values], dim=2),
+                torch.cat([cache.state_norms, self.slot_norms(new_values)], dim=2),
+            )
+            keys_merge, values_merge = gather_tokens(keys_gated, merge_idx), gather_tokens(values_gated, merge_idx)
+        if keys_merge.shape[2] == 0:
+            return
+        protected = min(config.sink_slots, cache.state_len)
+        similarity = torch.matmul(keys_merge, self.normalize_state_keys(cache.state_keys).transpose(-1, -2))
+        similarity[..., :protected] = float("-inf")
+        winner = similarity.argmax(dim=-1, keepdim=True)  # [B, H, M, 1]
+        state_keys = cache.state_keys.scatter_add(2, winner.expand_as(keys_merge), keys_merge)
+        state_values = cache.state_values.scatter_add(2, winner.expand_as(values_merge), values_merge)
+        norms = cache.state_norms
+        if not config.state_value_norms:
+            norms = norms.scatter_add(2, winner, torch.ones_like(winner, dtype=norms.dtype))
+        cache.set_state(state_keys, state_values, norms)
+
+    # -- attention --
+    def attend_window(self, q, keys, values) -> torch.Tensor:
+        keys = keys * self.temperature("window_temperature")
+        if q.shape[2] == keys.shape[2]:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+    def attend_state_and_window(self, q, keys, values, state_keys, state_values) -> torch.Tensor:
+        """One softmax over state slots and window keys, without concatenating keys/values."""
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        keys = keys * self.temperature("window_temperature")
+        mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device)
+        state_logits = torch.matmul(q, state_keys.transpose(-1, -2)).float()
+        window_logits = torch.matmul(q, keys.transpose(-1, -2)).float().masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(torch.cat([state_logits, window_logits], dim=-1) * scale, dim=-1).to(values.dtype)
+        slots = state_keys.shape[2]
+        return torch.matmul(probs[..., :slots], state_values) + torch.matmul(probs[..., slots:], values)
+
+    def forward(self, x, v_first, rotary, cache: KVMLayerCache | None) -> torch.Tensor:
+        cache = cache if cache is not None else KVMLayerCache()
+        q, k, v = self.project(x, v_first, cache.carries)
+        q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        gate = None
+        if self.gated:
+            gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
+        return self.output(self.run_chunks(q, k, v, gate, cache))
+
+    def run_chunks(self, q, k, v, gate, cache: KVMLayerCache) -> torch.Tensor:
+        """Process new tokens (any count, any cache state) chunk by chunk; returns [B, H, T, Dv]."""
+        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
+        state_dtype = state_dtype_for(q.dtype)
+        start, end = cache.seen, cache.seen + q.shape[2]
+        if start == 0:
+            cache.window.start_at(0)
+        outputs, pos = [], start
+        while pos < end:
+            chunk_idx = pos // chunk
+            if chunk_idx < window_chunks:  # the front: no state, one window from position 0
+                stop, window_begin = min(end, window_chunks * chunk), 0
+            else:
+                stop = min(end, (chunk_idx + 1) * chunk)
+                window_begin = (chunk_idx + 1 - window_chunks) * chunk
+                for block in range(cache.merged_blocks + 1, chunk_idx - window_chunks + 1):
+                    self.fold_block(cache, block, state_dtype)
+                    cache.merged_blocks = block
+            lo, hi = pos - start, stop - start
+            new_gate = gate[:, :, lo:hi] if gate is not None else None
+            cache.window.append((k[:, :, lo:hi], v[:, :, lo:hi], new_gate))
+            if pos < chunk:
+                first = min(stop, chunk) - start
+                self.add_initial_tokens(cache, k[:, :, lo:first], v[:, :, lo:first],
+                                        None if gate is None else gate[:, :, lo:first], state_dtype)
+            window_k, window_v = cache.window.view(window_begin, stop)[:2]
+            if chunk_idx < window_chunks:
+                outputs.append(self.attend_window(q[:, :, lo:hi], window_k, window_v))
+            else:
+                state_k, state_v = self.read_state(cache, q.dtype)
+                outputs.append(self.attend_state_and_window(q[:, :, lo:hi], window_k, window_v, state_k, state_v))
+            cache.window.drop_before(window_begin)
+            pos = stop
+        cache.seen = end
+        return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+
+
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+
+
+# ---- feed-forward and blocks ---------------------------------------------------------------
+class KVMMLP(nn.Module):
+    """relu^2 feed-forward with optional token shift (zeros before the first token)."""
+
+    def __init__(self, config: KVMConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_size, bias=False)
+        self.down_proj = nn.Linear(config.ffn_size, config.hidden_size, bias=False)
+        self.token_shift_on = config.ffn_token_shift
+        if self.token_shift_on:
+            self.shift = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
+
+    def forward(self, x: torch.Tensor, carries) -> torch.Tensor:
+        if self.token_shift_on:
+            previous = carries.get("ffn") if carries is not None else None
+            if carries is not None:
+                carries.set("ffn", x)
+            x = token_shift(x, self.shift, previous, "zero")
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class KVMDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block: attention (KVM or sliding-window) then feed-forward, scaled residuals."""
+
+    def __init__(self, config: KVMConfig, layer_idx: int):
+        super().__init__()
+        self.sliding = config.is_sliding_window_layer(layer_idx)
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.self_attn = (KVMSlidingWindowAttention if self.sliding else KVMAttention)(config, layer_idx)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = KVMMLP(config)
+        self.residual_scale = config.residual_scale
+        if config.block_lambdas:
+            self.block_lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
+
+    def forward(self, hidden_states, x0, v_first, rotary=None, cache=None) -> torch.Tensor:
+        if cache is None:  # a fresh per-call state, so checkpoint recomputation replays identically
+            cache = SlidingWindowLayerCache() if self.sliding else KVMLayerCache()
+        if hasattr(self, "block_lambdas"):
+            hidden_states = self.block_lambdas[0] * hidden_states + self.block_lambdas[1] * x0
+        attn = self.self_attn(self.input_layernorm(hidden_states), v_first, rotary, cache)
+        hidden_states = hidden_states + attn * self.residual_scale
+        mlp = self.mlp(self.post_attention_layernorm(hidden_states), cache.carries)
+        return hidden_states + mlp * self.residual_scale
+
+
+# ---- models --------------------------------------------------------------------------------
+class KVMPreTrainedModel(PreTrainedModel):
+    config_class = KVMConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KVMDecoderLayer"]
+    _supports_sdpa = True
+    _is_stateful = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Fresh-model init after the research code's scheme (small embeddings, zeroed outputs)."""
+        config = self.config
+        if isinstance(module, nn.Embedding):
+            init.uniform_(module.weight, a=-1e-4, b=1e-4)
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=module.in_features**-0.5)
+        elif isinstance(module, KVMMLP):
+            init.zeros_(module.down_proj.weight)
+            if module.token_shift_on:
+                init.constant_(module.shift, 0.5)
+        elif isinstance(module, KVMDecoderLayer) and hasattr(module, "block_lambdas"):
+            init.copy_(module.block_lambdas, torch.tensor([1.0, 0.0]))
+        if isinstance(module, KVMAttentionBase):
+            init.zeros_(module.o_proj.weight)
+            depth = 1.0 - module.layer_idx / config.num_hidden_layers
+            for name, power in (("q_shift", 0.2), ("k_shift", 0.7), ("v_shift", 0.7)):
+                param = getattr(module, name, None)
+                if param is not None:
+                    ramp = torch.arange(param.numel(), dtype=torch.float32) / param.numel()
+                    value = 1.0 - ramp.pow(power * depth) if module.token_shift_on else torch.zeros_like(ramp)
+                    init.copy_(param, value.to(param.dtype))
+            if hasattr(module, "value_gate_bias"):
+                n = module.value_gate_bias.numel()
+                linear = torch.arange(n, dtype=torch.float32) / (n - 1) - 0.5
+                init.copy_(module.value_gate_bias, (0.73 - 0.4 * linear).view(1, 1, n).to(module.value_gate_bias.dtype))
+                init.zeros_(module.value_gate_down.weight)
+            if hasattr(module, "value_residual_lambda"):
+                init.constant_(module.value_residual_lambda, 0.5)
+        if isinstance(module, KVMAttention) and config.head_temperatures:
+            init.ones_(module.window_temperature)
+            init.ones_(module.state_temperature)
+
+
+class KVMModel(KVMPreTrainedModel):
+    """Embeddings, KVM / sliding-window decoder layers and the final norm."""
+
+    def __init__(self, config: KVMConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.layers = nn.ModuleList(KVMDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def value_anchors(self, x0: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Value-residual anchors (KVM layers, sliding layers): the first such layer's plain value of x0."""
+        if not self.config.value_residual:
+            return None, None
+        def anchor(layer: KVMDecoderLayer) -> torch.Tensor:
+            return layer.self_attn.v_proj(layer.input_layernorm(x0))
+        if not self.config.sliding_window_every:
+            return anchor(self.layers[0]), None
+        sliding_anchor = anchor(self.layers[0])
+        kvm_anchor = sliding_anchor if self.config.sliding_window_share_value_residual else anchor(self.layers[1])
+        return kvm_anchor, sliding_anchor
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: KVMCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        cache: KVMCache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("Pass the cache once, as `cache` or `past_key_values`, not both.")
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, KVMCache):
+            raise TypeError(f"KVM models need a KVMCache, got {type(cache).__name__}.")
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            raise NotImplementedError("KVM models do not support padded batches yet (attention_mask has zeros).")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            use_cache, cache = False, None  # the cache would be updated again by the recomputation
+        if use_cache and cache is None:
+            cache = KVMCache(self.config)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        x0 = self.embed_norm(inputs_embeds)
+        length = x0.shape[1]
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            positions = torch.arange(past, past + length, device=x0.device)
+        else:
+            positions = position_ids if position_ids.shape[0] > 1 else position_ids[0]
+        head = self.config.qk_head_dim
+        kvm_rotary = rotary_tables(positions, self.config.rotary_dim, head, self.config.rope_theta)
+        sliding_rotary = None
+        if self.config.sliding_window_every:
+            sliding_rotary = rotary_tables(
+                positions, self.config.sliding_window_rotary_dim, head, self.config.sliding_window_rope_theta
+            )
+        kvm_anchor, sliding_anchor = self.value_anchors(x0)
+        hidden_states, all_hidden = x0, []
+        for idx, layer in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden.append(hidden_states)
+            layer_cache = cache.layers[idx] if cache is not None else None
+            if layer.sliding:
+                hidden_states = layer(hidden_states, x0, sliding_anchor, rotary=sliding_rotary, cache=layer_cache)
+            else:
+                hidden_states = layer(hidden_states, x0, kvm_anchor, rotary=kvm_rotary, cache=layer_cache)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden.append(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            **{CACHE_FIELD: cache if use_cache else None},
+        )
+
+
+class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
+    """KVM model with a language-modelling head (optional logit soft-cap)."""
+
+    _tied_weights_keys = {}
+
+    def __init__(self, config: KVMConfig):
+        super().__init__(config)
+        self.model = KVMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
+    ):
+        """generate() gets a KVMCache (never a DynamicCache) unless use_cache=False."""
+        user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if user_cache is not None:
+            if not isinstance(user_cache, KVMCache):
+                raise TypeError(f"KVM models need a KVMCache, got {type(user_cache).__name__}.")
+            return
+        if generation_config.use_cache is False:
+            return
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
+                "KVM models always use their own KVMCache."
+            )
+        model_kwargs[CACHE_FIELD] = KVMCache(self.config)
+        if getattr(generation_config, "is_assistant", False):
+            model_kwargs[CACHE_FIELD].activate_past_recording()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: KVMCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cache: KVMCache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        for ignored in ("output_attentions", "return_dict"):
+            kwargs.pop(ignored, None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            cache=cache,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        if self.config.logit_softcap:
+            logits = self.config.logit_softcap * torch.tanh(logits / self.config.logit_softcap)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
+        )
+
+
+__all__ = ["KVMPreTrainedModel", "KVMModel", "KVMForCausalLM"]
