@@ -7,7 +7,8 @@ download models in tests without network access. It speaks the subset of the Hub
 client uses for publishing and loading models:
 
 - accounts:   GET  /api/whoami-v2
-- repos:      POST /api/repos/create (409 when it exists), DELETE /api/repos/delete
+- repos:      POST /api/repos/create (409 when it exists), DELETE /api/repos/delete,
+              PUT /api/models/{repo}/settings (visibility)
 - info:       GET  /api/models/{repo}[/revision/{rev}] (sha, siblings, private)
 - listing:    GET  /api/models/{repo}/tree/{rev}[/{path}] (recursive), POST .../paths-info/{rev},
               GET  /api/models/{repo}/commits/{rev}
@@ -337,6 +338,8 @@ def _route_repo_api(hub, req, method, repo_type, repo_id, rest) -> int:
         return _create_tag(hub, req, repo_type, repo_id, args[0])
     if action == "tag" and args and method == "DELETE":
         return _delete_tag(hub, req, repo_type, repo_id, args[0])
+    if action == "settings" and method == "PUT":
+        return _update_settings(hub, req, repo_type, repo_id)
     if action == "preupload" and args and method == "POST":
         return _preupload(hub, req, repo_type, repo_id, args[0])
     if action == "commit" and args and method == "POST":
@@ -426,6 +429,17 @@ def _delete_repo(hub, req) -> int:
         raise HubError(404, "Repository not found", "RepoNotFound")
     del hub.state.repos[key]
     return req._send_json(200, {})
+
+
+def _update_settings(hub, req, repo_type, repo_id) -> int:
+    repo = _get_repo(hub, req, repo_type, repo_id, write=True)
+    body = req.json_body()
+    visibility = body.get("visibility", "private" if body.get("private") else "public" if "private" in body else None)
+    if visibility is not None:
+        if visibility not in ("public", "private"):
+            raise HubError(400, f"Invalid visibility: {visibility}")
+        repo.private = visibility == "private"
+    return req._send_json(200, {"private": repo.private})
 
 
 def _validate_yaml(req) -> int:

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 _SUBCOMMANDS = {
     "convert": "kvm_maglev.convert.cli",
     "bench": "kvm_maglev.benchmarks.cli",
+    "push": "kvm_maglev.hub",
 }
 
 

@@ -1,0 +1,186 @@
+"""Publish a converted model folder to the Hugging Face Hub.
+
+`kvm-maglev push OUT ORG/NAME [--private] [--revision BRANCH]` creates the repo (and the
+branch) when missing and commits the folder's files in one commit. Re-running with an
+unchanged folder makes no new commit. The token comes from `--token`-less sources only:
+HF_TOKEN or the file written by `hf auth login`; it is never printed and a folder that
+contains it is refused.
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Optional, Union
+
+# Remote files of these kinds that are absent from the folder are deleted by the push, so a
+# re-converted model (say, with fewer shards) never leaves stale weights or code behind.
+_MIRRORED_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.py"]
+_IGNORED_PATTERNS = ["__pycache__/*", "*.pyc", "**/__pycache__/*"]
+# Where a converted folder may record the checkpoint it came from.
+_SOURCE_CONFIG_KEYS = ("source_checkpoint", "converted_from", "source_path", "source")
+_SOURCE_README_LINE = re.compile(
+    r"(?im)^[\s>*|-]*(?:source(?:\s+checkpoint|\s+path)?|converted\s+from|weights\s+from)\b[*:|\s]*[`\"']?([^`\"'|\s][^`\"'|\n]*?)[`\"']?\s*\|?\s*$"
+)
+_TOKEN_SCAN_MAX_BYTES = 4 * 1024 * 1024
+
+
+def push_folder(
+    folder: Union[str, Path],
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: Optional[str] = None,
+    commit_message: Optional[str] = None,
+    token: Optional[str] = None,
+) -> str:
+    """Upload a converted model folder to `repo_id` (on branch `revision`); returns the commit id.
+
+    The repo and branch are created when missing (`private` also turns an existing public repo
+    private; a private repo is never made public); unchanged files are not re-uploaded and an
+    unchanged folder makes no new commit (the current commit id is returned).
+    """
+    from huggingface_hub import HfApi, get_token
+
+    folder = _check_folder(folder)
+    _check_repo_id(repo_id)
+    if revision is not None and not revision.strip():
+        raise ValueError("--revision must be a non-empty branch name")
+    token = token or get_token()
+    if not token:
+        raise ValueError(
+            "No Hugging Face token found: set HF_TOKEN or run `hf auth login` (a write token is needed to push)."
+        )
+    _refuse_files_containing(folder, token)
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    if private and not api.repo_info(repo_id, repo_type="model").private:
+        # asked for private but the repo already existed as public: never publish by surprise
+        api.update_repo_settings(repo_id, private=True, repo_type="model")
+    if revision is not None and revision != "main":
+        api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+    commit = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        revision=revision,
+        commit_message=commit_message or default_commit_message(folder),
+        ignore_patterns=_IGNORED_PATTERNS,
+        delete_patterns=_MIRRORED_PATTERNS,
+    )
+    return commit.oid
+
+
+def default_commit_message(folder: Union[str, Path]) -> str:
+    """'Upload <model> converted from <source checkpoint>', or naming the folder when unrecorded."""
+    folder = Path(folder)
+    config = _read_json(folder / "config.json")
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    what = f"{model_type} model" if model_type else "model"
+    source = find_source_checkpoint(folder)
+    if source:
+        return f"Upload {what} converted from {source}"
+    return f"Upload {what} from {folder.resolve().name}"
+
+
+def find_source_checkpoint(folder: Union[str, Path]) -> Optional[str]:
+    """The source checkpoint recorded by the converter in config.json or the model card, if any."""
+    folder = Path(folder)
+    config = _read_json(folder / "config.json")
+    if isinstance(config, dict):
+        for key in _SOURCE_CONFIG_KEYS:
+            value = config.get(key)
+            if isinstance(value, str) and value.strip():
+                return value.strip()
+    readme = folder / "README.md"
+    if readme.is_file():
+        match = _SOURCE_README_LINE.search(readme.read_text(encoding="utf-8", errors="replace"))
+        if match:
+            return match.group(1).strip()
+    return None
+
+
+def _check_folder(folder: Union[str, Path]) -> Path:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder: pass the output folder of `kvm-maglev convert`")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} has no config.json: it is not a converted model folder")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set((_read_json(index) or {}).get("weight_map", {}).values())
+        missing = sorted(s for s in shards if not (folder / s).is_file())
+        if not shards or missing:
+            raise ValueError(f"{index} lists shards that are missing: {missing or 'none listed'}")
+    elif not (folder / "model.safetensors").is_file():
+        raise ValueError(f"{folder} has no model.safetensors (or index): the conversion looks incomplete")
+    return folder
+
+
+def _check_repo_id(repo_id: str) -> None:
+    if not isinstance(repo_id, str) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", repo_id):
+        raise ValueError(f"repo id must look like ORG/NAME (letters, digits, '-', '_', '.'), got {repo_id!r}")
+    if ".." in repo_id or repo_id.endswith((".git", ".")) or len(repo_id.split("/")[1]) > 96:
+        raise ValueError(f"invalid repo name: {repo_id!r}")
+
+
+def _refuse_files_containing(folder: Path, token: str) -> None:
+    """A token must never be published: refuse folders where any small file contains it."""
+    needle = token.encode()
+    for path in folder.rglob("*"):
+        if path.is_file() and path.stat().st_size <= _TOKEN_SCAN_MAX_BYTES and needle in path.read_bytes():
+            raise ValueError(f"{path} contains your Hugging Face token; remove it before pushing")
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("folder", help="converted model folder (the OUT of `kvm-maglev convert`)")
+    parser.add_argument("repo_id", help="Hub repository, ORG/NAME")
+    _add_repo_options(parser)
+    parser.add_argument("--commit-message", default=None, help="defaults to naming the source checkpoint")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        commit = push_folder(
+            args.folder, args.repo_id, private=args.private, revision=args.revision, commit_message=args.commit_message
+        )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    _report(args.repo_id, args.revision, commit)
+    return 0
+
+
+def add_push_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds `--push-to-hub ORG/NAME [--private] [--revision BRANCH]` to a converter's parser."""
+    parser.add_argument("--push-to-hub", metavar="ORG/NAME", default=None, help="publish OUT to this Hub repo")
+    _add_repo_options(parser)
+
+
+def push_after_convert(args: argparse.Namespace, out_dir: Union[str, Path]) -> Optional[str]:
+    """Pushes `out_dir` when the converter was given `--push-to-hub`; returns the commit id."""
+    if not getattr(args, "push_to_hub", None):
+        return None
+    commit = push_folder(out_dir, args.push_to_hub, private=args.private, revision=args.revision)
+    _report(args.push_to_hub, args.revision, commit)
+    return commit
+
+
+def _add_repo_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--private", action="store_true", help="make the repo private (also an existing public one)")
+    parser.add_argument("--revision", metavar="BRANCH", default=None, help="branch to commit to (created from main)")
+
+
+def _report(repo_id: str, revision: Optional[str], commit: str) -> None:
+    print(f"pushed to {repo_id}@{revision or 'main'}: commit {commit}")
