@@ -334,10 +334,12 @@ class MaglevModel(MaglevPreTrainedModel):
         return (per_token * weights).sum() / weights.sum().clamp(min=1.0)
 
     def uses_prefiller(self, lifted: bool, start: int, length: int) -> bool:
-        """Q reads the chunk for lifted training, and for prompts in "prefiller" mode; decoding
-        steps after the prompt are recurrent."""
+        """Q reads the sequence for lifted training (a fresh sequence) and for prompts in "prefiller"
+        mode; steps after the prompt are recurrent."""
         config = self.config
-        wanted = config.has_prefiller if lifted else (config.memory_prefill == "prefiller" and length > 1)
+        if lifted and start == 0:
+            return config.has_prefiller
+        wanted = config.memory_prefill == "prefiller" and length > 1
         if wanted and start > 0:
             raise NotImplementedError("the prefiller reads a whole sequence in one forward; a multi-token step "
                                       "on a non-empty cache is not supported in this mode")
