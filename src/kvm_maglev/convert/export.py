@@ -1,0 +1,284 @@
+"""Write a converted model as a complete Hub model folder, checked first and moved into place only when whole.
+
+Everything is written to a temporary folder beside OUT and renamed at the end, so a failure at
+any stage (a bad tensor, a full disk, an interrupt) never leaves a half-written OUT behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """'bfloat16' / torch.bfloat16 -> torch.bfloat16; None stays None (keep the source dtype)."""
+    if dtype is None or dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def expected_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the model's state dict holds (what a converted state dict must match)."""
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def check_state_dict(expected: Mapping[str, Iterable[int]], got: Mapping[str, torch.Tensor]) -> None:
+    """Raise one ValueError listing every missing, unexpected and wrongly shaped key."""
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    wrong_shape = [
+        f"{name}: expected {list(expected[name])}, got {list(got[name].shape)}"
+        for name in sorted(set(expected) & set(got))
+        if tuple(got[name].shape) != tuple(expected[name])
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing: " + ", ".join(missing))
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected: " + ", ".join(unexpected))
+    if wrong_shape:
+        problems.append(f"{len(wrong_shape)} wrongly shaped: " + "; ".join(wrong_shape))
+    if problems:
+        raise ValueError("state dict does not match the config:\n  " + "\n  ".join(problems))
+
+
+class _Stages:
+    """Progress over named stages: a tqdm bar when tqdm is installed, else one line per stage on stderr."""
+
+    def __init__(self, names: list[str], enabled: bool = True):
+        self.names = names
+        self.index = 0
+        self.bar = None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=len(names), desc="export", unit="stage", file=sys.stderr)
+
+    def start(self, name: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            if self.index:
+                self.bar.update(1)
+            self.bar.set_postfix_str(name)
+        else:
+            print(f"[{self.index + 1}/{len(self.names)}] {name}", file=sys.stderr, flush=True)
+        self.index += 1
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.update(len(self.names) - self.bar.n)
+            self.bar.close()
+
+
+def _check_auto_map(model) -> None:
+    """Custom models must have register_for_auto_class called so config.json gets an auto_map."""
+    if type(model).__module__.startswith("transformers."):
+        return
+    missing = [
+        name for name, cls in (("model", type(model)), ("config", type(model.config)))
+        if getattr(cls, "_auto_class", None) is None
+    ]
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__}: call register_for_auto_class() on the {' and '.join(missing)} class(es) "
+            "first, so that config.json's auto_map lets AutoModelForCausalLM load the folder with trust_remote_code"
+        )
+
+
+def _sample_ids(model, tokenizer, num_tokens: int = 8) -> torch.Tensor:
+    vocab_size = int(model.config.vocab_size)
+    ids = tokenizer.encode("Hello world, this is a test.", add_special_tokens=False) if tokenizer is not None else []
+    ids = [i for i in ids if 0 <= i < vocab_size][:num_tokens]
+    if len(ids) < 2:
+        ids = [i % vocab_size for i in range(1, num_tokens + 1)]
+    return torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+
+
+@torch.no_grad()
+def check_finite_logits(model, tokenizer=None) -> None:
+    """Run the model on a few tokens; raise ValueError unless every logit is finite."""
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=_sample_ids(model, tokenizer)).logits
+    finally:
+        model.train(was_training)
+    if not torch.isfinite(logits).all():
+        bad = (~torch.isfinite(logits)).sum().item()
+        raise ValueError(f"the converted model gives {bad} non-finite logits on a few test tokens; refusing to write it")
+
+
+def _generation_fields(tokenizer, generation_fields: Mapping | None) -> dict:
+    fields = {}
+    if tokenizer is not None:
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(tokenizer, key, None)
+            if value is not None:
+                fields[key] = value
+    fields.update(generation_fields or {})
+    return fields
+
+
+def _parameter_bytes(model, dtype: torch.dtype | None) -> int:
+    total = 0
+    for tensor in model.state_dict().values():
+        element = torch.empty((), dtype=dtype).element_size() if dtype and tensor.is_floating_point() else tensor.element_size()
+        total += tensor.numel() * element
+    return total
+
+
+def _planned_files(model, tokenizer, card_text, dtype, max_shard_size, extra_files) -> list[str]:
+    weights_bytes = _parameter_bytes(model, dtype)
+    sharding = f", sharded at {max_shard_size} with {_SAFETENSORS_INDEX}" if max_shard_size else ""
+    files = [
+        "config.json" + (" (+ the model's code files from auto_map)" if getattr(type(model), "_auto_class", None) else ""),
+        f"model.safetensors: about {weights_bytes / 2**20:.2f} MiB in {dtype or 'the source dtype'}{sharding}",
+        "generation_config.json",
+    ]
+    if tokenizer is not None:
+        files.append(f"tokenizer files ({type(tokenizer).__name__}: tokenizer.json, tokenizer_config.json, ...)")
+    if card_text is not None:
+        files.append(f"README.md ({len(card_text)} characters)")
+    files.extend(f"{name} (extra file)" for name in (extra_files or {}))
+    return files
+
+
+def _write_extra_files(folder: Path, extra_files: Mapping) -> None:
+    for name, content in extra_files.items():
+        target = (folder / name).resolve()
+        if folder.resolve() not in target.parents:
+            raise ValueError(f"extra file name {name!r} points outside the output folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            target.write_bytes(content)
+        elif isinstance(content, str):
+            target.write_text(content, encoding="utf-8")
+        elif isinstance(content, os.PathLike):
+            shutil.copyfile(content, target)
+        else:
+            raise TypeError(f"extra file {name!r}: expected str, bytes or a path, got {type(content).__name__}")
+
+
+def _check_written(folder: Path, needs_tokenizer: bool) -> None:
+    """The folder holds a config, every weight shard its index names, a generation config and the tokenizer."""
+    if not (folder / "config.json").is_file():
+        raise ValueError("save_pretrained wrote no config.json")
+    index = folder / _SAFETENSORS_INDEX
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        absent = sorted(s for s in shards if not (folder / s).is_file())
+        if absent:
+            raise ValueError(f"weight shards named in {_SAFETENSORS_INDEX} were not written: {absent}")
+    elif not (folder / "model.safetensors").is_file():
+        raise ValueError("save_pretrained wrote no model.safetensors")
+    if not (folder / "generation_config.json").is_file():
+        raise ValueError("no generation_config.json was written")
+    if needs_tokenizer and not (folder / "tokenizer_config.json").is_file():
+        raise ValueError("the tokenizer wrote no tokenizer_config.json")
+
+
+def _move_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
+    """Rename the finished folder to OUT; an old OUT (overwrite) is set aside first and removed last."""
+    if not out_dir.exists():
+        staging.rename(out_dir)
+        return
+    if not overwrite:
+        raise ValueError(f"{out_dir} already exists; pass overwrite=True (--overwrite) to replace it")
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old.rmdir()
+    out_dir.rename(old)
+    try:
+        staging.rename(out_dir)
+    except BaseException:
+        old.rename(out_dir)
+        raise
+    shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def write_model_folder(
+    model,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer=None,
+    card_text: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    extra_files: Mapping[str, str | bytes | os.PathLike] | None = None,
+    generation_fields: Mapping | None = None,
+    progress: bool = True,
+) -> Path:
+    """Check `model` and write it with its tokenizer, generation config and card as a Hub folder at OUT.
+
+    The model is cast to `dtype` in place (None keeps its dtype), must give finite logits on a few
+    tokens, and is saved as safetensors (sharded when `max_shard_size` is given). `generation_fields`
+    (e.g. eos lists, suppress_tokens) go into generation_config.json on top of the tokenizer's
+    bos/eos/pad ids. With `dry_run` the checks run and the plan is printed; nothing is written.
+    """
+    out_dir = Path(out_dir)
+    target_dtype = resolve_dtype(dtype)
+    if out_dir.exists() and not overwrite:
+        raise ValueError(f"{out_dir} already exists; pass overwrite=True (--overwrite) to replace it")
+    if not out_dir.parent.is_dir():
+        raise ValueError(f"the parent folder of {out_dir} does not exist")
+    _check_auto_map(model)
+    stages = _Stages(["cast", "check logits", "weights", "tokenizer", "card", "verify", "move into place"],
+                     enabled=progress and not dry_run)
+    try:
+        if dry_run:
+            check_finite_logits(model, tokenizer)
+            lines = _planned_files(model, tokenizer, card_text, target_dtype, max_shard_size, extra_files)
+            print(f"dry run: would write {out_dir}" + (" (replacing it)" if out_dir.exists() else "") + ":")
+            for line in lines:
+                print(f"  {line}")
+            return out_dir
+        stages.start("cast")
+        if target_dtype is not None:
+            model.to(target_dtype)
+        stages.start("check logits")
+        check_finite_logits(model, tokenizer)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        try:
+            stages.start("weights")
+            fields = _generation_fields(tokenizer, generation_fields)
+            for key, value in fields.items():
+                setattr(model.generation_config, key, value)
+            save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+            model.save_pretrained(staging, **save_kwargs)
+            if not (staging / "generation_config.json").is_file():
+                model.generation_config.save_pretrained(staging)
+            stages.start("tokenizer")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            stages.start("card")
+            if card_text is not None:
+                (staging / "README.md").write_text(card_text, encoding="utf-8")
+            _write_extra_files(staging, extra_files or {})
+            stages.start("verify")
+            _check_written(staging, tokenizer is not None)
+            stages.start("move into place")
+            _move_into_place(staging, out_dir, overwrite)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    finally:
+        stages.close()
+    return out_dir

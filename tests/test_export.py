@@ -1,0 +1,229 @@
+"""The safe model-folder writer and the model card, on a tiny transformers built-in model."""
+
+import json
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from kvm_maglev.convert.cards import Provenance, file_sha256, render_model_card
+from kvm_maglev.convert.export import check_state_dict, expected_shapes, write_model_folder
+from kvm_maglev.tokenization.gpt2 import generation_token_fields, load_research_tokenizer
+
+VOCAB = 512
+
+
+def _tiny_llama(tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.fixture
+def tokenizer(data_dir):
+    return load_research_tokenizer(data_dir / "kvm" / "kvm_fixed" / "research_final", model_max_length=64)
+
+
+def _weights(folder):
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        tensors = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            tensors.update(load_file(folder / shard))
+        return tensors
+    return load_file(folder / "model.safetensors")
+
+
+def _leftovers(parent, name):
+    return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+
+
+def test_writes_complete_folder_that_reloads(tmp_path, tokenizer):
+    model = _tiny_llama()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    fields = generation_token_fields(tokenizer, VOCAB)
+    out = write_model_folder(model, tmp_path / "out", tokenizer=tokenizer, card_text="---\nlicense: mit\n---\nhi",
+                             generation_fields=fields, extra_files={"notes/extra.txt": "x"}, progress=False)
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "README.md"} <= names
+    assert (out / "notes" / "extra.txt").read_text() == "x"
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    generation = GenerationConfig.from_pretrained(out)
+    assert generation.eos_token_id == generation.pad_token_id == tokenizer.eos_token_id
+    assert generation.suppress_tokens == list(range(500, VOCAB))
+    assert AutoTokenizer.from_pretrained(out).encode("hello world") == tokenizer.encode("hello world")
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_bfloat16_output_reloads_to_same_weights(tmp_path):
+    model = _tiny_llama()
+    expected = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    out = write_model_folder(model, tmp_path / "bf16", dtype="bfloat16", progress=False)
+    stored = load_file(out / "model.safetensors")
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_sharded_output_reloads_to_same_weights(tmp_path):
+    model = _tiny_llama()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    out = write_model_folder(model, tmp_path / "sharded", max_shard_size="40KB", progress=False)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert not (out / "model.safetensors").exists()
+    assert set(_weights(out)) == set(expected)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_tied_embeddings_saved_once_and_stay_tied(tmp_path):
+    model = _tiny_llama(tie=True)
+    out = write_model_folder(model, tmp_path / "tied", progress=False)
+    assert "lm_head.weight" not in _weights(out)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(reloaded.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_existing_out_refused_unless_overwrite(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    with pytest.raises(ValueError, match="already exists"):
+        write_model_folder(_tiny_llama(), out, progress=False)
+    assert (out / "keep.txt").read_text() == "old"
+    write_model_folder(_tiny_llama(), out, overwrite=True, progress=False)
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_failure_mid_write_leaves_nothing(tmp_path, tokenizer, monkeypatch):
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tokenizer, "save_pretrained", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        write_model_folder(_tiny_llama(), tmp_path / "out", tokenizer=tokenizer, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_during_overwrite_keeps_old_out(tmp_path, tokenizer, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    monkeypatch.setattr(tokenizer, "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError("boom")))
+    with pytest.raises(OSError):
+        write_model_folder(_tiny_llama(), out, tokenizer=tokenizer, overwrite=True, progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "keep.txt").read_text() == "old"
+
+
+def test_non_finite_logits_refused(tmp_path):
+    model = _tiny_llama()
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite logits"):
+        write_model_folder(model, tmp_path / "out", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dry_run_writes_nothing(tmp_path, tokenizer, capsys):
+    out = write_model_folder(_tiny_llama(), tmp_path / "out", tokenizer=tokenizer, card_text="card",
+                             dtype="float16", max_shard_size="40KB", dry_run=True)
+    printed = capsys.readouterr().out
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    for expected in ("would write", "config.json", "model.safetensors", "torch.float16", "index.json", "README.md"):
+        assert expected in printed
+
+
+def test_custom_model_without_auto_class_refused(tmp_path):
+    class MyModel(LlamaForCausalLM):
+        pass
+
+    with pytest.raises(ValueError, match="register_for_auto_class"):
+        write_model_folder(MyModel(_tiny_llama().config), tmp_path / "out", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_dtype_refused(tmp_path):
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        write_model_folder(_tiny_llama(), tmp_path / "out", dtype="int8", progress=False)
+
+
+def test_check_state_dict_lists_every_problem():
+    expected = {"a": (2, 3), "b": (4,), "c": (1,), "d": (5, 5)}
+    got = {"a": torch.zeros(2, 3), "b": torch.zeros(5), "d": torch.zeros(5, 4), "extra": torch.zeros(1)}
+    with pytest.raises(ValueError) as error:
+        check_state_dict(expected, got)
+    message = str(error.value)
+    assert "1 missing: c" in message and "1 unexpected: extra" in message
+    assert "b: expected [4], got [5]" in message and "d: expected [5, 5], got [5, 4]" in message
+    check_state_dict(expected_shapes(_tiny_llama()), _tiny_llama().state_dict())
+
+
+# --- model cards ---
+
+
+def test_maglev_card_from_config(tmp_path):
+    from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
+
+    config = MaglevConfig(vocab_size=360, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, sliding_window=64, max_position_embeddings=64)
+    source = tmp_path / "model_000010.pt"
+    source.write_bytes(b"weights")
+    card_text = render_model_card(
+        config, num_parameters=3_456_789, license="mit", datasets=["karpathy/fineweb-edu-100b-shuffle"],
+        base_model="someone/base", provenance=Provenance(str(source), file_sha256(source), 10),
+    )
+    card = ModelCard(card_text, ignore_metadata_errors=False)
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert {"custom_code", "maglev"} <= set(card.data.tags)
+    assert card.data.license == "mit" and card.data.base_model == "someone/base"
+    assert card.data.datasets == ["karpathy/fineweb-edu-100b-shuffle"]
+    assert "trust_remote_code=True" in card_text and "arXiv:2608.02870" in card_text
+    assert file_sha256(source) in card_text and "training step: 10" in card_text
+    assert "3.46M (3,456,789)" in card_text
+    for tokens in (4096, 32768, 131072, 1048576):
+        ours = config.cache_bytes(tokens, batch_size=1, dtype=torch.bfloat16)
+        full = config.full_attention_cache_bytes(tokens, batch_size=1, dtype=torch.bfloat16)
+        assert f"{full / ours:.1f}x smaller" in card_text
+    assert "| 1M |" in card_text and "| 4k |" in card_text
+
+
+class _StandInKVMConfig:
+    """The attributes the KVM card reads, with cache sizes of a simple closed form."""
+
+    model_type = "kvm"
+    num_hidden_layers, hidden_size, num_attention_heads, vocab_size = 2, 64, 2, 512
+    chunk_size, window_chunks, state_budget_mode, state_budget_min, sink_slots = 16, 2, "fixed", 16, 1
+    sliding_window_every, sliding_window = 0, None
+
+    def cache_bytes(self, num_tokens, batch_size=1, dtype=torch.bfloat16):
+        return 1000 * batch_size
+
+    def full_attention_cache_bytes(self, num_tokens, batch_size=1, dtype=torch.bfloat16):
+        return 10 * num_tokens * batch_size
+
+
+def test_kvm_card_cache_table_and_metadata():
+    card_text = render_model_card(_StandInKVMConfig(), num_parameters=1000, license="apache-2.0")
+    assert "| 4k | 1000 B | 40.00 KiB | 41.0x smaller |" in card_text
+    assert "| 1M | 1000 B | 10.00 MiB | 10485.8x smaller |" in card_text
+    assert "arXiv:2605.09877" in card_text and "Goldstein" in card_text
+    card = ModelCard(card_text, ignore_metadata_errors=False)
+    assert {"custom_code", "kvm"} <= set(card.data.tags) and card.data.license == "apache-2.0"
+    assert "base_model" not in card_text.split("---")[1]
+
+
+def test_card_rejects_unknown_architecture():
+    with pytest.raises(ValueError, match="no model card template"):
+        render_model_card(_StandInKVMConfig(), num_parameters=10, architecture="llama")
