@@ -208,6 +208,7 @@ class MaglevModel(MaglevPreTrainedModel):
     """Embeddings, the decoder P's blocks and (when kept) the prefiller Q; returns `m = rms_norm(h)`."""
 
     def __init__(self, config: MaglevConfig):
+        config.validate_maglev()  # from_pretrained(..., field=value) sets fields after the config's checks
         super().__init__(config)
         rows = config.padded_vocab_size
         self.embed_tokens = nn.Embedding(rows, config.hidden_size)
