@@ -332,7 +332,8 @@ class KVMConfig(PretrainedConfig):
                 total += batch_size * heads * min(num_tokens, self.sliding_window_size) * (dk + dv) * item
                 continue
             window = self.window_tokens_after(num_tokens)
-            total += batch_size * heads * window * (dk + dv + 1) * item
+            gate = 1 if self.merge_gate_keys or self.merge_gate_values else 0
+            total += batch_size * heads * window * (dk + dv + gate) * item
             slots = self.state_slots_after(num_tokens)
             total += batch_size * heads * slots * ((dk + dv) * state_item + 4)
         return total
