@@ -1,0 +1,181 @@
+"""KVMCache: cached decoding equals the uncached forward for any prompt and step sizes,
+the state stays within its budget, sizes match the closed form, batch operations work."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
+
+BASE = dict(
+    vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, rotary_dim=8,
+    chunk_size=4, window_chunks=2, state_budget_mode="power_law", state_budget_factor=2.0,
+    state_budget_min=4, state_max_chunks=100,
+)
+VARIANTS = {
+    "power_law": {},
+    "counts_no_gates_no_temps_no_sink": dict(
+        state_value_norms=False, merge_gate_keys=False, merge_gate_values=False, head_temperatures=False, sink_slots=0
+    ),
+    "saturation_swa_post_tokenshift": dict(
+        num_hidden_layers=4, sliding_window_every=2, sliding_window=5, sliding_window_rotary_dim=16,
+        merge_gate_appends=False, merge_gate_initial_state=True, kvm_value_residual_mode="rwkv_post_tokenshift",
+        block_lambdas=True, logit_softcap=5.0, state_budget_mode="kvm_saturation", state_budget_saturation=16,
+        state_budget_min=1,
+    ),
+    "fixed_linear_residual_no_shift": dict(
+        num_hidden_layers=4, sliding_window_every=2, sliding_window_rotary_dim=0, kvm_value_residual_mode="linear",
+        sliding_window_value_residual_mode="linear", kvm_token_shift=False, ffn_token_shift=False,
+        state_budget_mode="fixed", state_budget_min=6, state_max_chunks=2, sliding_window_share_value_residual=True,
+        window_chunks=3,
+    ),
+}
+LENGTH = 45
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_model(seed: int = 0, **overrides) -> KVMForCausalLM:
+    """Tiny model whose every parameter matters (the default init zeroes some paths)."""
+    torch.manual_seed(seed)
+    model = KVMForCausalLM(KVMConfig(**{**BASE, **overrides})).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.3 * torch.randn_like(param))
+    return model
+
+
+def cache_of(output) -> KVMCache:
+    return output.cache if hasattr(output, "cache") else output.past_key_values
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_cached_decoding_equals_uncached_forward(variant):
+    model = random_model(**VARIANTS[variant])
+    ids = torch.randint(0, 97, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    chunk = model.config.chunk_size
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        # prompt of 1 token, a partial chunk, an exact chunk boundary, exactly the front window, beyond it
+        for prompt in (1, chunk - 1, chunk, model.config.window_size, model.config.window_size + 1):
+            for steps in ((1,), (1, 2, 5, 3, 7)):  # one token per step, and multi-token steps
+                cache = cache_of(model(ids[:, :prompt]))
+                logits, pos = [model(ids[:, :prompt], use_cache=False).logits], prompt
+                for step in itertools.cycle(steps):
+                    if pos >= LENGTH:
+                        break
+                    step = min(step, LENGTH - pos)
+                    logits.append(model(ids[:, pos : pos + step], cache=cache).logits)
+                    pos += step
+                    assert cache.get_seq_length() == pos
+                error = (torch.cat(logits, dim=1) - full).abs().max().item()
+                assert error < 1e-4, (prompt, steps, error)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_state_within_budget_and_sizes_match_closed_form(variant):
+    model = random_model(**VARIANTS[variant])
+    config = model.config
+    ids = torch.randint(0, 97, (3, LENGTH), generator=torch.Generator().manual_seed(2))
+    cache = KVMCache(config)
+    with torch.no_grad():
+        for pos in range(LENGTH):
+            model(ids[:, pos : pos + 1], cache=cache)
+            seen = pos + 1
+            budget = max(min(seen, config.chunk_size), min(config.state_budget(seen), config.max_state_slots))
+            for layer_idx, slots in enumerate(cache.state_lengths()):
+                if config.is_sliding_window_layer(layer_idx):
+                    assert slots == -1
+                    continue
+                assert slots == config.state_slots_after(seen)
+                assert slots <= budget
+                assert slots <= config.max_state_slots or slots <= config.chunk_size
+            assert cache.nbytes() == config.cache_bytes(seen, batch_size=3, dtype=torch.float32)
+
+
+def test_cache_bytes_by_dtype_and_full_attention_comparison():
+    config = random_model().config
+    long = 4096
+    assert config.cache_bytes(0) == 0
+    assert config.cache_bytes(long, dtype=torch.float32) > config.cache_bytes(long, dtype=torch.bfloat16)
+    # float16 keeps state sums in float32 (overflow), bfloat16 does not
+    assert config.cache_bytes(long, dtype=torch.float16) > config.cache_bytes(long, dtype=torch.bfloat16)
+    assert config.full_attention_cache_bytes(long) == 2 * long * 2 * (16 + 16) * 2
+    assert config.cache_bytes(long) < config.full_attention_cache_bytes(long)
+    fixed = KVMConfig(**{**BASE, "state_budget_mode": "fixed", "state_budget_min": 4, "state_max_chunks": 1})
+    assert fixed.cache_bytes(10_000) == fixed.cache_bytes(20_000)  # constant once the window is full
+
+
+def test_decode_step_writes_in_place_without_copying_the_window():
+    model = random_model(chunk_size=8)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache = cache_of(model(ids[:, :17]))
+        layer = cache.layers[0]
+        pointers = [s.data_ptr() for s in layer.window.storage]
+        state = layer.state_keys
+        reallocations = 0
+        for pos in range(17, 40):
+            model(ids[:, pos : pos + 1], cache=cache)
+            now = [s.data_ptr() for s in layer.window.storage]
+            reallocations += now != pointers
+            pointers = now
+            if pos % 8:  # the state only changes when a chunk starts
+                assert layer.state_keys is state
+            state = layer.state_keys
+        assert reallocations <= 3  # geometric growth / rare compaction, never per token
+
+
+def test_batch_operations():
+    model = random_model()
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        def run(cache, rows):
+            return model(ids[rows, 20:], cache=cache).logits
+
+        reference = model(ids, use_cache=False).logits[:, 20:]
+        cache = cache_of(model(ids[:, :20]))
+        cache.reorder_cache(torch.tensor([1, 0]))
+        assert torch.allclose(run(cache, [1, 0]), reference[[1, 0]], atol=1e-5)
+        cache = cache_of(model(ids[:, :20]))
+        cache.batch_repeat_interleave(2)
+        assert torch.allclose(run(cache, [0, 0, 1, 1]), reference[[0, 0, 1, 1]], atol=1e-5)
+        cache = cache_of(model(ids[:, :20]))
+        cache.batch_select_indices(torch.tensor([1]))
+        assert torch.allclose(run(cache, [1]), reference[[1]], atol=1e-5)
+        cache.reset()
+        assert cache.get_seq_length() == 0 and cache.nbytes() == 0
+        assert torch.allclose(model(ids, cache=cache).logits, model(ids, use_cache=False).logits, atol=1e-5)
+
+
+def test_unsupported_cache_operations_raise_clear_errors():
+    model = random_model()
+    cache = cache_of(model(torch.tensor([[1, 2, 3]])))
+    assert cache.is_compileable is False and cache.is_croppable is False
+    with pytest.raises(NotImplementedError, match="crop"):
+        cache.crop(-1)
+    with pytest.raises(NotImplementedError):
+        cache.activate_past_recording()
+    with pytest.raises(NotImplementedError, match="padded"):
+        model(torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[0, 1, 1]]))
+    with pytest.raises(TypeError, match="KVMCache"):
+        from transformers import DynamicCache
+        model(torch.tensor([[1, 2]]), past_key_values=DynamicCache())
+
+
+def test_past_key_values_keyword_and_attention_mask_of_ones():
+    model = random_model()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cache = cache_of(model(ids[:, :7], attention_mask=torch.ones(2, 7, dtype=torch.long)))
+        step = model(ids[:, 7:], past_key_values=cache).logits
+        assert torch.allclose(step, model(ids, use_cache=False).logits[:, 7:], atol=1e-5)
