@@ -204,6 +204,14 @@ def test_generate_sampling_and_num_return_sequences_match_uncached():
     assert torch.equal(cached, uncached)
 
 
+@torch.no_grad()
+def test_beam_search_reorders_cache_like_uncached():
+    model = tiny_model()
+    prompt = random_ids(2, 12)
+    kwargs = dict(max_new_tokens=6, num_beams=3, do_sample=False)
+    assert torch.equal(model.generate(prompt, **kwargs), model.generate(prompt, use_cache=False, **kwargs))
+
+
 # ----- training ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shares", [True, False])
 def test_lifted_training_loss_decreases(shares):
