@@ -67,47 +67,17 @@ def run_client(code: str, env: dict, payload: dict, *, block_package: bool = Tru
 
 # --- what gets published ------------------------------------------------------------------------
 
-# A tiny remote-code model: a Llama variant under its own model_type, so loading it by repo id
-# needs the code files from the Hub (AutoModel knows nothing about "tiny-remote").
-REMOTE_CONFIG_PY = '''\
-"""Configuration of a tiny remote-code test model."""
-from transformers import LlamaConfig
-
-
-class TinyRemoteConfig(LlamaConfig):
-    model_type = "tiny-remote"
-'''
-REMOTE_MODELING_PY = '''\
-"""A tiny remote-code test model: Llama with a learned output scale."""
-import torch
-from transformers import LlamaForCausalLM
-
-from .configuration_tiny_remote import TinyRemoteConfig
-
-
-class TinyRemoteForCausalLM(LlamaForCausalLM):
-    config_class = TinyRemoteConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.output_scale = torch.nn.Parameter(torch.full((1,), 0.5))
-
-    def forward(self, *args, **kwargs):
-        output = super().forward(*args, **kwargs)
-        output.logits = output.logits * self.output_scale
-        return output
-'''
-
-PUBLISH = r'''
+PUBLISH = r"""
+import argparse
 import torch
 from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-import argparse
-from kvm_maglev import hub as push_command
-from kvm_maglev.hub import push_folder
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from kvm_maglev.cli import main as cli_main
+from kvm_maglev.hub import add_push_arguments, find_source_checkpoint, push_after_convert, push_folder
 
 work = Path(ARGS["work"])
+out = {}
 torch.manual_seed(0)
 
 def tiny_tokenizer():
@@ -117,103 +87,127 @@ def tiny_tokenizer():
     tok.train_from_iterator(["hello world", "the hub serves tiny models", "keys values means"] * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
-def tiny_config(cls, vocab):
-    return cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-               bos_token_id=1, eos_token_id=2, pad_token_id=2)
-
-def save(model, tokenizer, folder, source):
+def save_llama(model, tokenizer, folder, source):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "README.md").write_text(
         "---\nlibrary_name: transformers\ntags:\n- test\n---\n# Tiny test model\n\n"
         f"Source checkpoint: `{source}`\n")
 
-tokenizer = tiny_tokenizer()
-prompt_ids = tokenizer("hello world the hub", return_tensors="pt").input_ids
-out = {"prompt_ids": prompt_ids.tolist()}
+def reference(folder, prompt, key):
+    # what the local folder computes: the loaded-by-repo-id model must match it exactly
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        out[key + "_logits"] = model(prompt).logits.tolist()
+        out[key + "_generated"] = model.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
+    out[key + "_source"] = find_source_checkpoint(folder)
+    if (folder / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        out[key + "_tokenizer_ids"] = tokenizer(ARGS["text"]).input_ids
 
-# 1. a built-in architecture, pushed with the library function, twice (second is a no-op)
-llama = LlamaForCausalLM(tiny_config(LlamaConfig, len(tokenizer))).eval()
+# 1. a built-in architecture, pushed with the library function, twice (the second is a no-op)
+tokenizer = tiny_tokenizer()
+llama_prompt = tokenizer(ARGS["text"], return_tensors="pt").input_ids
+out["llama_prompt"] = llama_prompt.tolist()
+llama = LlamaForCausalLM(LlamaConfig(
+    vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=2)).eval()
 llama_dir = work / "llama"
-save(llama, tokenizer, llama_dir, "runs/llama/step_000100.pt")
+save_llama(llama, tokenizer, llama_dir, "runs/llama/step_000100.pt")
 out["llama_first"] = push_folder(llama_dir, "test-org/tiny-llama")
 out["llama_again"] = push_folder(llama_dir, "test-org/tiny-llama")
-out["llama_logits"] = llama(prompt_ids).logits.tolist()
+out["llama_logits"] = llama(llama_prompt).logits.tolist()
 
 # 2. a changed model on branch "dev", through the command line
 with torch.no_grad():
     llama.lm_head.weight.mul_(-1.0)
-save(llama, tokenizer, llama_dir, "runs/llama/step_000200.pt")
-parser = argparse.ArgumentParser()
-push_command.add_arguments(parser)
-assert push_command.run(parser.parse_args([str(llama_dir), "test-org/tiny-llama", "--revision", "dev"])) == 0
-out["llama_dev_logits"] = llama(prompt_ids).logits.tolist()
+save_llama(llama, tokenizer, llama_dir, "runs/llama/step_000200.pt")
+assert cli_main(["push", str(llama_dir), "test-org/tiny-llama", "--revision", "dev"]) == 0
+out["llama_dev_logits"] = llama(llama_prompt).logits.tolist()
 
-# 3. remote code, to a private repo
-sys.path.insert(0, ARGS["code_dir"])
-from tiny_remote.configuration_tiny_remote import TinyRemoteConfig
-from tiny_remote.modeling_tiny_remote import TinyRemoteForCausalLM
-TinyRemoteConfig.register_for_auto_class("AutoConfig")
-TinyRemoteForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-remote = TinyRemoteForCausalLM(tiny_config(TinyRemoteConfig, len(tokenizer))).eval()
-remote_dir = work / "remote"
-save(remote, tokenizer, remote_dir, "runs/remote/final")
-out["remote_commit"] = push_folder(remote_dir, "test-user/tiny-remote", private=True)
-out["remote_files"] = sorted(p.name for p in remote_dir.iterdir())
-out["remote_logits"] = remote(prompt_ids).logits.tolist()
-out["remote_generated"] = remote.generate(prompt_ids, max_new_tokens=5, do_sample=False).tolist()
+# 3. our architectures: convert, then publish with the command line (KVM) and with the
+#    converter hook `--push-to-hub ... --private` (Maglev), each on main and on "dev"
+prompt = torch.tensor(ARGS["prompt_ids"])
+kvm_dir, maglev_dir = work / "kvm", work / "maglev"
+assert cli_main(["convert", "kvm", ARGS["kvm_source"], str(kvm_dir)]) == 0
+assert cli_main(["convert", "maglev", ARGS["maglev_source"], str(maglev_dir)]) == 0
+out["kvm_commit"] = push_folder(kvm_dir, "test-org/kvm-tiny")
+assert cli_main(["push", str(kvm_dir), "test-org/kvm-tiny", "--revision", "dev"]) == 0
+hook = argparse.ArgumentParser()
+add_push_arguments(hook)
+out["maglev_commit"] = push_after_convert(hook.parse_args(["--push-to-hub", "test-user/maglev-tiny", "--private"]), maglev_dir)
+push_after_convert(hook.parse_args(["--push-to-hub", "test-user/maglev-tiny", "--revision", "dev"]), maglev_dir)
+assert push_after_convert(hook.parse_args([]), maglev_dir) is None
+reference(kvm_dir, prompt, "kvm")
+reference(maglev_dir, prompt, "maglev")
+out["code_files"] = {key: sorted(p.name for p in folder.glob("*.py")) for key, folder in (("kvm", kvm_dir), ("maglev", maglev_dir))}
 print(json.dumps(out))
-'''
+"""
 
-LOAD = r'''
+LOAD = r"""
 import os, torch
 from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-prompt = torch.tensor(ARGS["prompt_ids"])
 out = {}
 
-def logits(model):
+def load(repo_id, key, prompt, revision=None, remote=True, tokenizer_too=False):
+    model = AutoModelForCausalLM.from_pretrained(repo_id, revision=revision, trust_remote_code=remote).eval()
+    out[key + "_class_module"] = type(model).__module__
     with torch.no_grad():
-        return model(prompt).logits.tolist()
+        out[key + "_logits"] = model(prompt).logits.tolist()
+        if remote:
+            out[key + "_generated"] = model.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
+    if tokenizer_too:
+        tokenizer = AutoTokenizer.from_pretrained(repo_id, revision=revision, trust_remote_code=remote)
+        out[key + "_tokenizer_ids"] = tokenizer(ARGS["text"]).input_ids
 
-tok = AutoTokenizer.from_pretrained("test-org/tiny-llama")
-out["tokenizer_ids"] = tok("hello world the hub").input_ids
-out["llama_logits"] = logits(AutoModelForCausalLM.from_pretrained("test-org/tiny-llama"))
-out["llama_dev_logits"] = logits(AutoModelForCausalLM.from_pretrained("test-org/tiny-llama", revision="dev"))
-
-remote = AutoModelForCausalLM.from_pretrained("test-user/tiny-remote", trust_remote_code=True)
-out["remote_class_module"] = type(remote).__module__
-out["remote_logits"] = logits(remote)
-out["remote_generated"] = remote.generate(prompt, max_new_tokens=5, do_sample=False).tolist()
-out["remote_tokenizer_ids"] = AutoTokenizer.from_pretrained("test-user/tiny-remote", trust_remote_code=True).encode("hello world the hub")
+llama_prompt = torch.tensor(ARGS["llama_prompt"])
+load("test-org/tiny-llama", "llama", llama_prompt, remote=False, tokenizer_too=True)
+load("test-org/tiny-llama", "llama_dev", llama_prompt, revision="dev", remote=False)
+prompt = torch.tensor(ARGS["prompt_ids"])
+for repo_id, key in (("test-org/kvm-tiny", "kvm"), ("test-user/maglev-tiny", "maglev")):
+    load(repo_id, key, prompt, tokenizer_too=ARGS[key + "_tokenizer"])
+    load(repo_id, key + "_dev", prompt, revision="dev", tokenizer_too=ARGS[key + "_tokenizer"])
 modules = Path(os.environ["HF_HOME"]) / "modules" / "transformers_modules"
 out["module_files"] = sorted(str(p.relative_to(modules)) for p in modules.rglob("*.py"))
 print(json.dumps(out))
-'''
+"""
+
+PROMPT_IDS = [[1, 17, 5, 42, 9, 3, 28, 11]]  # inside both fixture vocabularies
+TEXT = "hello world the hub"
 
 
 @pytest.fixture(scope="module")
-def published(hub, tmp_path_factory):
-    """Pushes the tiny models once; returns what the publishing process saw."""
+def published(hub, tmp_path_factory, data_dir):
+    """Converts and pushes the models once; returns what the publishing process computed locally."""
     work = tmp_path_factory.mktemp("publish")
-    package = work / "code" / "tiny_remote"  # flat relative imports need a package, as in ours
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "configuration_tiny_remote.py").write_text(REMOTE_CONFIG_PY)
-    (package / "modeling_tiny_remote.py").write_text(REMOTE_MODELING_PY)
+    payload = {
+        "work": str(work),
+        "kvm_source": str(data_dir / "kvm" / "kvm_fixed" / "research_final"),
+        "maglev_source": str(data_dir / "nanochat" / "tiny_sl" / "base_checkpoints" / "d2"),
+        "prompt_ids": PROMPT_IDS,
+        "text": TEXT,
+    }
     env = client_env(hub, tmp_path_factory.mktemp("hf_home_publish"))
-    payload = {"work": str(work), "code_dir": str(package.parent)}
     return run_client(PUBLISH, env, payload, block_package=False)
+
+
+def load_payload(published: dict) -> dict:
+    return {
+        "prompt_ids": PROMPT_IDS,
+        "text": TEXT,
+        "llama_prompt": published["llama_prompt"],
+        "kvm_tokenizer": "kvm_tokenizer_ids" in published,
+        "maglev_tokenizer": "maglev_tokenizer_ids" in published,
+    }
 
 
 @pytest.fixture(scope="module")
 def downloaded(hub, published, tmp_path_factory):
     """Loads everything by repo id in a fresh HF_HOME, without our package."""
     hf_home = tmp_path_factory.mktemp("hf_home_load")
-    result = run_client(LOAD, client_env(hub, hf_home), {"prompt_ids": published["prompt_ids"]})
-    return hf_home, result
+    return hf_home, run_client(LOAD, client_env(hub, hf_home), load_payload(published))
 
 
 def assert_close(actual, expected, atol=1e-5):
@@ -247,18 +241,31 @@ def test_revision_branch_holds_the_changed_model(hub, published):
     assert dev.files["model.safetensors"].lfs_sha256 != repo.resolve("main").files["model.safetensors"].lfs_sha256
 
 
-def test_private_repo_is_hidden_without_token(hub, published, tmp_path):
-    assert hub.repo("test-user/tiny-remote").private
+def test_private_flag_hides_the_repo_without_token(hub, published, tmp_path):
+    assert hub.repo("test-user/maglev-tiny").private
+    assert not hub.repo("test-org/kvm-tiny").private
     code = """
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import RepositoryNotFoundError
     try:
-        hf_hub_download("test-user/tiny-remote", "config.json")
+        hf_hub_download("test-user/maglev-tiny", "config.json")
         print(json.dumps({"hidden": False}))
     except RepositoryNotFoundError:
         print(json.dumps({"hidden": True}))
     """
     assert run_client(code, client_env(hub, tmp_path, token=False), {})["hidden"]
+
+
+def test_converted_models_are_published_with_their_code(hub, published):
+    for repo_id, key in (("test-org/kvm-tiny", "kvm"), ("test-user/maglev-tiny", "maglev")):
+        repo = hub.repo(repo_id)
+        main, dev = repo.resolve("main"), repo.resolve("dev")
+        assert main.oid == published[f"{key}_commit"] == dev.oid  # same folder on dev: no new commit
+        assert set(published["code_files"][key]) <= set(main.files)
+        assert {"config.json", "model.safetensors", "generation_config.json"} <= set(main.files)
+        assert main.title.startswith(f"Upload {key} model ")
+        if published[f"{key}_source"]:
+            assert main.title.endswith(f"converted from {published[key + '_source']}")
 
 
 def test_token_is_never_published_nor_sent_to_storage(hub, published, downloaded):
@@ -270,33 +277,38 @@ def test_token_is_never_published_nor_sent_to_storage(hub, published, downloaded
     assert cdn_requests and all(r[4] is None for r in cdn_requests)
 
 
-def test_load_by_repo_id_matches_the_pushed_models(published, downloaded):
+def test_load_by_repo_id_matches_the_local_folders(published, downloaded):
     _, loaded = downloaded
-    assert loaded["tokenizer_ids"] == published["prompt_ids"][0]
-    assert loaded["remote_tokenizer_ids"] == published["prompt_ids"][0]
+    assert loaded["llama_tokenizer_ids"] == published["llama_prompt"][0]
     assert_close(loaded["llama_logits"], published["llama_logits"])
     assert_close(loaded["llama_dev_logits"], published["llama_dev_logits"])
-    assert_close(loaded["remote_logits"], published["remote_logits"])
-    assert loaded["remote_generated"] == published["remote_generated"]
+    assert "kvm_tokenizer_ids" in published  # the KVM conversion carries its tokenizer
+    for key in ("kvm", "maglev"):
+        for loaded_key in (key, key + "_dev"):
+            assert loaded[loaded_key + "_class_module"].startswith("transformers_modules.")
+            assert_close(loaded[loaded_key + "_logits"], published[key + "_logits"], atol=1e-5)
+            assert loaded[loaded_key + "_generated"] == published[key + "_generated"]
+            if key + "_tokenizer_ids" in published:
+                assert loaded[loaded_key + "_tokenizer_ids"] == published[key + "_tokenizer_ids"]
 
 
 def test_remote_code_is_fetched_into_module_cache_pinned_by_commit(published, downloaded):
     _, loaded = downloaded
-    commit = published["remote_commit"]
-    assert loaded["remote_class_module"].startswith("transformers_modules.")
-    assert {"configuration_tiny_remote.py", "modeling_tiny_remote.py"} <= set(published["remote_files"])
-    pinned = [f for f in loaded["module_files"] if commit in f.split(os.sep)]
-    assert {Path(f).name for f in pinned} >= {"configuration_tiny_remote.py", "modeling_tiny_remote.py"}
+    for key in ("kvm", "maglev"):
+        commit = published[f"{key}_commit"]
+        pinned = {Path(f).name for f in loaded["module_files"] if commit in Path(f).parts}
+        assert set(published["code_files"][key]) <= pinned
 
 
 def test_offline_loading_from_cache_makes_no_request(hub, published, downloaded):
     hf_home, online = downloaded
     before = len(hub.requests)
-    offline = run_client(LOAD, client_env(hub, hf_home, offline=True), {"prompt_ids": published["prompt_ids"]})
+    offline = run_client(LOAD, client_env(hub, hf_home, offline=True), load_payload(published))
     assert len(hub.requests) == before
-    for key in ("llama_logits", "llama_dev_logits", "remote_logits"):
-        assert_close(offline[key], online[key], atol=0)
-    assert offline["remote_generated"] == online["remote_generated"]
+    for key in ("llama", "llama_dev", "kvm", "kvm_dev", "maglev", "maglev_dev"):
+        assert_close(offline[key + "_logits"], online[key + "_logits"], atol=0)
+    assert offline["kvm_generated"] == online["kvm_generated"]
+    assert offline["maglev_generated"] == online["maglev_generated"]
 
 
 FINETUNE_AND_PUSH = r'''
@@ -328,7 +340,7 @@ with torch.no_grad():
 
 
 def test_model_push_to_hub_after_finetuning_reloads(hub, published, tmp_path):
-    payload = {"prompt_ids": published["prompt_ids"]}
+    payload = {"prompt_ids": published["llama_prompt"]}
     tuned = run_client(FINETUNE_AND_PUSH, client_env(hub, tmp_path / "tune"), payload)
     repo = hub.repo("test-user/tiny-llama-finetuned")
     assert repo.resolve(tuned["commit"]).title == "Fine-tune one step"
