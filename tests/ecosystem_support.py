@@ -71,8 +71,42 @@ def save_tiny_llama(folder: Path, seed: int = 0) -> Path:
 LORA_TARGETS_FOR_TESTS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 
 
+def perturb_(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
+    """Move every parameter off its initial value (zero output projections, zero gates), so that
+    gradients, merges and memories are non-trivial, as in a trained checkpoint."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+
+
+def save_tiny_maglev(folder: Path, seed: int = 0) -> Path:
+    """A 2-layer Maglev (hidden 64, window 16) with memory and a separate prefiller Q, saved with
+    its remote code and the nanochat test tokenizer (with the chat template)."""
+    from kvm_maglev import MaglevConfig, MaglevForCausalLM
+    from kvm_maglev.tokenization.nanochat import load_nanochat_tokenizer, nanochat_generation_token_fields
+
+    tokenizer = load_nanochat_tokenizer(REPO_ROOT / "tests" / "data" / "nanochat" / "tiny_sl" / "tokenizer")
+    config = MaglevConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, window_pattern="SL", sliding_window=16,
+        has_prefiller=True, prefiller_shares_blocks=False, prefiller_window_pattern="SL",
+        consistency_weight=0.5, **nanochat_generation_token_fields(tokenizer),
+    )
+    torch.manual_seed(seed)
+    model = MaglevForCausalLM(config)
+    perturb_(model, seed)
+    model.generation_config.update(**nanochat_generation_token_fields(tokenizer))
+    model.config.register_for_auto_class()
+    model.register_for_auto_class("AutoModelForCausalLM")
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 # model kinds the ecosystem tests run on; each maps to a builder of a saved model folder
-MODEL_BUILDERS = {"llama": save_tiny_llama}
+MODEL_BUILDERS = {"llama": save_tiny_llama, "maglev": save_tiny_maglev}
 _FOLDERS: dict[str, Path] = {}
 
 

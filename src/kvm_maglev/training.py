@@ -18,18 +18,18 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase, Trainer
 
 # Linear layers worth adapting, per `config.model_type` and group. PEFT matches each name
-# against the last component of a module's dotted path, so "c_proj" selects both the
-# attention output and the MLP output projection in nanochat-style blocks.
+# against the last component of a module's dotted path, so one name covers every layer (and,
+# for Maglev with a separate prefiller Q, Q's blocks as well as P's).
 LORA_TARGET_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
     "kvm": {
         "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
         "mlp": ("up_proj", "down_proj"),
     },
     "maglev": {
-        "attention": ("c_q", "c_k", "c_v", "c_proj"),
-        "mlp": ("c_fc", "c_proj"),
+        "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+        "mlp": ("up_proj", "down_proj"),
         # the projections that inject the carried memory into keys and values
-        "memory": ("mem_k", "mem_v"),
+        "memory": ("memory_k_proj", "memory_v_proj"),
     },
 }
 
@@ -112,14 +112,14 @@ class LossComponentsTrainer(Trainer):
 
     Maglev returns `loss = lm_loss + consistency_weight * consistency_loss`; this Trainer logs
     `lm_loss` and `consistency_loss` (training) and `eval_lm_loss`, `eval_consistency_loss`
-    (evaluation), each averaged over the micro-batches since the last log and over processes.
-    Models without these outputs train exactly as with a plain Trainer.
+    (evaluation) since the previous log, over all micro-batches and processes: `lm_loss` as the
+    mean cross-entropy per supervised token, `consistency_loss` as the mean of the per-batch
+    values. Models without these outputs train exactly as with a plain Trainer.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._component_sums: dict[str, dict[str, torch.Tensor]] = {"train": {}, "eval": {}}
-        self._component_counts: dict[str, int] = {"train": 0, "eval": 0}
+        self._component_totals: dict[str, dict[str, torch.Tensor]] = {"train": {}, "eval": {}}
 
     def compute_loss(
         self,
@@ -128,21 +128,35 @@ class LossComponentsTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        labels = inputs.get("labels")
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        self._record_components(outputs, "train" if model.training else "eval")
+        self._record_components(outputs, labels, num_items_in_batch, "train" if model.training else "eval")
         return (loss, outputs) if return_outputs else loss
 
-    def _record_components(self, outputs: Any, phase: str) -> None:
-        sums = self._component_sums[phase]
-        found = False
-        for name in LOSS_COMPONENT_NAMES:
+    def _record_components(self, outputs: Any, labels: torch.Tensor | None, num_items_in_batch: Any,
+                           phase: str) -> None:
+        def output(name: str) -> torch.Tensor | None:
             value = outputs.get(name) if isinstance(outputs, dict) else getattr(outputs, name, None)
-            if isinstance(value, torch.Tensor):
-                value = value.detach().float().mean()
-                sums[name] = sums[name] + value if name in sums else value
-                found = True
-        if found:
-            self._component_counts[phase] += 1
+            return value.detach().float() if isinstance(value, torch.Tensor) else None
+
+        found: dict[str, torch.Tensor] = {}
+        lm_loss = output("lm_loss")
+        if lm_loss is not None and labels is not None:
+            supervised = labels[..., 1:].ne(-100).sum().float()
+            # Trainer passes num_items_in_batch (the supervised tokens of the whole accumulated,
+            # all-process batch) to models taking loss kwargs, which then divide their summed
+            # cross-entropy by it instead of by this micro-batch's own count
+            divisor = num_items_in_batch if num_items_in_batch is not None and self.model_accepts_loss_kwargs \
+                else supervised
+            found["lm_loss_sum"] = lm_loss * torch.as_tensor(divisor, dtype=torch.float32, device=lm_loss.device)
+            found["lm_loss_tokens"] = supervised.to(lm_loss.device)
+        consistency = output("consistency_loss")
+        if consistency is not None:
+            found["consistency_loss_sum"] = consistency.mean()
+            found["consistency_loss_batches"] = torch.ones((), device=consistency.device)
+        totals = self._component_totals[phase]
+        for key, value in found.items():
+            totals[key] = totals[key] + value if key in totals else value
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
@@ -152,11 +166,13 @@ class LossComponentsTrainer(Trainer):
         super().log(logs, start_time)
 
     def _pop_component_means(self, phase: str, prefix: str) -> dict[str, float]:
-        # every process logs at the same step, so the cross-process mean is a collective here
-        sums, count = self._component_sums[phase], self._component_counts[phase]
-        self._component_sums[phase], self._component_counts[phase] = {}, 0
+        # every process logs at the same step, so summing over processes is a collective here
+        totals, self._component_totals[phase] = self._component_totals[phase], {}
         means = {}
-        for name in sorted(sums):
-            mean = (sums[name] / count).to(self.args.device)
-            means[prefix + name] = round(self.accelerator.reduce(mean, reduction="mean").item(), 4)
+        for name, count_key in (("lm_loss", "lm_loss_tokens"), ("consistency_loss", "consistency_loss_batches")):
+            if count_key not in totals:
+                continue
+            pair = torch.stack([totals[f"{name}_sum"], totals[count_key]]).to(self.args.device)
+            total, count = self.accelerator.reduce(pair, reduction="sum").tolist()
+            means[prefix + name] = round(total / max(count, 1.0), 4)
         return means
