@@ -266,6 +266,12 @@ assert "kvm_maglev" not in type(model).__module__
 with torch.no_grad():
     error = (model(reference["input_ids"], use_cache=False).logits - reference["logits_full"]).abs().max().item()
     generated = model.generate(reference["greedy_prompt"][None], max_new_tokens=16, do_sample=False)
+from transformers import AutoConfig, AutoModel
+base = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+assert type(base).__name__ == "MaglevModel" and AutoConfig.from_pretrained(folder, trust_remote_code=True).model_type == "maglev"
+with torch.no_grad():
+    hidden = base(reference["input_ids"][:, :8], use_cache=False).last_hidden_state
+assert torch.allclose(hidden, model.model(reference["input_ids"][:, :8], use_cache=False).last_hidden_state)
 print(json.dumps({"error": error, "new": generated[0, 80:].tolist(), "module": type(model).__module__}))
 """
 

@@ -283,6 +283,23 @@ def test_half_precision_runs_close(dtype):
     assert model.generate(ids[:, :5], max_new_tokens=4, do_sample=False).shape == (1, 9)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("switch,neutralize", [
+    ("use_smear", lambda m: m.model.smear_lambda.zero_()),
+    ("use_backout", lambda m: m.model.backout_lambda.zero_()),
+    ("use_value_embeddings", lambda m: [t.weight.zero_() for t in m.model.value_embeddings.values()]),
+    ("use_layer_lambdas", lambda m: (m.model.residual_lambdas.fill_(1.0), m.model.x0_lambdas.zero_())),
+])
+def test_feature_switch_off_equals_neutral_weights(switch, neutralize):
+    full = tiny_model()
+    neutralize(full)
+    reduced = MaglevForCausalLM(tiny_config(**{switch: False})).eval()
+    missing, _ = reduced.load_state_dict(full.state_dict(), strict=False)
+    assert not missing
+    ids = random_ids(2, 20)
+    assert torch.allclose(full(ids, use_cache=False).logits, reduced(ids, use_cache=False).logits, atol=1e-5)
+
+
 # ----- config ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fields,name", [
     (dict(window_pattern="SXL"), "window_pattern"),

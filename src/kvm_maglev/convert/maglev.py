@@ -121,6 +121,9 @@ def build_config(meta: dict, state: dict[str, torch.Tensor], keep_prefiller: boo
     if "transformer.wte.weight" in state:
         rows = state["transformer.wte.weight"].shape[0]
         fields["pad_vocab_size_to"] = 64 if rows != nano["vocab_size"] else 1
+    up = state.get("transformer.h.0.mlp.c_fc.weight")
+    if up is not None:
+        fields["intermediate_size"] = up.shape[0]
     gate = next((v for k, v in state.items() if k.endswith("attn.ve_gate.weight")), None)
     if gate is not None:
         fields["value_embedding_gate_channels"] = gate.shape[1]

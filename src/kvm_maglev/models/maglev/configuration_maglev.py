@@ -46,6 +46,7 @@ class MaglevConfig(PretrainedConfig):
         smear_gate_channels: int = 24,
         use_backout: bool = True,
         backout_layer: int | None = None,
+        use_layer_lambdas: bool = True,
         use_memory: bool = True,
         sliding_window: int | None = 256,
         memory_gate_channels: int = 12,
@@ -82,6 +83,7 @@ class MaglevConfig(PretrainedConfig):
         self.smear_gate_channels = smear_gate_channels
         self.use_backout = use_backout
         self.backout_layer = num_hidden_layers // 2 if backout_layer is None else backout_layer
+        self.use_layer_lambdas = use_layer_lambdas
         self.use_memory = use_memory
         self.sliding_window = sliding_window
         self.memory_gate_channels = memory_gate_channels

@@ -218,8 +218,9 @@ class MaglevModel(MaglevPreTrainedModel):
         })
         layers = config.num_hidden_layers
         self.layers = nn.ModuleList([MaglevBlock(config, i, config.use_memory) for i in range(layers)])
-        self.residual_lambdas = nn.Parameter(torch.ones(layers))
-        self.x0_lambdas = nn.Parameter(torch.zeros(layers))
+        lambdas = config.use_layer_lambdas
+        self.residual_lambdas = nn.Parameter(torch.ones(layers)) if lambdas else None
+        self.x0_lambdas = nn.Parameter(torch.zeros(layers)) if lambdas else None
         self.smear_gate = nn.Linear(config.smear_gate_channels, 1, bias=False) if config.use_smear else None
         self.smear_lambda = nn.Parameter(torch.zeros(1)) if config.use_smear else None
         self.backout_lambda = nn.Parameter(torch.zeros(1)) if config.use_backout else None
@@ -229,8 +230,9 @@ class MaglevModel(MaglevPreTrainedModel):
             nn.ModuleList([MaglevBlock(config, i, with_memory=False) for i in range(layers)])
             if separate_prefiller else None
         )
-        self.prefiller_residual_lambdas = nn.Parameter(torch.ones(layers)) if separate_prefiller else None
-        self.prefiller_x0_lambdas = nn.Parameter(torch.zeros(layers)) if separate_prefiller else None
+        prefiller_lambdas = separate_prefiller and lambdas
+        self.prefiller_residual_lambdas = nn.Parameter(torch.ones(layers)) if prefiller_lambdas else None
+        self.prefiller_x0_lambdas = nn.Parameter(torch.zeros(layers)) if prefiller_lambdas else None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -271,7 +273,8 @@ class MaglevModel(MaglevPreTrainedModel):
         rotary = rotary_tables(config, positions, x0.dtype)
         x, backout = x0, None
         for i, block in enumerate(blocks):
-            x = res_l[i] * x + x0_l[i] * x0
+            if res_l is not None:
+                x = res_l[i] * x + x0_l[i] * x0
             if hidden_states is not None:
                 hidden_states.append(x)
             table = self.value_embeddings[str(i)] if str(i) in self.value_embeddings else None
