@@ -445,6 +445,7 @@ class KVMModel(KVMPreTrainedModel):
     """Embeddings, KVM / sliding-window decoder layers and the final norm."""
 
     def __init__(self, config: KVMConfig):
+        config.validate_kvm()  # from_pretrained(..., field=value) sets fields after the config's own check
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
