@@ -1,0 +1,104 @@
+"""PEFT LoRA: documented target modules, training, adapter save/reload, merge, generate."""
+
+import peft
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import ecosystem_support as support
+from kvm_maglev.training import LORA_TARGET_MODULES, lora_target_modules
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module", params=sorted(support.MODEL_BUILDERS))
+def model_dir(request, tmp_path_factory):
+    return support.model_folder(request.param, tmp_path_factory.getbasetemp())
+
+
+def load(folder):
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def targets_for(model) -> list[str]:
+    model_type = model.config.model_type
+    if model_type in LORA_TARGET_MODULES:
+        return lora_target_modules(model)
+    return support.LORA_TARGETS_FOR_TESTS[model_type]
+
+
+def prompt_ids(folder, length=10) -> torch.Tensor:
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    return torch.tensor([tokenizer(support.corpus_lines()[3], add_special_tokens=False)["input_ids"][:length]])
+
+
+def test_documented_targets_cover_attention_mlp_and_memory(model_dir):
+    model = load(model_dir)
+    if model.config.model_type not in LORA_TARGET_MODULES:
+        with pytest.raises(ValueError, match="no documented LoRA target modules"):
+            lora_target_modules(model)
+        return
+    names = lora_target_modules(model)
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"} <= set(names)
+    if model.config.model_type == "maglev":
+        assert {"memory_k_proj", "memory_v_proj"} <= set(names)
+        assert "memory_k_proj" not in lora_target_modules(model, groups=["attention", "mlp"])
+    with pytest.raises(ValueError, match="unknown LoRA group"):
+        lora_target_modules(model, groups=["embeddings"])
+
+
+def test_lora_trainable_parameter_count(model_dir):
+    model = load(model_dir)
+    targets = targets_for(model)
+    rank = 4
+    expected = sum(
+        rank * (module.in_features + module.out_features)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    )
+    lora_model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=8, target_modules=targets,
+                                                            task_type="CAUSAL_LM"))
+    trainable, total = lora_model.get_nb_trainable_parameters()
+    assert trainable == expected > 0
+    assert all(("lora_" in name) == p.requires_grad for name, p in lora_model.named_parameters())
+
+
+def test_lora_example_trains_saves_reloads_merges_and_generates(model_dir, tmp_path):
+    example = support.load_example("finetune")
+    out = tmp_path / "lora"
+    argv = ["--model", str(model_dir), "--output-dir", str(out), "--block-size", "32", "--max-steps", "4",
+            "--batch-size", "2", "--learning-rate", "1e-2", "--eval-fraction", "0", "--save-steps", "4",
+            "--lora", "--lora-rank", "4", "--merge-lora"]
+    base = load(model_dir)
+    if base.config.model_type not in LORA_TARGET_MODULES:
+        argv += ["--lora-targets", ",".join(targets_for(base))]
+    assert example.main(argv) == 0
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+
+    # the adapter goes onto a fresh base; the base's own weights stay as they were
+    base_state = {name: p.clone() for name, p in load(model_dir).state_dict().items()}
+    adapted = peft.PeftModel.from_pretrained(load(model_dir), out).eval()
+    trained_b = [p for name, p in adapted.named_parameters() if "lora_B" in name]
+    assert trained_b and all(p.abs().sum() > 0 for p in trained_b)  # B starts at zero: it was trained
+    for name, tensor in adapted.get_base_model().state_dict().items():
+        if "lora_" not in name and name.replace(".base_layer", "") in base_state:
+            assert torch.equal(tensor, base_state[name.replace(".base_layer", "")]), name
+
+    ids = prompt_ids(model_dir)
+    with torch.no_grad():
+        adapter_logits = adapted(input_ids=ids).logits
+        base_logits = base(input_ids=ids).logits
+        merged = load(out / "merged")
+        merged_logits = merged(input_ids=ids).logits
+    assert (adapter_logits - base_logits).abs().max() > 1e-3
+    torch.testing.assert_close(merged_logits, adapter_logits, atol=1e-5, rtol=1e-5)
+
+    # merge_and_unload in memory as well, then generate through the PeftModel and the merged model
+    in_memory = peft.PeftModel.from_pretrained(load(model_dir), out).eval()
+    generated = adapted.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    merged_in_memory = in_memory.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged_in_memory(input_ids=ids).logits, adapter_logits, atol=1e-5, rtol=1e-5)
+    assert generated.shape[0] == 1 and generated.shape[1] > ids.shape[1]
+    assert torch.equal(generated, merged.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
