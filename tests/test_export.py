@@ -227,3 +227,72 @@ def test_kvm_card_cache_table_and_metadata():
 def test_card_rejects_unknown_architecture():
     with pytest.raises(ValueError, match="no model card template"):
         render_model_card(_StandInKVMConfig(), num_parameters=10, architecture="llama")
+
+
+# --- end to end: a converted nanochat/Maglev checkpoint, loaded without this package ---
+
+_FRESH_PROCESS_LOAD = """
+import json, sys
+sys.modules["kvm_maglev"] = None  # the folder must work with plain transformers
+import torch
+from huggingface_hub import ModelCard
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+out, reference = sys.argv[1], sys.argv[2]
+model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+with safe_open(reference, "pt") as f:
+    ids, logits = f.get_tensor("input_ids")[:1, :48], f.get_tensor("logits_full")[:1, :48]
+    messages = json.loads(f.metadata()["nanochat_reference"])["conversation"]["messages"]
+    conv_ids = f.get_tensor("conv_ids").tolist()
+with torch.no_grad():
+    diff = (model(input_ids=ids).logits[..., :logits.shape[-1]] - logits).abs().max().item()
+card = ModelCard.load(out + "/README.md", ignore_metadata_errors=False)
+print(json.dumps({"diff": diff, "chat_ok": tok.apply_chat_template(messages, return_dict=False) == conv_ids,
+                  "eos": GenerationConfig.from_pretrained(out).eos_token_id, "tags": card.data.tags}))
+"""
+
+
+def test_converted_maglev_folder_loads_without_package(tmp_path, data_dir):
+    import subprocess
+    import sys
+
+    from kvm_maglev.convert import maglev as maglev_convert
+    from kvm_maglev.tokenization.nanochat import load_nanochat_tokenizer, nanochat_generation_token_fields
+
+    fixture = data_dir / "nanochat" / "tiny_sl"
+    source = fixture / "base_checkpoints" / "d2"
+    state, meta = maglev_convert.read_checkpoint(source, 10)
+    config = maglev_convert.build_config(meta, state)
+    model = maglev_convert.build_model(config, maglev_convert.convert_state_dict(state, config))
+    model.config.register_for_auto_class()
+    model.register_for_auto_class("AutoModelForCausalLM")
+    tokenizer = load_nanochat_tokenizer(fixture / "tokenizer", model_max_length=config.max_position_embeddings)
+    checkpoint = source / "model_000010.pt"
+    card = render_model_card(config, num_parameters=model.num_parameters(), license="mit",
+                             provenance=Provenance(str(checkpoint), file_sha256(checkpoint), 10))
+    out = write_model_folder(model, tmp_path / "maglev", tokenizer=tokenizer, card_text=card,
+                             generation_fields=nanochat_generation_token_fields(tokenizer), progress=False)
+    assert (out / "modeling_maglev.py").is_file() and (out / "tokenization_nanochat.py").is_file()
+    result = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_LOAD, str(out), str(fixture / "reference.safetensors")],
+                            capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert loaded["diff"] < 1e-4
+    assert loaded["chat_ok"] and loaded["eos"] == [355, 351] and "maglev" in loaded["tags"]
+
+
+def test_generation_never_emits_padded_ids(tmp_path, tokenizer):
+    model = _tiny_llama()
+    with torch.no_grad():  # make the padded rows (500..511) win every argmax unless suppressed
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[500:] = torch.randn(VOCAB - 500, model.config.hidden_size) * 10
+    out = write_model_folder(model, tmp_path / "out", tokenizer=tokenizer,
+                             generation_fields=generation_token_fields(tokenizer, VOCAB), progress=False)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    prompt = torch.tensor([tokenizer.encode("hello world")])
+    plain = reloaded.generate(prompt, max_new_tokens=6, do_sample=False, suppress_tokens=None, eos_token_id=None)
+    assert (plain[0, prompt.shape[1]:] >= 500).all()  # the setup really prefers padded ids
+    for do_sample in (False, True):
+        generated = reloaded.generate(prompt, max_new_tokens=6, do_sample=do_sample, eos_token_id=None)
+        assert (generated[0, prompt.shape[1]:] < 500).all()

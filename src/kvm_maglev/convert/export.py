@@ -176,10 +176,14 @@ def _write_extra_files(folder: Path, extra_files: Mapping) -> None:
             raise TypeError(f"extra file {name!r}: expected str, bytes or a path, got {type(content).__name__}")
 
 
-def _check_written(folder: Path, needs_tokenizer: bool) -> None:
-    """The folder holds a config, every weight shard its index names, a generation config and the tokenizer."""
+def _check_written(folder: Path, needs_tokenizer: bool, custom_code: bool) -> None:
+    """The folder holds a config (with auto_map for custom code), every weight shard its index names,
+    a generation config and the tokenizer."""
     if not (folder / "config.json").is_file():
         raise ValueError("save_pretrained wrote no config.json")
+    auto_map = json.loads((folder / "config.json").read_text()).get("auto_map", {})
+    if custom_code and not {"AutoConfig", "AutoModelForCausalLM"} <= set(auto_map):
+        raise ValueError(f"config.json's auto_map lacks AutoConfig/AutoModelForCausalLM (got {sorted(auto_map)})")
     index = folder / _SAFETENSORS_INDEX
     if index.is_file():
         shards = set(json.loads(index.read_text())["weight_map"].values())
@@ -273,7 +277,7 @@ def write_model_folder(
                 (staging / "README.md").write_text(card_text, encoding="utf-8")
             _write_extra_files(staging, extra_files or {})
             stages.start("verify")
-            _check_written(staging, tokenizer is not None)
+            _check_written(staging, tokenizer is not None, not type(model).__module__.startswith("transformers."))
             stages.start("move into place")
             _move_into_place(staging, out_dir, overwrite)
         except BaseException:
