@@ -91,6 +91,18 @@ def test_invariant3_cached_decoding_equals_uncached_recurrent_forward(prompt_len
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("prompt_len,chunk", [(3, 13), (20, 5), (9, 1)])
+def test_sliding_ring_chunks_equal_full_forward_memory_off(prompt_len, chunk):
+    """Parallel chunks larger or smaller than the ring, on a non-empty cache (smear across chunks)."""
+    model = tiny_model(use_memory=False)
+    ids = random_ids(3, 50)
+    stepped, cache = cached_logits(model, ids, prompt_len, chunk)
+    error = (stepped - model(ids, use_cache=False).logits).abs().max().item()
+    assert error < 1e-5, error
+    assert cache.nbytes() == model.config.cache_bytes(50, batch_size=3, dtype=torch.float32)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("shares", [True, False])
 def test_invariant4_lifted_consistency(shares):
     model = tiny_model(prefiller_shares_blocks=shares)

@@ -311,6 +311,9 @@ class MaglevModel(MaglevPreTrainedModel):
 
     def recurrent(self, input_ids, cache, hidden_states=None):
         """The paper's inference: token after token through P, each fed the previous token's memory."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            raise NotImplementedError("gradient checkpointing would replay cache writes in the recurrent pass; "
+                                      "train with the prefiller (lifted training) or without checkpointing")
         outputs, per_step = [], []
         for t in range(input_ids.shape[1]):
             first = cache.last_memory
