@@ -8,7 +8,7 @@ from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from kvm_maglev.convert.cards import Provenance, file_sha256, render_model_card
+from kvm_maglev.convert.cards import Provenance, file_sha256, format_bytes, format_count, render_model_card
 from kvm_maglev.convert.export import check_state_dict, expected_shapes, write_model_folder
 from kvm_maglev.tokenization.gpt2 import generation_token_fields, load_research_tokenizer
 
@@ -199,34 +199,33 @@ def test_maglev_card_from_config(tmp_path):
     assert "| 1M |" in card_text and "| 4k |" in card_text
 
 
-class _StandInKVMConfig:
-    """The attributes the KVM card reads, with cache sizes of a simple closed form."""
+def test_kvm_card_from_config():
+    from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
 
-    model_type = "kvm"
-    num_hidden_layers, hidden_size, num_attention_heads, vocab_size = 2, 64, 2, 512
-    chunk_size, window_chunks, state_budget_mode, state_budget_min, sink_slots = 16, 2, "fixed", 16, 1
-    sliding_window_every, sliding_window = 0, None
-
-    def cache_bytes(self, num_tokens, batch_size=1, dtype=torch.bfloat16):
-        return 1000 * batch_size
-
-    def full_attention_cache_bytes(self, num_tokens, batch_size=1, dtype=torch.bfloat16):
-        return 10 * num_tokens * batch_size
-
-
-def test_kvm_card_cache_table_and_metadata():
-    card_text = render_model_card(_StandInKVMConfig(), num_parameters=1000, license="apache-2.0")
-    assert "| 4k | 1000 B | 40.00 KiB | 41.0x smaller |" in card_text
-    assert "| 1M | 1000 B | 10.00 MiB | 10485.8x smaller |" in card_text
-    assert "arXiv:2605.09877" in card_text and "Goldstein" in card_text
+    config = KVMConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, chunk_size=16,
+                       window_chunks=2, sink_slots=1, state_budget_min=16)
+    card_text = render_model_card(config, num_parameters=1000, license="apache-2.0")
+    for tokens, label in ((4096, "4k"), (32768, "32k"), (131072, "128k"), (1048576, "1M")):
+        ours = format_bytes(config.cache_bytes(tokens, batch_size=1, dtype=torch.bfloat16))
+        full = format_bytes(config.full_attention_cache_bytes(tokens, batch_size=1, dtype=torch.bfloat16))
+        assert f"| {label} | {ours} | {full} |" in card_text
+    assert "arXiv:2605.09877" in card_text and "Goldstein" in card_text and "trust_remote_code=True" in card_text
     card = ModelCard(card_text, ignore_metadata_errors=False)
     assert {"custom_code", "kvm"} <= set(card.data.tags) and card.data.license == "apache-2.0"
-    assert "base_model" not in card_text.split("---")[1]
+    assert card.data.base_model is None and card.data.datasets is None
+    assert "Not recorded." in card_text
+
+
+def test_size_formatting():
+    assert [format_bytes(n) for n in (1000, 1536, 10 * 2**20, 36 * 2**30)] == [
+        "1000 B", "1.50 KiB", "10.00 MiB", "36.00 GiB"
+    ]
+    assert format_count(999) == "999" and format_count(124_439_808) == "124.44M (124,439,808)"
 
 
 def test_card_rejects_unknown_architecture():
     with pytest.raises(ValueError, match="no model card template"):
-        render_model_card(_StandInKVMConfig(), num_parameters=10, architecture="llama")
+        render_model_card(LlamaConfig(), num_parameters=10)
 
 
 # --- end to end: a converted nanochat/Maglev checkpoint, loaded without this package ---
