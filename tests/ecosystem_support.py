@@ -125,3 +125,8 @@ def load_example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def project_models() -> list[str]:
+    """The project's own architectures among MODEL_BUILDERS (the Llama baseline excluded)."""
+    return sorted(kind for kind in MODEL_BUILDERS if kind != "llama")

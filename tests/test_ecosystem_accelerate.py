@@ -1,0 +1,69 @@
+"""accelerate: a 2-process DDP run of the Trainer example, and big-model loading with device_map."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from accelerate.utils import compute_module_sizes
+from transformers import AutoModelForCausalLM
+
+import ecosystem_support as support
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module", params=support.project_models())
+def model_dir(request, tmp_path_factory):
+    return support.model_folder(request.param, tmp_path_factory.getbasetemp())
+
+
+def test_two_process_ddp_run_of_the_finetune_example(model_dir, tmp_path):
+    """torchrun-backed `accelerate launch` with 2 CPU processes (gloo); DDP runs without the
+    unused-parameter search, so a parameter left without a gradient would fail the run."""
+    out = tmp_path / "ddp"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+        str(support.REPO_ROOT / "examples" / "finetune.py"),
+        "--model", str(model_dir), "--output-dir", str(out), "--block-size", "32", "--max-steps", "3",
+        "--batch-size", "2", "--logging-steps", "1", "--eval-steps", "3", "--save-steps", "3", "--check-replicas",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    replicas = json.loads((out / "replicas.json").read_text())
+    assert replicas["world_size"] == 2 and replicas["identical"], replicas
+    history = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
+    assert [entry["step"] for entry in history if "loss" in entry] == [1, 2, 3]
+    assert any("eval_loss" in entry for entry in history)
+    config = json.loads((model_dir / "config.json").read_text())
+    if config["model_type"] == "maglev" and config.get("has_prefiller"):
+        assert all({"lm_loss", "consistency_loss"} <= entry.keys() for entry in history if "loss" in entry)
+
+
+def test_device_map_auto_splits_between_blocks_and_matches(model_dir, tmp_path):
+    """device_map="auto" with too little CPU memory offloads to disk through accelerate's hooks:
+    whole decoder blocks only (`_no_split_modules`), and the same logits and generations."""
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
+    assert reference._no_split_modules
+    budget = int(compute_module_sizes(reference)[""] * 0.7)
+    mapped = AutoModelForCausalLM.from_pretrained(
+        model_dir, trust_remote_code=True, device_map="auto", max_memory={"cpu": budget},
+        offload_folder=str(tmp_path / "offload"),
+    ).eval()
+    devices = mapped.hf_device_map
+    assert "disk" in devices.values() and "cpu" in devices.values()
+    block_classes = set(reference._no_split_modules)
+    blocks = [name for name, module in reference.named_modules() if type(module).__name__ in block_classes]
+    assert blocks
+    for key in devices:
+        assert not any(key.startswith(block + ".") for block in blocks), f"{key} splits a decoder block"
+    ids = torch.arange(3, 15).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(mapped(input_ids=ids).logits, reference(input_ids=ids).logits)
+    assert torch.equal(mapped.generate(ids, max_new_tokens=5, do_sample=False),
+                       reference.generate(ids, max_new_tokens=5, do_sample=False))
