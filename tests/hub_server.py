@@ -109,6 +109,13 @@ class HubError(Exception):
         self.status, self.message, self.code, self.headers, self.body = status, message, code, headers or {}, body
 
 
+class NoRoute(HubError):
+    """A request this double does not implement: recorded so tests notice a client using it."""
+
+    def __init__(self, method: str, path: str):
+        super().__init__(404, f"No route for {method} {path}")
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())
 
@@ -181,6 +188,8 @@ class _Handler(BaseHTTPRequestHandler):
                 status = self.hub.route(self, method)
         except HubError as error:
             status = error.status
+            if isinstance(error, NoRoute):
+                self.hub.server.unrouted.append((method, self.path))
             headers = dict(error.headers)
             if error.code:
                 headers["X-Error-Code"] = error.code
@@ -220,6 +229,7 @@ class HubServer:
     def __init__(self, token: str = "hf_test_dummy_token"):
         self.state = HubState(token)
         self.requests: list = []  # (server name, method, path, status, authorization header)
+        self.unrouted: list = []  # (method, path) of requests no route handles
         self._api = self._make_server("api")
         self._cdn = self._make_server("cdn")
         self.endpoint = f"http://127.0.0.1:{self._api.server_address[1]}"
@@ -315,7 +325,7 @@ def _route_api(hub: HubServer, req: _Handler, method: str) -> int:
         return _lfs_batch(hub, req, repo_type, f"{seg[0]}/{seg[1][:-4]}")
     if len(seg) >= 5 and seg[2] == "resolve" and method in ("GET", "HEAD"):
         return _resolve(hub, req, method, repo_type, f"{seg[0]}/{seg[1]}", seg[3], "/".join(seg[4:]))
-    raise HubError(404, f"No route for {method} {req.path}")
+    raise NoRoute(method, req.path)
 
 
 def _route_repo_api(hub, req, method, repo_type, repo_id, rest) -> int:
@@ -344,7 +354,7 @@ def _route_repo_api(hub, req, method, repo_type, repo_id, rest) -> int:
         return _preupload(hub, req, repo_type, repo_id, args[0])
     if action == "commit" and args and method == "POST":
         return _commit(hub, req, repo_type, repo_id, args[0])
-    raise HubError(404, f"No route for {method} {req.path}")
+    raise NoRoute(method, req.path)
 
 
 # --- access ----------------------------------------------------------------------------------
@@ -678,7 +688,7 @@ def _serve_cdn(hub: HubServer, req: _Handler, method: str) -> int:
     """The LFS storage origin: anonymous, content-addressed, like a signed CDN url."""
     seg = req.segments
     if method not in ("GET", "HEAD") or len(seg) != 5 or seg[0] != "lfs":
-        raise HubError(404, f"No route for {method} {req.path}")
+        raise NoRoute(method, req.path)
     repo = hub.state.repos.get((seg[1], f"{seg[2]}/{seg[3]}"))
     data = repo.lfs.get(seg[4]) if repo else None
     if data is None:
@@ -750,7 +760,7 @@ def _lfs_batch(hub, req, repo_type, repo_id) -> int:
 def _lfs_target(hub, req) -> tuple:
     seg = req.segments
     if len(seg) != 5:
-        raise HubError(404, f"No route for {req.path}")
+        raise NoRoute("PUT/POST", req.path)
     repo = hub.state.repos.get((seg[1], seg[2]))
     if repo is None:
         raise HubError(404, "Repository not found", "RepoNotFound")

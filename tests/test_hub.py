@@ -349,3 +349,106 @@ def test_model_push_to_hub_after_finetuning_reloads(hub, published, tmp_path):
     assert_close(reloaded["logits"], tuned["logits"])
     with pytest.raises(AssertionError):
         assert_close(reloaded["logits"], published["llama_logits"])
+
+
+def test_the_double_implemented_every_request_the_clients_made(hub, published, downloaded):
+    assert hub.unrouted == []
+
+
+# --- bad input: refused before anything is sent ---------------------------------------------------
+
+SECRET = "hf_not_a_real_token_0123456789"
+
+
+def converted_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "kvm"}))
+    (folder / "model.safetensors").write_bytes(b"weights")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        (lambda f: (f / "config.json").unlink(), "has no config.json"),
+        (lambda f: (f / "model.safetensors").unlink(), "conversion looks incomplete"),
+        (
+            lambda f: (f / "model.safetensors.index.json").write_text(
+                json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})
+            ),
+            "model-00001-of-00002.safetensors",
+        ),
+        (lambda f: (f / "notes.txt").write_text(f"token={SECRET}"), "contains your Hugging Face token"),
+    ],
+)
+def test_push_refuses_a_bad_folder(tmp_path, breakage, message):
+    from kvm_maglev.hub import push_folder
+
+    folder = converted_folder(tmp_path)
+    breakage(folder)
+    with pytest.raises(ValueError, match=message) as error:
+        push_folder(folder, "test-org/model", token=SECRET)
+    assert SECRET not in str(error.value)
+
+
+def test_push_refuses_a_missing_folder(tmp_path):
+    from kvm_maglev.hub import push_folder
+
+    with pytest.raises(ValueError, match="is not a folder"):
+        push_folder(tmp_path / "missing", "test-org/model", token=SECRET)
+
+
+@pytest.mark.parametrize("repo_id", ["model-only", "a/b/c", "org/", "/name", "org/na me", "org/..", "org/name.git"])
+def test_push_refuses_a_bad_repo_id(tmp_path, repo_id):
+    from kvm_maglev.hub import push_folder
+
+    with pytest.raises(ValueError, match="repo"):
+        push_folder(converted_folder(tmp_path), repo_id, token=SECRET)
+
+
+def test_push_command_reports_errors_without_the_token(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    from kvm_maglev import hub as push_command
+
+    folder = converted_folder(tmp_path)
+    (folder / "leak.json").write_text(json.dumps({"token": SECRET}))
+    parser = argparse.ArgumentParser()
+    push_command.add_arguments(parser)
+    args = parser.parse_args([str(folder), "test-org/model", "--private"])
+    monkeypatch.setenv("HF_TOKEN", SECRET)  # read when pushing, like `hf auth login`'s token
+    assert push_command.run(args) == 2
+    captured = capsys.readouterr()
+    assert "leak.json contains your Hugging Face token" in captured.err
+    assert SECRET not in captured.out + captured.err
+
+
+def test_push_without_any_token_says_how_to_get_one(hub, tmp_path):
+    code = """
+    import argparse, contextlib, io
+    from kvm_maglev import hub as push_command
+    parser = argparse.ArgumentParser()
+    push_command.add_arguments(parser)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = push_command.run(parser.parse_args([ARGS["folder"], "test-org/model"]))
+    print(json.dumps({"rc": rc, "err": err.getvalue()}))
+    """
+    env = client_env(hub, tmp_path / "home", token=False)
+    before = len(hub.requests)
+    result = run_client(code, env, {"folder": str(converted_folder(tmp_path))}, block_package=False)
+    assert result["rc"] == 2 and "No Hugging Face token found: set HF_TOKEN" in result["err"]
+    assert len(hub.requests) == before
+
+
+def test_source_checkpoint_is_read_from_config_or_card(tmp_path):
+    from kvm_maglev.hub import default_commit_message, find_source_checkpoint
+
+    folder = converted_folder(tmp_path)
+    assert find_source_checkpoint(folder) is None
+    assert default_commit_message(folder) == "Upload kvm model from out"
+    (folder / "README.md").write_text("# Card\n\n## Weights\n\n- source: `/runs/kvm/model_step000050.pt`\n- step: 50\n")
+    assert default_commit_message(folder) == "Upload kvm model converted from /runs/kvm/model_step000050.pt"
+    (folder / "config.json").write_text(json.dumps({"model_type": "maglev", "source_checkpoint": "d2/model_000011.pt"}))
+    assert default_commit_message(folder) == "Upload maglev model converted from d2/model_000011.pt"
