@@ -295,3 +295,10 @@ def test_generation_never_emits_padded_ids(tmp_path, tokenizer):
     for do_sample in (False, True):
         generated = reloaded.generate(prompt, max_new_tokens=6, do_sample=do_sample, eos_token_id=None)
         assert (generated[0, prompt.shape[1]:] < 500).all()
+
+
+def test_progress_lines_without_tqdm(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "tqdm.auto", None)
+    write_model_folder(_tiny_llama(), tmp_path / "out", progress=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert lines[0] == "[1/7] cast" and lines[-1] == "[7/7] move into place" and len(lines) == 7

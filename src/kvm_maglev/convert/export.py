@@ -74,9 +74,9 @@ class _Stages:
         if not self.enabled:
             return
         if self.bar is not None:
+            self.bar.set_postfix_str(name, refresh=not self.index)
             if self.index:
-                self.bar.update(1)
-            self.bar.set_postfix_str(name)
+                self.bar.update(1)  # the previous stage is done
         else:
             print(f"[{self.index + 1}/{len(self.names)}] {name}", file=sys.stderr, flush=True)
         self.index += 1
