@@ -99,7 +99,7 @@ class ShiftCarries:
         return self.values.get(name)
 
     def set(self, name: str, value: torch.Tensor) -> None:
-        self.values[name] = value[:, -1:].detach() if not torch.is_grad_enabled() else value[:, -1:]
+        self.values[name] = value[:, -1:].detach()  # carried across calls as data, like the research cache
 
     def nbytes(self) -> int:
         return sum(v.numel() * v.element_size() for v in self.values.values())

@@ -281,19 +281,26 @@ class KVMAttention(KVMAttentionBase):
 
     # -- attention --
     def attend_window(self, q, keys, values) -> torch.Tensor:
-        keys = keys * self.temperature("window_temperature")
+        """Causal attention inside the front window (no state yet); temperature on the queries."""
+        q = q * self.temperature("window_temperature")
         if q.shape[2] == keys.shape[2]:
             return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
-        mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device)
+        mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device) if q.shape[2] > 1 else None
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
     def attend_state_and_window(self, q, keys, values, state_keys, state_values) -> torch.Tensor:
-        """One softmax over state slots and window keys, without concatenating keys/values."""
+        """One softmax over state slots and window keys, without concatenating keys/values.
+
+        The per-head window temperature scales the queries of the window logits rather than
+        the window keys: the same logits without rewriting the window every step.
+        """
         scale = 1.0 / math.sqrt(q.shape[-1])
-        keys = keys * self.temperature("window_temperature")
-        mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device)
         state_logits = torch.matmul(q, state_keys.transpose(-1, -2)).float()
-        window_logits = torch.matmul(q, keys.transpose(-1, -2)).float().masked_fill(~mask, float("-inf"))
+        window_q = q * self.temperature("window_temperature")
+        window_logits = torch.matmul(window_q, keys.transpose(-1, -2)).float()
+        if q.shape[2] > 1:
+            mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device)
+            window_logits = window_logits.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(torch.cat([state_logits, window_logits], dim=-1) * scale, dim=-1).to(values.dtype)
         slots = state_keys.shape[2]
         return torch.matmul(probs[..., :slots], state_values) + torch.matmul(probs[..., slots:], values)
