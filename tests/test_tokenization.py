@@ -220,6 +220,7 @@ _FRESH_PROCESS_CHECK = textwrap.dedent(
         "encode": nanochat.encode(text, add_special_tokens=False),
         "chat": nanochat.apply_chat_template(messages, return_dict=False),
         "specials": [nanochat.bos_token, nanochat.eos_token, nanochat.pad_token],
+        "template": nanochat.chat_template,
         "gpt2": [gpt2.encode(text), gpt2.model_max_length, gpt2.eos_token],
     }))
     """
@@ -242,6 +243,7 @@ def test_saved_tokenizers_reload_in_fresh_process(tmp_path, tokenizer, reference
     assert loaded["encode"] == tensors["str_ids_5"]
     assert loaded["chat"] == tensors["conv_ids"]
     assert loaded["specials"] == ["<|bos|>", "<|assistant_end|>", "<|assistant_end|>"]
+    assert loaded["template"] == CHAT_TEMPLATE
     assert loaded["gpt2"] == [gpt2.encode(text), 4096, "<|endoftext|>"]
 
 
