@@ -21,7 +21,19 @@ setup(
         "tiktoken>=0.7",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        "train": ["accelerate>=1.0", "datasets>=3", "peft>=0.15"],
+        "eval": ["lm-eval==0.4.13"],
+        "bench": ["matplotlib>=3.7", "tqdm>=4"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",
+            "accelerate>=1.0",
+            "datasets>=3",
+            "peft>=0.15",
+            "lm-eval==0.4.13",
+            "matplotlib>=3.7",
+            "tqdm>=4",
+        ],
     },
     entry_points={"console_scripts": ["kvm-maglev=kvm_maglev.cli:main"]},
 )
