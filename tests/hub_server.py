@@ -40,6 +40,7 @@ import json
 import re
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
@@ -195,6 +196,9 @@ class _Handler(BaseHTTPRequestHandler):
                 headers["X-Error-Code"] = error.code
             headers["X-Error-Message"] = error.message
             self._send_json(error.status, {"error": error.message, **error.body}, headers, method)
+        except Exception as error:  # a bug in the double: answer 500 and let the tests see it
+            self.hub.server.crashes.append((method, self.path, traceback.format_exc()))
+            self._send_json(500, {"error": f"test double crashed: {error!r}"}, {}, method)
         finally:
             self.hub.requests.append((self.hub.name, method, self.path, status, self.headers.get("Authorization")))
 
@@ -230,6 +234,7 @@ class HubServer:
         self.state = HubState(token)
         self.requests: list = []  # (server name, method, path, status, authorization header)
         self.unrouted: list = []  # (method, path) of requests no route handles
+        self.crashes: list = []  # (method, path, traceback) of requests the double failed on
         self._api = self._make_server("api")
         self._cdn = self._make_server("cdn")
         self.endpoint = f"http://127.0.0.1:{self._api.server_address[1]}"
@@ -278,11 +283,6 @@ class HubServer:
     # --- helpers for tests -------------------------------------------------------------------
     def repo(self, repo_id: str, repo_type: str = "model") -> Repo:
         return self.state.repos[(repo_type, repo_id)]
-
-    def file_bytes(self, repo_id: str, path: str, revision: str = "main") -> bytes:
-        repo = self.repo(repo_id)
-        entry = repo.resolve(revision).files[path]
-        return repo.lfs[entry.lfs_sha256] if entry.lfs_sha256 else repo.blobs[entry.git_oid]
 
 
 class _NamedView:

@@ -352,7 +352,7 @@ def test_model_push_to_hub_after_finetuning_reloads(hub, published, tmp_path):
 
 
 def test_the_double_implemented_every_request_the_clients_made(hub, published, downloaded):
-    assert hub.unrouted == []
+    assert hub.unrouted == [] and hub.crashes == []
 
 
 # --- bad input: refused before anything is sent ---------------------------------------------------
@@ -452,3 +452,73 @@ def test_source_checkpoint_is_read_from_config_or_card(tmp_path):
     assert default_commit_message(folder) == "Upload kvm model converted from /runs/kvm/model_step000050.pt"
     (folder / "config.json").write_text(json.dumps({"model_type": "maglev", "source_checkpoint": "d2/model_000011.pt"}))
     assert default_commit_message(folder) == "Upload maglev model converted from d2/model_000011.pt"
+
+
+# --- the double's HTTP contract, checked directly (what the client relies on) ---------------------
+
+
+def _http(server: HubServer, method: str, path: str, body: bytes = b"", headers=None, token: bool = True):
+    import http.client
+
+    connection = http.client.HTTPConnection(server.endpoint.split("//")[1], timeout=10)
+    headers = dict(headers or {})
+    if token:
+        headers["Authorization"] = f"Bearer {server.token}"
+    connection.request(method, path, body=body, headers=headers)
+    response = connection.getresponse()
+    data = response.read()
+    connection.close()
+    return response.status, dict(response.getheaders()), data
+
+
+def test_double_resolve_headers_ranges_and_error_codes():
+    import base64
+    import hashlib
+
+    with HubServer() as server:
+        create = json.dumps({"name": "demo", "organization": "test-org", "private": False}).encode()
+        assert _http(server, "POST", "/api/repos/create", create)[0] == 200
+        assert _http(server, "POST", "/api/repos/create", create)[0] == 409
+        content = b"0123456789" * 10
+        commit = b"\n".join(
+            json.dumps(line).encode()
+            for line in (
+                {"key": "header", "value": {"summary": "add data"}},
+                {"key": "file", "value": {"path": "dir/data.txt", "content": base64.b64encode(content).decode(), "encoding": "base64"}},
+            )
+        )
+        status, _, body = _http(server, "POST", "/api/models/test-org/demo/commit/main", commit, {"Content-Type": "application/x-ndjson"})
+        oid = json.loads(body)["commitOid"]
+        assert status == 200 and len(oid) == 40
+
+        status, headers, body = _http(server, "HEAD", "/test-org/demo/resolve/main/dir/data.txt")
+        git_oid = hashlib.sha1(b"blob 100\0" + content).hexdigest()
+        assert (status, body) == (200, b"")
+        assert headers["X-Repo-Commit"] == oid and headers["ETag"] == f'"{git_oid}"' and headers["Content-Length"] == "100"
+        status, headers, body = _http(server, "GET", f"/test-org/demo/resolve/{oid}/dir/data.txt", headers={"Range": "bytes=95-"})
+        assert (status, body, headers["Content-Range"]) == (206, b"56789", "bytes 95-99/100")
+        assert _http(server, "GET", "/test-org/demo/resolve/main/dir/data.txt", headers={"Range": "bytes=200-"})[0] == 416
+
+        status, headers, _ = _http(server, "HEAD", "/test-org/demo/resolve/main/missing.json")
+        assert (status, headers["X-Error-Code"], headers["X-Repo-Commit"]) == (404, "EntryNotFound", oid)
+        status, headers, _ = _http(server, "HEAD", "/test-org/demo/resolve/nope/dir/data.txt")
+        assert (status, headers["X-Error-Code"]) == (404, "RevisionNotFound")
+        status, headers, _ = _http(server, "HEAD", "/test-org/other/resolve/main/x")
+        assert (status, headers["X-Error-Code"]) == (404, "RepoNotFound")
+
+        tree = json.loads(_http(server, "GET", "/api/models/test-org/demo/tree/main?recursive=true")[2])
+        assert [(item["type"], item["path"]) for item in tree] == [("directory", "dir"), ("file", ".gitattributes"), ("file", "dir/data.txt")]
+        info = json.loads(_http(server, "POST", "/api/models/test-org/demo/paths-info/main", b"paths=dir%2Fdata.txt&paths=nope&expand=true",
+                                {"Content-Type": "application/x-www-form-urlencoded"})[2])
+        assert [(i["path"], i["oid"], i["lastCommit"]["id"]) for i in info] == [("dir/data.txt", git_oid, oid)]
+
+        assert _http(server, "POST", "/api/models/test-org/demo/tag/main", json.dumps({"tag": "v1"}).encode())[0] == 200
+        assert _http(server, "POST", "/api/models/test-org/demo/tag/main", json.dumps({"tag": "v1"}).encode())[0] == 409
+        refs = json.loads(_http(server, "GET", "/api/models/test-org/demo/refs")[2])
+        assert refs["tags"] == [{"name": "v1", "ref": "refs/tags/v1", "targetCommit": oid}]
+        assert json.loads(_http(server, "GET", "/api/models/test-org/demo/revision/v1")[2])["sha"] == oid
+
+        assert _http(server, "POST", "/api/models/test-org/demo/commit/main", commit, token=False)[0] == 401
+        stale = commit.replace(b'"summary": "add data"', b'"summary": "again", "parentCommit": "' + b"0" * 40 + b'"')
+        assert _http(server, "POST", "/api/models/test-org/demo/commit/main", stale)[0] == 412
+        assert server.unrouted == [] and server.crashes == []

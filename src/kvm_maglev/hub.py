@@ -17,7 +17,7 @@ from typing import Optional, Union
 # Remote files of these kinds that are absent from the folder are deleted by the push, so a
 # re-converted model (say, with fewer shards) never leaves stale weights or code behind.
 _MIRRORED_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.py"]
-_IGNORED_PATTERNS = ["__pycache__/*", "*.pyc", "**/__pycache__/*"]
+_IGNORED_PATTERNS = ["*__pycache__/*", "*.pyc"]
 # Where a converted folder may record the checkpoint it came from.
 _SOURCE_CONFIG_KEYS = ("source_checkpoint", "converted_from", "source_path", "source")
 _SOURCE_README_LINE = re.compile(
