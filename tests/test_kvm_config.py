@@ -145,3 +145,26 @@ def test_compiled_prefix_and_cli(tmp_path, data_dir):
     assert kvm_convert.run(parser.parse_args([str(compiled), str(tmp_path / "out"), "--config", str(case / "config.yaml")])) == 2
     model = KVMForCausalLM.from_pretrained(tmp_path / "out")
     assert model.config.chunk_size == 16
+
+
+def test_sharded_research_folder(tmp_path, data_dir):
+    """A research final folder saved in shards (model.safetensors.index.json) converts the same."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = data_dir / "kvm" / "kvm_fixed" / "research_final"
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shutil.copy(source / "config.json", sharded / "config.json")
+    state = load_file(str(source / "model.safetensors"))
+    names = sorted(state)
+    weight_map = {}
+    for shard, part in (("model-00001-of-00002.safetensors", names[::2]), ("model-00002-of-00002.safetensors", names[1::2])):
+        save_file({k: state[k].contiguous() for k in part}, str(sharded / shard))
+        weight_map.update({k: shard for k in part})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    a = load_file(str(convert(sharded, tmp_path / "a") / "model.safetensors"))
+    b = load_file(str(convert(source, tmp_path / "b") / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

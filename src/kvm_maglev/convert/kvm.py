@@ -76,13 +76,13 @@ def load_research_checkpoint(source: str | Path, config_path: str | Path | None 
     """Return (research model fields, research state dict) from a .pt checkpoint or a final folder."""
     source = Path(source)
     if source.is_dir():
-        config_file, weights = source / "config.json", source / "model.safetensors"
-        if not config_file.is_file() or not weights.is_file():
-            raise ValueError(f"{source} is not a research save_pretrained folder (needs config.json and model.safetensors)")
+        config_file = source / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"{source} is not a research save_pretrained folder (no config.json)")
         fields = json.loads(config_file.read_text())
         if fields.get("model_type") != "rwkv7backbone":
             raise ValueError(f"{config_file}: model_type {fields.get('model_type')!r} is not 'rwkv7backbone'")
-        return fields, load_file(str(weights))
+        return fields, _load_safetensors_folder(source)
     if not source.is_file():
         raise ValueError(f"{source} does not exist")
     if config_path is None:
@@ -96,6 +96,19 @@ def load_research_checkpoint(source: str | Path, config_path: str | Path | None 
         raise ValueError(f"{source}: expected a trainer checkpoint dict with a 'model' state dict")
     state = {key.replace("_orig_mod.", ""): value for key, value in state.items()}
     return dict(document["model"]), state
+
+
+def _load_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, or every shard named by model.safetensors.index.json."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if not index.is_file():
+        raise ValueError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+    state = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        state.update(load_file(str(folder / shard)))
+    return state
 
 
 def _check_supported(fields: dict) -> None:

@@ -359,8 +359,9 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 class KVMMLP(nn.Module):
     """relu^2 feed-forward with optional token shift (zeros before the first token)."""
 
-    def __init__(self, config: KVMConfig):
+    def __init__(self, config: KVMConfig, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.up_proj = nn.Linear(config.hidden_size, config.ffn_size, bias=False)
         self.down_proj = nn.Linear(config.ffn_size, config.hidden_size, bias=False)
         self.token_shift_on = config.ffn_token_shift
@@ -385,7 +386,7 @@ class KVMDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.self_attn = (KVMSlidingWindowAttention if self.sliding else KVMAttention)(config, layer_idx)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = KVMMLP(config)
+        self.mlp = KVMMLP(config, layer_idx)
         self.residual_scale = config.residual_scale
         if config.block_lambdas:
             self.block_lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
@@ -424,7 +425,9 @@ class KVMPreTrainedModel(PreTrainedModel):
         elif isinstance(module, KVMMLP):
             init.zeros_(module.down_proj.weight)
             if module.token_shift_on:
-                init.constant_(module.shift, 0.5)
+                depth = 1.0 - module.layer_idx / config.num_hidden_layers
+                ramp = torch.arange(config.hidden_size, dtype=torch.float32) / config.hidden_size
+                init.copy_(module.shift, (1.0 - ramp.pow(depth**4)).view(1, 1, -1).to(module.shift.dtype))
         elif isinstance(module, KVMDecoderLayer) and hasattr(module, "block_lambdas"):
             init.copy_(module.block_lambdas, torch.tensor([1.0, 0.0]))
         if isinstance(module, KVMAttentionBase):
