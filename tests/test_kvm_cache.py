@@ -18,7 +18,8 @@ BASE = dict(
 VARIANTS = {
     "power_law": {},
     "counts_no_gates_no_temps_no_sink": dict(
-        state_value_norms=False, merge_gate_keys=False, merge_gate_values=False, head_temperatures=False, sink_slots=0
+        state_value_norms=False, merge_gate_keys=False, merge_gate_values=False, head_temperatures=False, sink_slots=0,
+        state_budget_mode="fixed", state_budget_min=4,
     ),
     "saturation_swa_post_tokenshift": dict(
         num_hidden_layers=4, sliding_window_every=2, sliding_window=5, sliding_window_rotary_dim=16,

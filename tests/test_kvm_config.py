@@ -31,11 +31,12 @@ TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_he
         ("sliding_window_every", 1, "0 \\(no sliding-window layers\\) or an integer >= 2"),
         ("state_max_chunks", 0, "positive integer"),
         ("logit_softcap", -1.0, ">= 0"),
+        ("state_value_norms", False, "never grows past one chunk"),
     ],
 )
 def test_invalid_values_name_field_and_allowed_values(field, value, allowed):
     with pytest.raises(ValueError, match=f"{field}={value!r}.*{allowed}"):
-        KVMConfig(**{**TINY, field: value})
+        KVMConfig(**{**TINY, "state_budget_mode": "power_law", "state_max_chunks": 8, field: value})
 
 
 def test_mode_specific_parameters_are_checked():

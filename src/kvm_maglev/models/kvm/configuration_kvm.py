@@ -37,7 +37,7 @@ section "KVM config fields" repeats it.
 | kvm_apply_merge_gate_to_appends | merge_gate_appends | appended slots gated too |
 | kvm_apply_merge_gate_to_initial_state | merge_gate_initial_state | first chunk gated too |
 | kvm_use_head_temps | head_temperatures | per-head window/state key scales |
-| kvm_use_vlens | state_value_norms | True: renormalise to slot norm; False: divide by counts |
+| kvm_use_vlens | state_value_norms | True: renormalise to slot norm; False: divide by counts (research: +1 on every slot per merged block; only with a one-chunk state) |
 | use_tokenshift_att + kvm_token_shift_mode | kvm_token_shift | token shift of q/k/v in KVM layers |
 | use_tokenshift_att + swa_token_shift_mode | sliding_window_token_shift | same, sliding-window layers |
 | use_tokenshift_ffn | ffn_token_shift | |
@@ -211,6 +211,12 @@ class KVMConfig(PretrainedConfig):
     def sliding_window_size(self) -> int:
         return self.sliding_window if self.sliding_window and self.sliding_window > 0 else self.chunk_size
 
+    @property
+    def state_stays_one_chunk(self) -> bool:
+        """Whether every block is merged (no appends after the first chunk)."""
+        fixed_small = self.state_budget_mode == "fixed" and self.state_budget_min <= self.chunk_size
+        return self.state_max_chunks == 1 or fixed_small
+
     def is_sliding_window_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` is a plain sliding-window layer rather than a KVM layer."""
         return self.sliding_window_every > 0 and layer_idx % self.sliding_window_every == 0
@@ -256,6 +262,10 @@ class KVMConfig(PretrainedConfig):
             not isinstance(self.state_budget_saturation, int) or self.state_budget_saturation < 1
         ):
             fail("state_budget_saturation", "a positive integer when state_budget_mode='kvm_saturation'")
+        if not self.state_value_norms and not self.state_stays_one_chunk:
+            # the research count update only has defined shapes while merged blocks and state are equal in size
+            fail("state_value_norms", "True unless the state never grows past one chunk "
+                 "(state_max_chunks=1, or state_budget_mode='fixed' with state_budget_min <= chunk_size)")
         for field in ("kvm_value_residual_mode", "sliding_window_value_residual_mode"):
             if getattr(self, field) not in VALUE_RESIDUAL_MODES:
                 fail(field, f"one of {VALUE_RESIDUAL_MODES}")

@@ -276,7 +276,9 @@ class KVMAttention(KVMAttentionBase):
         state_values = cache.state_values.scatter_add(2, winner.expand_as(values_merge), values_merge)
         norms = cache.state_norms
         if not config.state_value_norms:
-            norms = norms.scatter_add(2, winner, torch.ones_like(winner, dtype=norms.dtype))
+            # The research code sums its one-hot merge matrix over slots, so each merged block adds
+            # one to every slot's count (the published no-vlens ablation was trained that way).
+            norms = norms + 1
         cache.set_state(state_keys, state_values, norms)
 
     # -- attention --
