@@ -150,6 +150,11 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 out = {}
+try:
+    import kvm_maglev  # noqa: F401 - must fail: users load from the Hub without our package
+    out["package_importable"] = True
+except ImportError:
+    out["package_importable"] = False
 
 def load(repo_id, key, prompt, revision=None, remote=True, tokenizer_too=False):
     model = AutoModelForCausalLM.from_pretrained(repo_id, revision=revision, trust_remote_code=remote).eval()
@@ -279,6 +284,7 @@ def test_token_is_never_published_nor_sent_to_storage(hub, published, downloaded
 
 def test_load_by_repo_id_matches_the_local_folders(published, downloaded):
     _, loaded = downloaded
+    assert loaded["package_importable"] is False
     assert loaded["llama_tokenizer_ids"] == published["llama_prompt"][0]
     assert_close(loaded["llama_logits"], published["llama_logits"])
     assert_close(loaded["llama_dev_logits"], published["llama_dev_logits"])
@@ -424,22 +430,45 @@ def test_push_command_reports_errors_without_the_token(tmp_path, capsys, monkeyp
     assert SECRET not in captured.out + captured.err
 
 
-def test_push_without_any_token_says_how_to_get_one(hub, tmp_path):
+def test_push_command_explains_missing_token_and_refusals(hub, tmp_path):
     code = """
-    import argparse, contextlib, io
+    import argparse, contextlib, io, os
     from kvm_maglev import hub as push_command
     parser = argparse.ArgumentParser()
     push_command.add_arguments(parser)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        rc = push_command.run(parser.parse_args([ARGS["folder"], "test-org/model"]))
-    print(json.dumps({"rc": rc, "err": err.getvalue()}))
+    result = {}
+    for name, repo_id, token in (("no_token", "test-org/model", None), ("forbidden", "someone-else/model", ARGS["token"])):
+        if token:
+            os.environ["HF_TOKEN"] = token
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = push_command.run(parser.parse_args([ARGS["folder"], repo_id]))
+        result[name] = [rc, err.getvalue()]
+    print(json.dumps(result))
     """
     env = client_env(hub, tmp_path / "home", token=False)
     before = len(hub.requests)
-    result = run_client(code, env, {"folder": str(converted_folder(tmp_path))}, block_package=False)
-    assert result["rc"] == 2 and "No Hugging Face token found: set HF_TOKEN" in result["err"]
-    assert len(hub.requests) == before
+    result = run_client(code, env, {"folder": str(converted_folder(tmp_path)), "token": hub.token}, block_package=False)
+    rc, err = result["no_token"]
+    assert rc == 2 and "No Hugging Face token found: set HF_TOKEN" in err
+    rc, err = result["forbidden"]
+    assert rc == 1 and "the Hub refused the push to someone-else/model" in err and "403" in err
+    assert hub.token not in err
+    made = [r[1:4] for r in hub.requests[before:]]
+    assert made[0] == ("POST", "/api/repos/create", 403) and not any("/commit/" in r[1] for r in made)
+
+
+def test_repo_id_is_checked_while_parsing_arguments(capsys):
+    import argparse
+
+    from kvm_maglev.hub import add_push_arguments
+
+    parser = argparse.ArgumentParser()
+    add_push_arguments(parser)
+    assert parser.parse_args(["--push-to-hub", "org/name", "--private"]).private
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--push-to-hub", "no-namespace"])
+    assert "repo id must look like ORG/NAME" in capsys.readouterr().err
 
 
 def test_source_checkpoint_is_read_from_config_or_card(tmp_path):

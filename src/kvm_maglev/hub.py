@@ -2,9 +2,9 @@
 
 `kvm-maglev push OUT ORG/NAME [--private] [--revision BRANCH]` creates the repo (and the
 branch) when missing and commits the folder's files in one commit. Re-running with an
-unchanged folder makes no new commit. The token comes from `--token`-less sources only:
-HF_TOKEN or the file written by `hf auth login`; it is never printed and a folder that
-contains it is refused.
+unchanged folder makes no new commit. The token comes from HF_TOKEN or the file written by
+`hf auth login` (or `token=` in Python); it is never printed, and a folder that contains it
+is refused.
 """
 
 import argparse
@@ -145,12 +145,14 @@ def _read_json(path: Path):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", help="converted model folder (the OUT of `kvm-maglev convert`)")
-    parser.add_argument("repo_id", help="Hub repository, ORG/NAME")
+    parser.add_argument("repo_id", type=_repo_id_argument, help="Hub repository, ORG/NAME")
     _add_repo_options(parser)
     parser.add_argument("--commit-message", default=None, help="defaults to naming the source checkpoint")
 
 
 def run(args: argparse.Namespace) -> int:
+    from huggingface_hub.errors import HfHubHTTPError
+
     try:
         commit = push_folder(
             args.folder, args.repo_id, private=args.private, revision=args.revision, commit_message=args.commit_message
@@ -158,13 +160,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except HfHubHTTPError as error:
+        print(f"error: the Hub refused the push to {args.repo_id}: {str(error).strip()}", file=sys.stderr)
+        return 1
     _report(args.repo_id, args.revision, commit)
     return 0
 
 
 def add_push_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds `--push-to-hub ORG/NAME [--private] [--revision BRANCH]` to a converter's parser."""
-    parser.add_argument("--push-to-hub", metavar="ORG/NAME", default=None, help="publish OUT to this Hub repo")
+    parser.add_argument(
+        "--push-to-hub", metavar="ORG/NAME", type=_repo_id_argument, default=None, help="publish OUT to this Hub repo"
+    )
     _add_repo_options(parser)
 
 
@@ -172,9 +179,19 @@ def push_after_convert(args: argparse.Namespace, out_dir: Union[str, Path]) -> O
     """Pushes `out_dir` when the converter was given `--push-to-hub`; returns the commit id."""
     if not getattr(args, "push_to_hub", None):
         return None
-    commit = push_folder(out_dir, args.push_to_hub, private=args.private, revision=args.revision)
-    _report(args.push_to_hub, args.revision, commit)
+    private, revision = getattr(args, "private", False), getattr(args, "revision", None)
+    commit = push_folder(out_dir, args.push_to_hub, private=private, revision=revision)
+    _report(args.push_to_hub, revision, commit)
     return commit
+
+
+def _repo_id_argument(value: str) -> str:
+    """Checks the repo id while parsing, so a typo fails before a long conversion starts."""
+    try:
+        _check_repo_id(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return value
 
 
 def _add_repo_options(parser: argparse.ArgumentParser) -> None:
