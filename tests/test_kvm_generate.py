@@ -34,7 +34,8 @@ def model() -> KVMForCausalLM:
 
 
 def prompt(batch: int, length: int) -> torch.Tensor:
-    return torch.randint(0, 61, (batch, length), generator=torch.Generator().manual_seed(batch * 100 + length))
+    # token 0 is the pad id: keeping it out of prompts keeps generate from building a padding mask
+    return torch.randint(1, 61, (batch, length), generator=torch.Generator().manual_seed(batch * 100 + length))
 
 
 def generate_both(model, inputs, seed=0, **kwargs):
@@ -51,6 +52,14 @@ def test_greedy_matches_uncached(model, length):
     cached, uncached = generate_both(model, prompt(1, length), do_sample=False)
     assert cached.shape == (1, length + 26)
     assert torch.equal(cached, uncached)
+
+
+def test_chunked_prefill_matches_uncached(model):
+    """prefill_chunk_size feeds the prompt in multi-token steps on a non-empty cache."""
+    inputs = prompt(2, 11)
+    chunked = model.generate(inputs, max_new_tokens=12, do_sample=False, pad_token_id=0, prefill_chunk_size=3)
+    plain = model.generate(inputs, max_new_tokens=12, do_sample=False, pad_token_id=0, use_cache=False)
+    assert torch.equal(chunked, plain)
 
 
 def test_sampling_batch_and_num_return_sequences_match_uncached(model):

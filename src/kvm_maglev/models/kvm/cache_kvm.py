@@ -130,6 +130,9 @@ class KVMLayerCache:
     def state_len(self) -> int:
         return 0 if self.state_keys is None else self.state_keys.shape[2]
 
+    def __repr__(self) -> str:
+        return f"KVMLayerCache(seen={self.seen}, state_slots={self.state_len}, window_tokens={len(self.window)})"
+
     def set_state(self, keys: torch.Tensor, values: torch.Tensor, norms: torch.Tensor) -> None:
         self.state_keys, self.state_values, self.state_norms = keys, values, norms
         self.read_cache = None
@@ -162,6 +165,9 @@ class SlidingWindowLayerCache:
     @property
     def state_len(self) -> int:
         return -1
+
+    def __repr__(self) -> str:
+        return f"SlidingWindowLayerCache(seen={self.seen}, window_tokens={len(self.window)})"
 
     def nbytes(self) -> int:
         return self.window.nbytes() + self.carries.nbytes()
