@@ -153,7 +153,7 @@ def test_cache_batch_operations_and_errors():
     repeated.batch_select_indices(torch.tensor([2]))
     assert repeated.batch_size == 1
 
-    with pytest.raises(NotImplementedError, match="crop"):
+    with pytest.raises(ValueError, match="recording is not active"):
         cache.crop(-1)
     assert cache.is_compileable is False
     cache.reset()
@@ -185,8 +185,12 @@ def test_prefiller_prefill_mode():
     # decoding continues with P's own memory: last memory is P's, as in a lifted forward
     lifted = model.model(ids[:, :30], use_cache=False, lifted=True)
     assert cache.last_memory is not None and lifted.consistency_loss is not None
-    with pytest.raises(NotImplementedError, match="prefiller"):
-        model(ids[:, 30:35], past_key_values=cache, use_cache=True)
+    # a later multi-token step runs recurrently with P's own memory, like decoding token by token
+    stepped, chunked = MaglevCache(model.config), MaglevCache(model.config)
+    model(ids[:, :30], past_key_values=stepped, use_cache=True)
+    model(ids[:, :30], past_key_values=chunked, use_cache=True)
+    one_by_one = torch.cat([model(ids[:, t:t + 1], past_key_values=stepped).logits for t in range(30, 35)], dim=1)
+    assert torch.allclose(model(ids[:, 30:35], past_key_values=chunked).logits, one_by_one, atol=1e-5)
 
 
 # ----- generate ----------------------------------------------------------------------------------------

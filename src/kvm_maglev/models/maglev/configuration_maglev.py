@@ -209,11 +209,13 @@ class MaglevConfig(PretrainedConfig):
         element = _dtype_bytes(dtype)
         per_token = 2 * self.kv_dim * element * batch_size
         total = 0
+        position_bytes = 8 * batch_size  # int64 position per row (per stored column in full-window layers)
         for layer_idx, left in enumerate(self.decoder_windows):
             if self.layer_keeps_all_tokens(layer_idx):
-                total += per_token * growing_capacity(num_tokens)
+                total += (per_token + position_bytes) * growing_capacity(num_tokens)
             else:
                 total += per_token * left
+        total += position_bytes  # each row's position (real tokens read)
         total += batch_size * self.hidden_size * element  # smear's previous embedding
         if self.use_memory:
             total += batch_size * self.hidden_size * element  # last memory vector

@@ -17,7 +17,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_maglev import MaglevCache
+from .cache_maglev import MaglevCache, StepContext, gather_columns, previous_real_index
 from .configuration_maglev import MaglevConfig
 
 # transformers 5.24 renamed the model keyword and output field `past_key_values` to `cache`.
@@ -50,12 +50,17 @@ def rms_norm(x: torch.Tensor, eps: float | None) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),), eps=eps)
 
 
-def rotary_tables(config: MaglevConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin of shape [1, T, 1, head_dim/2], computed in float32 like nanochat, then cast."""
-    channels = torch.arange(0, config.head_dim, 2, dtype=torch.float32, device=positions.device)
-    inv_freq = 1.0 / (config.rope_theta ** (channels / config.head_dim))
-    freqs = torch.outer(positions.to(torch.float32), inv_freq)
-    return freqs.cos().to(dtype)[None, :, None, :], freqs.sin().to(dtype)[None, :, None, :]
+def inverse_frequencies(config: MaglevConfig, device: torch.device) -> torch.Tensor:
+    channels = torch.arange(0, config.head_dim, 2, dtype=torch.float32, device=device)
+    return 1.0 / (config.rope_theta ** (channels / config.head_dim))
+
+
+def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin of shape [B, T, 1, head_dim/2] for per-row positions [B, T], in float32 like nanochat, then cast.
+
+    Computed on the fly, so positions have no upper limit."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    return freqs.cos().to(dtype)[:, :, None, :], freqs.sin().to(dtype)[:, :, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,13 +68,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
-
-
-def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
-    """[Tq, Tk] boolean mask: a query sees itself and `left` earlier keys (never unwritten slots)."""
-    q = query_positions[:, None]
-    k = key_positions[None, :]
-    return (k <= q) & (k >= q - left) & (k >= 0)
 
 
 class MaglevAttention(nn.Module):
@@ -95,7 +93,7 @@ class MaglevAttention(nn.Module):
             self.memory_v_proj = nn.Linear(config.hidden_size, config.kv_dim, bias=False)
             self.memory_gate = nn.Linear(config.memory_gate_channels, self.num_kv_heads, bias=False)
 
-    def forward(self, x, value_embedding, memory, rotary, window, store, start):
+    def forward(self, x, value_embedding, memory, rotary, window, store, ctx):
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
@@ -115,16 +113,10 @@ class MaglevAttention(nn.Module):
         q = rms_norm(q, eps) * self.config.qk_norm_scale
         k = rms_norm(k, eps) * self.config.qk_norm_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        query_positions = torch.arange(start, start + length, device=x.device)
         if store is None:
-            keys, values, key_positions = k, v, query_positions
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.chunk_mask(window), enable_gqa=True)
         else:
-            keys, values, key_positions = store.update(k, v, start)
-        mask = window_mask(query_positions, key_positions, window)
-        groups = self.num_heads // self.num_kv_heads
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            y = store.attend(q, k, v, ctx)
         return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -149,9 +141,9 @@ class MaglevBlock(GradientCheckpointingLayer):
         self.self_attn = MaglevAttention(config, layer_idx, with_memory)
         self.mlp = MaglevMLP(config)
 
-    def forward(self, hidden, value_embedding, memory, rotary, window, store, start):
+    def forward(self, hidden, value_embedding, memory, rotary, window, store, ctx):
         hidden = hidden + self.self_attn(rms_norm(hidden, self.eps), value_embedding, memory, rotary, window,
-                                         store, start)
+                                         store, ctx)
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
@@ -234,6 +226,7 @@ class MaglevModel(MaglevPreTrainedModel):
         self.prefiller_residual_lambdas = nn.Parameter(torch.ones(layers)) if prefiller_lambdas else None
         self.prefiller_x0_lambdas = nn.Parameter(torch.zeros(layers)) if prefiller_lambdas else None
         self.gradient_checkpointing = False
+        self._inv_freq: torch.Tensor | None = None  # rotary frequencies, computed at first use on each device
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -243,23 +236,30 @@ class MaglevModel(MaglevPreTrainedModel):
         self.embed_tokens = value
 
     # ----- pieces ----------------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor, previous_embedding: torch.Tensor | None):
-        """Normed token embeddings with nanochat's smear; the first token of a chunk is smeared with
-        the cached previous embedding when there is one. Returns (x0, last pre-smear embedding)."""
-        x = rms_norm(self.embed_tokens(input_ids).to(self.dtype), self.config.rms_norm_eps)
-        raw_last = x[:, -1:]
-        if self.smear_gate is not None:
-            channels = self.config.smear_gate_channels
-            lam = self.smear_lambda.to(x.dtype)
-            if previous_embedding is not None:
-                predecessors = torch.cat([previous_embedding.to(x.dtype), x[:, :-1]], dim=1)
-                x = x + lam * torch.sigmoid(self.smear_gate(x[..., :channels])) * predecessors
-            elif x.shape[1] > 1:
-                gate = lam * torch.sigmoid(self.smear_gate(x[:, 1:, :channels]))
-                x = torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
-        return x, raw_last
+    def embed(self, input_ids: torch.Tensor, previous_embedding: torch.Tensor | None, valid: torch.Tensor | None):
+        """Normed token embeddings with nanochat's smear from each token's previous real token (the cached
+        one for a chunk's first; none at a row's start). Returns (x0, pre-smear embeddings)."""
+        raw = rms_norm(self.embed_tokens(input_ids).to(self.dtype), self.config.rms_norm_eps)
+        if self.smear_gate is None:
+            return raw, raw
+        if previous_embedding is None:
+            previous_embedding = raw.new_zeros(raw.shape[0], 1, raw.shape[2])  # zero: exactly no smear
+        if raw.shape[1] == 1:
+            predecessors = previous_embedding.to(raw.dtype)
+        elif valid is None:
+            predecessors = torch.cat([previous_embedding.to(raw.dtype), raw[:, :-1]], dim=1)
+        else:
+            predecessors = gather_columns(previous_embedding, raw, previous_real_index(valid))
+        gate = self.smear_lambda.to(raw.dtype) * torch.sigmoid(self.smear_gate(raw[..., : self.config.smear_gate_channels]))
+        return raw + gate * predecessors, raw
 
-    def run_stack(self, input_ids, x0, memory, cache, start, prefiller=False, hidden_states=None):
+    def rotary_for(self, ctx: StepContext, dtype: torch.dtype):
+        device = ctx.start.device
+        if self._inv_freq is None or self._inv_freq.device != device:
+            self._inv_freq = inverse_frequencies(self.config, device)
+        return rotary_tables(self._inv_freq, ctx.query_positions, dtype)
+
+    def run_stack(self, input_ids, x0, memory, cache, ctx, prefiller=False, hidden_states=None):
         """One parallel pass over a chunk through P's (or Q's) blocks; returns `h` (after backout)."""
         config = self.config
         if prefiller:
@@ -269,8 +269,7 @@ class MaglevModel(MaglevPreTrainedModel):
             x0_l = self.x0_lambdas if self.prefiller_layers is None else self.prefiller_x0_lambdas
         else:
             windows, blocks, res_l, x0_l = config.decoder_windows, self.layers, self.residual_lambdas, self.x0_lambdas
-        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-        rotary = rotary_tables(config, positions, x0.dtype)
+        rotary = self.rotary_for(ctx, x0.dtype)
         x, backout = x0, None
         for i, block in enumerate(blocks):
             if res_l is not None:
@@ -280,53 +279,55 @@ class MaglevModel(MaglevPreTrainedModel):
             table = self.value_embeddings[str(i)] if str(i) in self.value_embeddings else None
             value_embedding = None if table is None else table(input_ids).to(x.dtype)
             store = None if cache is None else cache.layer_stores[i]
-            x = block(x, value_embedding, memory, rotary, windows[i], store, start)
+            x = block(x, value_embedding, memory, rotary, windows[i], store, ctx)
             if self.backout_lambda is not None and i == config.backout_layer:
                 backout = x
         if backout is not None:
             x = x - self.backout_lambda.to(x.dtype) * backout
         return x
 
-    def decode_chunk(self, input_ids, memory, cache, start, hidden_states=None):
+    def decode_chunk(self, input_ids, memory, cache, ctx, hidden_states=None):
         """P over a chunk in parallel with the given memory inputs; updates the cache. Returns m."""
         previous = None if cache is None else cache.previous_embedding
-        x0, raw_last = self.embed(input_ids, previous)
-        h = self.run_stack(input_ids, x0, memory, cache, start, hidden_states=hidden_states)
+        x0, raw = self.embed(input_ids, previous, ctx.valid)
+        h = self.run_stack(input_ids, x0, memory, cache, ctx, hidden_states=hidden_states)
         memories = rms_norm(h, self.config.rms_norm_eps)
         if cache is not None:
-            cache.advance(input_ids.shape[1], raw_last, memories[:, -1:] if memory is not None else None)
+            cache.advance(ctx, raw, memories if memory is not None else None)
         return memories
 
-    def prefiller_memories(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Q on the whole sequence in parallel (no memory, Q's windows): m'."""
-        x0, _ = self.embed(input_ids, None)
-        h = self.run_stack(input_ids, x0, None, None, 0, prefiller=True)
+    def prefiller_memories(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Q on a whole fresh sequence in parallel (no memory, Q's windows, padding skipped): m'."""
+        ctx = StepContext(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
+        x0, _ = self.embed(input_ids, None, valid)
+        h = self.run_stack(input_ids, x0, None, None, ctx, prefiller=True)
         return rms_norm(h, self.config.rms_norm_eps)
 
-    def shifted_memories(self, memories: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
-        """mu_t = memories_{t-1}; mu_0 = `first` (the cached memory) or the learned memory_init."""
+    def shifted_memories(self, memories: torch.Tensor, first: torch.Tensor | None,
+                         valid: torch.Tensor | None = None) -> torch.Tensor:
+        """mu_t = memory of the previous real token; a row's first gets `first` (the cached memory) or memory_init."""
         if first is None:
             first = self.memory_init.to(memories.dtype).expand(memories.shape[0], 1, -1)
-        return torch.cat([first, memories[:, :-1]], dim=1)
+        if valid is None:
+            return torch.cat([first, memories[:, :-1]], dim=1)
+        return gather_columns(first, memories, previous_real_index(valid))
 
-    def recurrent(self, input_ids, cache, hidden_states=None):
-        """The paper's inference: token after token through P, each fed the previous token's memory."""
+    def recurrent(self, input_ids, cache, valid, hidden_states=None):
+        """The paper's inference: token after token through P, each fed its row's previous memory."""
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             raise NotImplementedError("gradient checkpointing would replay cache writes in the recurrent pass; "
                                       "train with the prefiller (lifted training) or without checkpointing")
         outputs, per_step = [], []
         for t in range(input_ids.shape[1]):
-            first = cache.last_memory
-            if first is None:
-                first = self.memory_init.to(self.dtype).expand(input_ids.shape[0], 1, -1)
+            ctx = cache.step_context(None if valid is None else valid[:, t:t + 1], 1)
             step_states = None if hidden_states is None else []
-            outputs.append(self.decode_chunk(input_ids[:, t:t + 1], first, cache, cache.seen_tokens, step_states))
+            outputs.append(self.decode_chunk(input_ids[:, t:t + 1], cache.last_memory, cache, ctx, step_states))
             per_step.append(step_states)
         if hidden_states is not None:
             hidden_states.extend(torch.cat(states, dim=1) for states in zip(*per_step))
         return torch.cat(outputs, dim=1)
 
-    def consistency(self, memories, targets, attention_mask):
+    def consistency(self, memories, targets, valid):
         """L_cons over real tokens: mean squared error over tokens and channels, or mean 1 - cosine."""
         if self.config.consistency_detach_target:
             targets = targets.detach()
@@ -335,22 +336,20 @@ class MaglevModel(MaglevPreTrainedModel):
             per_token = (memories - targets).square().mean(dim=-1)
         else:
             per_token = 1.0 - F.cosine_similarity(memories, targets, dim=-1)
-        if attention_mask is None:
+        if valid is None:
             return per_token.mean()
-        weights = attention_mask.to(per_token.dtype)
+        weights = valid.to(per_token.dtype)
         return (per_token * weights).sum() / weights.sum().clamp(min=1.0)
 
     def uses_prefiller(self, lifted: bool, start: int, length: int) -> bool:
-        """Q reads the sequence for lifted training (a fresh sequence) and for prompts in "prefiller"
-        mode; steps after the prompt are recurrent."""
-        config = self.config
-        if lifted and start == 0:
-            return config.has_prefiller
-        wanted = config.memory_prefill == "prefiller" and length > 1
-        if wanted and start > 0:
-            raise NotImplementedError("the prefiller reads a whole sequence in one forward; a multi-token step "
-                                      "on a non-empty cache is not supported in this mode")
-        return wanted
+        """Q reads a fresh sequence for lifted training, and in "prefiller" mode the prompt: the first forward
+        on an empty cache. Every later step - decoding, continuation, chunked prefill after the first
+        chunk, assisted verification - runs recurrently with P's own memory."""
+        if start > 0:
+            return False
+        if lifted:
+            return self.config.has_prefiller
+        return self.config.memory_prefill == "prefiller" and length > 1
 
     # ----- forward ------------------------------------------------------------------------------
     def forward(
@@ -366,16 +365,17 @@ class MaglevModel(MaglevPreTrainedModel):
         **kwargs,
     ) -> MaglevModelOutput:
         """`lifted` (default: in training mode) runs lifted parallel training when the prefiller is
-        kept; `memory_inputs` (tests, research) runs P in parallel on the given `mu`."""
+        kept; `memory_inputs` (tests, research) runs P in parallel on the given `mu`.
+
+        Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
+        and the model is strictly causal (right padding needs no mask)."""
         cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
-        if inputs_embeds is not None or input_ids is None:
-            raise ValueError("Maglev needs input_ids (value embeddings and smear read token ids); "
-                             "inputs_embeds is not supported")
-        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got shape {tuple(input_ids.shape)}")
-        if cache is not None and not isinstance(cache, MaglevCache):
-            raise TypeError(f"Maglev needs a MaglevCache, got {type(cache).__name__}")
         config = self.config
+        check_input_ids(input_ids, inputs_embeds, config.vocab_size, cache)
+        if cache is not None:
+            if not isinstance(cache, MaglevCache):
+                raise TypeError(f"Maglev needs a MaglevCache, got {type(cache).__name__}")
+            cache.check_compatible(config)
         use_cache = (config.use_cache and not self.training) if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
@@ -383,26 +383,38 @@ class MaglevModel(MaglevPreTrainedModel):
             cache = MaglevCache(config)
         if not use_cache:
             cache = None
+        batch, length = input_ids.shape
         start = 0 if cache is None else cache.seen_tokens
-        consistency_mask = check_attention_mask(attention_mask, input_ids, start)
+        valid = chunk_validity(attention_mask, input_ids, start)
+        memory_init = self.memory_init if config.use_memory else None
+        if cache is not None:
+            cache.prepare(batch, memories_like(self), memory_init)
         if lifted is None:
             lifted = self.training
         hidden_states = [] if output_hidden_states else None
         prefiller_memories = consistency_loss = None
 
+        def context():
+            if cache is not None:
+                return cache.step_context(valid, length)
+            return StepContext(input_ids.new_zeros(batch), valid, length)
+
         if not config.use_memory:
-            memories = self.decode_chunk(input_ids, None, cache, start, hidden_states)
+            memories = self.decode_chunk(input_ids, None, cache, context(), hidden_states)
         elif memory_inputs is not None:
-            memories = self.decode_chunk(input_ids, memory_inputs.to(self.dtype), cache, start, hidden_states)
-        elif self.uses_prefiller(lifted, start, input_ids.shape[1]):
-            prefiller_memories = self.prefiller_memories(input_ids)
-            mu = self.shifted_memories(prefiller_memories, None)
-            memories = self.decode_chunk(input_ids, mu, cache, start, hidden_states)
+            memories = self.decode_chunk(input_ids, memory_inputs.to(self.dtype), cache, context(), hidden_states)
+        elif self.uses_prefiller(lifted, start, length):
+            prefiller_memories = self.prefiller_memories(input_ids, valid)
+            mu = self.shifted_memories(prefiller_memories, None, valid)
+            memories = self.decode_chunk(input_ids, mu, cache, context(), hidden_states)
             if lifted:
-                consistency_loss = self.consistency(memories, prefiller_memories, consistency_mask)
+                consistency_loss = self.consistency(memories, prefiller_memories, valid)
         else:
-            recurrent_cache = cache if cache is not None else MaglevCache(config)
-            memories = self.recurrent(input_ids, recurrent_cache, hidden_states)
+            recurrent_cache = cache
+            if recurrent_cache is None:
+                recurrent_cache = MaglevCache(config)
+                recurrent_cache.prepare(batch, memories_like(self), memory_init)
+            memories = self.recurrent(input_ids, recurrent_cache, valid, hidden_states)
 
         if hidden_states is not None:
             hidden_states.append(memories)
@@ -416,22 +428,48 @@ class MaglevModel(MaglevPreTrainedModel):
         )
 
 
-def check_attention_mask(attention_mask: torch.Tensor | None, input_ids: torch.Tensor, start: int):
-    """Allow no mask, all ones, or right padding on a fresh sequence; returns the mask over this chunk's tokens.
+def memories_like(model: MaglevModel) -> torch.Tensor:
+    """An empty tensor with the model's device and dtype (what new cache rows are made like)."""
+    return model.embed_tokens.weight.new_empty(0, dtype=model.dtype)
 
-    Left padding and padded cached batches come with a later release."""
+
+def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
+    """Clear errors for inputs the model cannot read. Token ids are range-checked on CPU always, and on
+    accelerators for prompts (a decoding step's ids come from the model's own logits; checking them
+    would stall the device every token)."""
+    if inputs_embeds is not None:
+        if input_ids is not None:
+            raise ValueError("pass either input_ids or inputs_embeds, not both (Maglev reads input_ids only)")
+        raise ValueError("Maglev needs input_ids (value embeddings and smear read token ids); "
+                         "inputs_embeds is not supported")
+    if input_ids is None:
+        raise ValueError("input_ids is required")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool \
+            or input_ids.is_complex():
+        raise TypeError(f"input_ids must be an integer tensor, got {getattr(input_ids, 'dtype', type(input_ids))}")
+    if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got shape {tuple(input_ids.shape)}")
+    prompt = cache is None or cache.get_seq_length() == 0 or input_ids.shape[1] > 1
+    if input_ids.device.type == "cpu" or prompt:
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"input_ids must be in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
+
+
+def chunk_validity(attention_mask: torch.Tensor | None, input_ids: torch.Tensor, start: int):
+    """[B, T] booleans for this chunk's real tokens (None: all real). The mask covers the chunk or, as
+    generate() passes it, the cached columns and the chunk; the cached part is already in the cache."""
     if attention_mask is None:
         return None
-    if attention_mask.ndim != 2 or attention_mask.shape[0] != input_ids.shape[0]:
-        raise ValueError(f"attention_mask must be [batch, length], got shape {tuple(attention_mask.shape)}")
-    mask = attention_mask[:, -input_ids.shape[1]:]
-    if bool(attention_mask.all()):
-        return None
-    right_padded = bool((mask[:, 1:] <= mask[:, :-1]).all()) and start == 0 and bool(mask[:, 0].all())
-    if not right_padded:
-        raise NotImplementedError("Maglev supports padded batches only as right padding without a cache "
-                                  "(left padding is not supported yet)")
-    return mask
+    batch, length = input_ids.shape
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (length,
+                                                                                                     start + length):
+        expected = f"[{batch}, {length}]" + (f" or [{batch}, {start + length}]" if start else "")
+        raise ValueError(f"attention_mask must have shape {expected} (batch, cached + new tokens), "
+                         f"got {tuple(attention_mask.shape)}")
+    return attention_mask[:, -length:].to(device=input_ids.device) != 0
 
 
 class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
@@ -513,17 +551,22 @@ class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
         )
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """generate() gets a MaglevCache (never a DynamicCache) unless the user passed one or disabled caching."""
+        """generate() gets a MaglevCache (never a DynamicCache) unless the user passed one or disabled caching;
+        an assistant's cache records its steps so that rejected draft tokens can be cropped."""
+        if self.config.memory_prefill == "prefiller" and getattr(generation_config, "prefill_chunk_size", None):
+            raise ValueError("prefill_chunk_size cannot be used with memory_prefill='prefiller': the prefiller reads "
+                             "the whole prompt in one forward (later chunks would run recurrently)")
         user_cache = model_kwargs.get(_GENERATE_CACHE_KWARG)
         if user_cache is not None:
             if not isinstance(user_cache, MaglevCache):
                 raise TypeError(f"Maglev needs a MaglevCache, got {type(user_cache).__name__}")
-            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if generation_config.use_cache is False:
+            user_cache.check_compatible(self.config)
+            super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        elif generation_config.use_cache is False:
             return
+        else:
+            model_kwargs[_GENERATE_CACHE_KWARG] = MaglevCache(self.config)
         if getattr(generation_config, "is_assistant", False):
-            raise NotImplementedError("assisted decoding needs a croppable cache; MaglevCache cannot crop yet")
-        model_kwargs[_GENERATE_CACHE_KWARG] = MaglevCache(self.config)
-
+            model_kwargs[_GENERATE_CACHE_KWARG].activate_past_recording()
 
 __all__ = ["MaglevCausalLMOutput", "MaglevForCausalLM", "MaglevModel", "MaglevModelOutput", "MaglevPreTrainedModel"]
