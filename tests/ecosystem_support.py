@@ -6,6 +6,7 @@ in-process on the example corpus, and model folders saved with save_pretrained.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -105,8 +106,25 @@ def save_tiny_maglev(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def save_tiny_kvm(folder: Path) -> Path:
+    """The research KVM fixture with alternating KVM / sliding-window layers and the saturating
+    state budget, converted as a user would (`kvm-maglev convert kvm`), with its GPT-2 tokenizer."""
+    from kvm_maglev.convert.kvm import convert
+
+    return convert(REPO_ROOT / "tests" / "data" / "kvm" / "kvm_saturate_swa" / "research_final", folder)
+
+
 # model kinds the ecosystem tests run on; each maps to a builder of a saved model folder
-MODEL_BUILDERS = {"llama": save_tiny_llama, "maglev": save_tiny_maglev}
+MODEL_BUILDERS = {"llama": save_tiny_llama, "maglev": save_tiny_maglev, "kvm": save_tiny_kvm}
+
+
+def training_block_size(folder: Path) -> int:
+    """Training block length for the tests: long enough that every parameter takes part (a KVM
+    layer's state and merge gate act only once a chunk has left the attention window)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if config["model_type"] == "kvm":
+        return config["chunk_size"] * (config["window_chunks"] + 2)
+    return 32
 _FOLDERS: dict[str, Path] = {}
 
 

@@ -32,9 +32,9 @@ def training_args(output_dir, **overrides) -> TrainingArguments:
     return TrainingArguments(**settings)
 
 
-def packed(model_dir, block_size=32):
+def packed(model_dir):
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
-    return group_texts_dataset(support.corpus_lines(), tokenizer, block_size)
+    return group_texts_dataset(support.corpus_lines(), tokenizer, support.training_block_size(model_dir))
 
 
 def test_group_texts_packs_the_token_stream_into_full_blocks(model_dir):
@@ -57,7 +57,7 @@ def test_finetune_example_lowers_the_loss(model_dir, tmp_path):
     example = support.load_example("finetune")
     out = tmp_path / "run"
     assert example.main([
-        "--model", str(model_dir), "--output-dir", str(out), "--block-size", "32", "--max-steps", "16",
+        "--model", str(model_dir), "--output-dir", str(out), "--block-size", str(support.training_block_size(model_dir)), "--max-steps", "16",
         "--batch-size", "4", "--learning-rate", "5e-3", "--logging-steps", "4", "--eval-steps", "16",
         "--save-steps", "16",
     ]) == 0
@@ -82,11 +82,11 @@ def test_eval_loss_equals_the_direct_mean_token_loss(model_dir, tmp_path):
 
 
 def uneven_label_batch(model_dir):
-    """Four sequences whose numbers of supervised tokens all differ (3, 9, 17, 31 of 32)."""
+    """Four sequences whose numbers of supervised tokens all differ (3, 9, 17, all)."""
     ids = torch.tensor(packed(model_dir)["input_ids"][:4])
     labels = ids.clone()
-    for row, keep in enumerate((3, 9, 17, 31)):
-        labels[row, : 32 - keep] = -100
+    for row, keep in enumerate((3, 9, 17)):
+        labels[row, : ids.shape[1] - keep] = -100
     return ids, labels
 
 
