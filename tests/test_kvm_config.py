@@ -9,6 +9,7 @@ import yaml
 
 from kvm_maglev.convert.kvm import convert, convert_state_dict, kvm_config_from_research
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
+from kvm_maglev.models.kvm.configuration_kvm import BUDGET_FIELDS
 
 TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, rotary_dim=8, chunk_size=4,
             state_budget_min=4)
@@ -62,13 +63,16 @@ def test_state_budget_modes():
 def test_budget_fields_can_be_overridden_when_loading(tmp_path):
     model = KVMForCausalLM(KVMConfig(**TINY))
     model.save_pretrained(tmp_path)
-    loaded = KVMForCausalLM.from_pretrained(
-        tmp_path, state_budget_mode="power_law", state_budget_factor=2.0, state_max_chunks=50
-    )
-    assert loaded.config.state_budget_mode == "power_law" and loaded.config.state_max_chunks == 50
+    overrides = dict(state_budget_mode="power_law", state_budget_factor=2.0, state_budget_exponent=0.6,
+                     state_budget_saturation=32, state_budget_min=2, state_budget_round_to=2, state_max_chunks=50,
+                     sink_slots=2)
+    assert set(overrides) == set(BUDGET_FIELDS)
+    loaded = KVMForCausalLM.from_pretrained(tmp_path, **overrides)
+    assert all(getattr(loaded.config, name) == value for name, value in overrides.items())
     ids = torch.randint(0, 50, (1, 60))
     with torch.no_grad():
-        cache = loaded(ids).cache if hasattr(loaded(ids[:, :1]), "cache") else loaded(ids).past_key_values
+        out = loaded(ids)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
     assert cache.state_lengths()[0] == loaded.config.state_slots_after(60) > 4
     with pytest.raises(ValueError, match="state_budget_mode"):
         KVMForCausalLM.from_pretrained(tmp_path, state_budget_mode="unbounded")
