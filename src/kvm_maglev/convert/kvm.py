@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import re
 import shutil
 import tempfile
@@ -145,7 +146,7 @@ def kvm_config_from_research(fields: dict, **overrides: Any) -> KVMConfig:
         state_budget_min=int(get("state_min_len", -1)),
         state_budget_factor=float(get("state_growth_factor", 1.0)),
         state_budget_exponent=float(get("state_growth_exponent", 0.5)),
-        state_budget_saturation=get("state_saturation_n"),
+        state_budget_saturation=None if get("state_saturation_n") is None else int(get("state_saturation_n")),
         state_budget_round_to=max(int(get("state_round_down", 1)), 1),
         state_max_chunks=int(get("n_max_d_chunks", 1)),
         merge_gate_keys=bool(get("kvm_use_merge_gate_keys", 1)),
@@ -278,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = convert(args.src, args.out, config_path=args.config, overwrite=args.overwrite)
     except (ValueError, FileExistsError, TypeError) as error:
-        print(f"error: {error}")
+        print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0

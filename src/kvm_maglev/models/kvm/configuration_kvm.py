@@ -272,7 +272,7 @@ class KVMConfig(PretrainedConfig):
         if not isinstance(self.sliding_window_every, int) or self.sliding_window_every < 0 or self.sliding_window_every == 1:
             fail("sliding_window_every", "0 (no sliding-window layers) or an integer >= 2")
         if self.sliding_window is not None and not isinstance(self.sliding_window, int):
-            fail("sliding_window", "an integer (<= 0 or None: chunk_size) ")
+            fail("sliding_window", "an integer (<= 0 or None: chunk_size)")
         if self.sliding_window_every and self.num_hidden_layers < 2:
             fail("num_hidden_layers", "at least 2 when sliding_window_every is set (layer 1 must be a KVM layer)")
         if self.value_residual and "rwkv_post_tokenshift" in (
