@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
