@@ -226,6 +226,9 @@ class GrowingKeyValues:
         end = self.used + ctx.length
         if self.keys is None or end > self.keys.shape[2]:
             self._grow(k, growing_capacity(end))
+        if ctx.valid is not None:  # padding columns hold zeros: saved and compared states do not depend on them
+            real = ctx.valid[:, None, :, None]
+            k, v = torch.where(real, k, 0.0), torch.where(real, v, 0.0)
         self.keys[:, :, self.used:end] = k
         self.values[:, :, self.used:end] = v
         self.positions[:, self.used:end] = ctx.key_positions
