@@ -548,6 +548,10 @@ def test_double_resolve_headers_ranges_and_error_codes():
         assert json.loads(_http(server, "GET", "/api/models/test-org/demo/revision/v1")[2])["sha"] == oid
 
         assert _http(server, "POST", "/api/models/test-org/demo/commit/main", commit, token=False)[0] == 401
+        assert json.loads(_http(server, "GET", "/api/whoami-v2")[2])["name"] == "test-user"
+        assert _http(server, "GET", "/api/whoami-v2", token=False)[0] == 401
+        history = json.loads(_http(server, "GET", "/api/models/test-org/demo/commits/main")[2])
+        assert [c["title"] for c in history] == ["add data", "initial commit"] and history[0]["id"] == oid
         stale = commit.replace(b'"summary": "add data"', b'"summary": "again", "parentCommit": "' + b"0" * 40 + b'"')
         assert _http(server, "POST", "/api/models/test-org/demo/commit/main", stale)[0] == 412
         assert server.unrouted == [] and server.crashes == []
