@@ -30,7 +30,7 @@ X-Repo-Commit, so the client can cache that an optional file is absent).
 Storage: per repo a dict of commits (id = sha1 hex of the commit content), branches and tags
 pointing at commit ids, and blobs keyed by git sha1 (regular) or sha256 (LFS). Every request is
 recorded in `HubServer.requests` so tests can assert, for example, that offline loading made
-no request at all.
+no request at all; `HubServer.failing_commits` makes the next commits fail with a 500.
 """
 
 import base64
@@ -235,6 +235,7 @@ class HubServer:
         self.requests: list = []  # (server name, method, path, status, authorization header)
         self.unrouted: list = []  # (method, path) of requests no route handles
         self.crashes: list = []  # (method, path, traceback) of requests the double failed on
+        self.failing_commits = 0  # tests set this to make the next commits fail like a Hub outage
         self._api = self._make_server("api")
         self._cdn = self._make_server("cdn")
         self.endpoint = f"http://127.0.0.1:{self._api.server_address[1]}"
@@ -790,6 +791,9 @@ def _commit(hub, req, repo_type, repo_id, revision) -> int:
         raise HubError(400, "Pull requests are not supported by this test double")
     if revision not in repo.branches:
         raise HubError(404, f"Invalid rev id: {revision} (commits go to a branch)", "RevisionNotFound")
+    if hub.failing_commits > 0:
+        hub.failing_commits -= 1
+        raise HubError(500, "Internal Error - injected by the test")
     parent = repo.commits[repo.branches[revision]]
     try:
         lines = [json.loads(line) for line in req.body.decode().splitlines() if line.strip()]

@@ -357,6 +357,34 @@ def test_model_push_to_hub_after_finetuning_reloads(hub, published, tmp_path):
         assert_close(reloaded["logits"], published["llama_logits"])
 
 
+RESUME = r"""
+from huggingface_hub.errors import HfHubHTTPError
+from kvm_maglev.hub import push_folder
+try:
+    push_folder(ARGS["folder"], "test-org/interrupted")
+    first = "committed"
+except HfHubHTTPError as error:
+    first = str(error.response.status_code)
+print(json.dumps({"first": first, "second": push_folder(ARGS["folder"], "test-org/interrupted")}))
+"""
+
+
+def test_push_interrupted_at_commit_resumes_without_reuploading(hub, tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "kvm"}))
+    (folder / "model.safetensors").write_bytes(os.urandom(4096))
+    hub.failing_commits = 1
+    before = len(hub.requests)
+    result = run_client(RESUME, client_env(hub, tmp_path / "home"), {"folder": str(folder)}, block_package=False)
+    assert result["first"] == "500"
+    repo = hub.repo("test-org/interrupted")
+    assert repo.resolve("main").oid == result["second"]
+    assert [c.title for c in repo.commits.values()] == ["initial commit", "Upload kvm model from out"]
+    uploads = [r for r in hub.requests[before:] if r[1] == "PUT" and r[2].startswith("/lfs-upload/")]
+    assert len(uploads) == 1  # the weights stored before the failed commit are not sent again
+
+
 def test_the_double_implemented_every_request_the_clients_made(hub, published, downloaded):
     assert hub.unrouted == [] and hub.crashes == []
 
