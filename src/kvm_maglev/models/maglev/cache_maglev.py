@@ -91,6 +91,8 @@ class StepContext:
 
     def column(self, t: int):
         """(start positions, validity) of column t, for writes one column at a time."""
+        if self.length == 1:
+            return self.start, None if self.valid is None else self.valid[:, 0]
         if self.valid is None:
             return self.start + t, None
         return self.start + self.before[:, t], self.valid[:, t]
@@ -140,8 +142,12 @@ class RingKeyValues:
         else:
             for t in range(ctx.length):
                 start, valid = ctx.column(t)
+                if ctx.length == 1:  # one slot index per step, shared by the layers
+                    slot = ctx.mask(("slot", self.capacity), lambda: (start % self.capacity).view(-1, 1, 1, 1))
+                else:
+                    slot = (start % self.capacity).view(-1, 1, 1, 1)
                 record = None if ctx.records is None else ctx.records[t]
-                self._write_column(k[:, :, t:t + 1], v[:, :, t:t + 1], start, valid, record)
+                self._write_column(k[:, :, t:t + 1], v[:, :, t:t + 1], slot, valid, record)
         return y
 
     def _attend_one(self, q, k, v, ctx):
@@ -157,9 +163,9 @@ class RingKeyValues:
         y = weights[..., :-1] @ self.values + weights[..., -1:] * v
         return y.reshape(batch, heads, 1, dim)
 
-    def _write_column(self, k, v, start, valid, record) -> None:
+    def _write_column(self, k, v, slot, valid, record) -> None:
         """Write one column in place (padding rows keep their slot); remember the old slot when recording."""
-        slot = (start % self.capacity).view(-1, 1, 1, 1).expand_as(k)
+        slot = slot.expand_as(k)
         if valid is not None or record is not None:
             old_k, old_v = self.keys.gather(2, slot), self.values.gather(2, slot)
             if valid is not None:

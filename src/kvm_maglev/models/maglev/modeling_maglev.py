@@ -79,6 +79,12 @@ class MaglevAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        # config values read every step, kept as plain attributes (config attribute access is slow)
+        self.eps = config.rms_norm_eps
+        self.qk_norm_scale = config.qk_norm_scale
+        self.memory_gate_channels = config.memory_gate_channels
+        self.value_gate_channels = config.value_embedding_gate_channels
+        self.value_gate_scale = config.value_embedding_gate_scale
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, config.kv_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, config.kv_dim, bias=False)
@@ -100,18 +106,15 @@ class MaglevAttention(nn.Module):
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         if memory is not None:
             # Maglev: the previous token's memory enters keys (before rotary/QK-norm) and values.
-            gate = torch.sigmoid(self.memory_gate(x[..., : self.config.memory_gate_channels])).unsqueeze(-1)
+            gate = torch.sigmoid(self.memory_gate(x[..., : self.memory_gate_channels])).unsqueeze(-1)
             k = k + gate * self.memory_k_proj(memory).view_as(k)
             v = v + gate * self.memory_v_proj(memory).view_as(v)
         if value_embedding is not None:
-            channels = self.config.value_embedding_gate_channels
-            gate = self.config.value_embedding_gate_scale * torch.sigmoid(self.value_gate(x[..., :channels]))
+            gate = self.value_gate_scale * torch.sigmoid(self.value_gate(x[..., : self.value_gate_channels]))
             v = v + gate.unsqueeze(-1) * value_embedding.view_as(v)
-        cos, sin = rotary
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        eps = self.config.rms_norm_eps
-        q = rms_norm(q, eps) * self.config.qk_norm_scale
-        k = rms_norm(k, eps) * self.config.qk_norm_scale
+        # rotary and QK-norm act per head: queries and keys go through them together (fewer small ops per step)
+        qk = apply_rotary(torch.cat([q, k], dim=2), *rotary)
+        q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([self.num_heads, self.num_kv_heads], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if store is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.chunk_mask(window), enable_gqa=True)
