@@ -365,11 +365,13 @@ try:
     first = "committed"
 except HfHubHTTPError as error:
     first = str(error.response.status_code)
-print(json.dumps({"first": first, "second": push_folder(ARGS["folder"], "test-org/interrupted")}))
+second = push_folder(ARGS["folder"], "test-org/interrupted")
+third = push_folder(ARGS["folder"], "test-org/interrupted", private=True)  # same files, now private
+print(json.dumps({"first": first, "second": second, "third": third}))
 """
 
 
-def test_push_interrupted_at_commit_resumes_without_reuploading(hub, tmp_path):
+def test_push_interrupted_at_commit_resumes_without_reuploading_then_goes_private(hub, tmp_path):
     folder = tmp_path / "out"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "kvm"}))
@@ -379,7 +381,8 @@ def test_push_interrupted_at_commit_resumes_without_reuploading(hub, tmp_path):
     result = run_client(RESUME, client_env(hub, tmp_path / "home"), {"folder": str(folder)}, block_package=False)
     assert result["first"] == "500"
     repo = hub.repo("test-org/interrupted")
-    assert repo.resolve("main").oid == result["second"]
+    assert repo.resolve("main").oid == result["second"] == result["third"]
+    assert repo.private  # --private on an existing public repo makes it private, without a commit
     assert [c.title for c in repo.commits.values()] == ["initial commit", "Upload kvm model from out"]
     uploads = [r for r in hub.requests[before:] if r[1] == "PUT" and r[2].startswith("/lfs-upload/")]
     assert len(uploads) == 1  # the weights stored before the failed commit are not sent again
@@ -505,6 +508,12 @@ def test_source_checkpoint_is_read_from_config_or_card(tmp_path):
     folder = converted_folder(tmp_path)
     assert find_source_checkpoint(folder) is None
     assert default_commit_message(folder) == "Upload kvm model from out"
+    (folder / "README.md").write_text("# Card\n\nThe source code is in modeling_kvm.py.\n")
+    assert find_source_checkpoint(folder) is None
+    (folder / "README.md").write_text("| field | value |\n|---|---|\n| **source** | `ckpt/model_000011.pt` |\n")
+    assert find_source_checkpoint(folder) == "ckpt/model_000011.pt"
+    (folder / "README.md").write_text("Weights converted from `hf://org/run` with kvm-maglev.\n")
+    assert find_source_checkpoint(folder) == "hf://org/run"
     (folder / "README.md").write_text("# Card\n\n## Weights\n\n- source: `/runs/kvm/model_step000050.pt`\n- step: 50\n")
     assert default_commit_message(folder) == "Upload kvm model converted from /runs/kvm/model_step000050.pt"
     (folder / "config.json").write_text(json.dumps({"model_type": "maglev", "source_checkpoint": "d2/model_000011.pt"}))

@@ -20,8 +20,13 @@ _MIRRORED_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.b
 _IGNORED_PATTERNS = ["*__pycache__/*", "*.pyc"]
 # Where a converted folder may record the checkpoint it came from.
 _SOURCE_CONFIG_KEYS = ("source_checkpoint", "converted_from", "source_path", "source")
-_SOURCE_README_LINE = re.compile(
-    r"(?im)^[\s>*|-]*(?:source(?:\s+checkpoint|\s+path)?|converted\s+from|weights\s+from)\b[*:|\s]*[`\"']?([^`\"'|\s][^`\"'|\n]*?)[`\"']?\s*\|?\s*$"
+# "- source: `path`", "Source checkpoint: path", "| source | `path` |" or "converted from `path`"
+_SOURCE_README_PATTERNS = (
+    re.compile(
+        r"(?im)^[\s>*|-]*\**(?:source(?:\s+checkpoint|\s+path)?|weights\s+from|converted\s+from)\**\s*[:|]"
+        r"\s*\**[`\"']?(?P<source>[^`\"'|\n]+?)[`\"']?\s*\|?\s*$"
+    ),
+    re.compile(r"(?i)converted\s+from\s+`(?P<source>[^`\n]+)`"),
 )
 _TOKEN_SCAN_MAX_BYTES = 4 * 1024 * 1024
 
@@ -95,9 +100,11 @@ def find_source_checkpoint(folder: Union[str, Path]) -> Optional[str]:
                 return value.strip()
     readme = folder / "README.md"
     if readme.is_file():
-        match = _SOURCE_README_LINE.search(readme.read_text(encoding="utf-8", errors="replace"))
-        if match:
-            return match.group(1).strip()
+        text = readme.read_text(encoding="utf-8", errors="replace")
+        for pattern in _SOURCE_README_PATTERNS:
+            match = pattern.search(text)
+            if match:
+                return match.group("source").strip()
     return None
 
 
