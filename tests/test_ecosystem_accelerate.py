@@ -62,10 +62,7 @@ def test_two_process_ddp_run_of_the_finetune_example(model_dir, tmp_path):
 
 
 # accelerate loads an offloaded module's weights only when that module's own forward runs
-OFFLOAD_UNSUPPORTED = {
-    "kvm": "KVMAttention.normalize_state_keys (modeling_kvm.py) reads state_key_norm.weight/.bias directly "
-           "instead of calling the module, so with disk/CPU offload they are still on the meta device",
-}
+OFFLOAD_UNSUPPORTED = {}
 
 
 def test_device_map_auto_splits_between_blocks_and_matches(model_dir, tmp_path, request):

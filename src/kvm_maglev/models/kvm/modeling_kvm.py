@@ -174,12 +174,19 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         return self.output(y)
 
 
+class KVMStateKeyNorm(nn.LayerNorm):
+    """LayerNorm of state keys, which may be kept in float32 under a float16 model."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
 class KVMAttention(KVMAttentionBase):
     """Joint softmax over the block sliding window and the key-value-means state."""
 
     def __init__(self, config: KVMConfig, layer_idx: int):
         super().__init__(config, layer_idx, config.kvm_token_shift, config.kvm_value_residual_mode)
-        self.state_key_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
+        self.state_key_norm = KVMStateKeyNorm(self.head_dim, eps=config.layer_norm_eps)
         self.gated = config.merge_gate_keys or config.merge_gate_values
         if self.gated:
             self.merge_gate_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
@@ -189,8 +196,7 @@ class KVMAttention(KVMAttentionBase):
 
     # -- state helpers --
     def normalize_state_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        norm = self.state_key_norm
-        return F.layer_norm(keys, norm.normalized_shape, norm.weight.to(keys.dtype), norm.bias.to(keys.dtype), norm.eps)
+        return self.state_key_norm(keys)
 
     def state_keys_from(self, k: torch.Tensor, state_dtype: torch.dtype) -> torch.Tensor:
         """Keys as they enter the state: rotary channels zeroed, then layer-normed."""
