@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-targets", default=None,
                         help="comma-separated module names (default: the documented targets of the architecture)")
     parser.add_argument("--merge-lora", action="store_true", help="also save the merged model to OUTPUT_DIR/merged")
+    parser.add_argument("--ddp-find-unused-parameters", action="store_true",
+                        help="let DDP look for parameters without a gradient each step (slower; needed when a "
+                             "step can leave some unused, e.g. KVM on blocks shorter than its attention window)")
     parser.add_argument("--check-replicas", action="store_true",
                         help="after training, check that every process holds identical parameters "
                              "(writes OUTPUT_DIR/replicas.json)")
@@ -137,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         report_to="none",
         label_names=["labels"],
-        # every parameter must get a gradient each step: DDP then needs no unused-parameter search
-        ddp_find_unused_parameters=False,
+        # by default every parameter must get a gradient each step: DDP then skips the unused-parameter search
+        ddp_find_unused_parameters=args.ddp_find_unused_parameters,
         use_cpu=not torch.cuda.is_available(),
     )
     trainer = LossComponentsTrainer(
