@@ -321,40 +321,41 @@ FINETUNE_AND_PUSH = r'''
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-model = AutoModelForCausalLM.from_pretrained("test-org/tiny-llama")
-tokenizer = AutoTokenizer.from_pretrained("test-org/tiny-llama")
-batch = tokenizer(["the hub serves tiny models"], return_tensors="pt")
+# a user without our package: load KVM by repo id, train one step, publish the result
+model = AutoModelForCausalLM.from_pretrained("test-org/kvm-tiny", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("test-org/kvm-tiny", trust_remote_code=True)
+ids = torch.tensor(ARGS["prompt_ids"])
+model.train()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-loss = model(**batch, labels=batch.input_ids).loss
-loss.backward()
+model(input_ids=ids, labels=ids).loss.backward()
 optimizer.step()
 model.eval()
-commit = model.push_to_hub("test-user/tiny-llama-finetuned", commit_message="Fine-tune one step")
-tokenizer.push_to_hub("test-user/tiny-llama-finetuned")
-prompt = torch.tensor(ARGS["prompt_ids"])
+commit = model.push_to_hub("test-user/kvm-tiny-finetuned", commit_message="Fine-tune one step")
+tokenizer.push_to_hub("test-user/kvm-tiny-finetuned")
 with torch.no_grad():
-    print(json.dumps({"commit": commit.oid, "logits": model(prompt).logits.tolist()}))
+    print(json.dumps({"commit": commit.oid, "logits": model(ids).logits.tolist()}))
 '''
 
 RELOAD_FINETUNED = r'''
 import torch
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("test-user/tiny-llama-finetuned")
+model = AutoModelForCausalLM.from_pretrained("test-user/kvm-tiny-finetuned", trust_remote_code=True)
 with torch.no_grad():
     print(json.dumps({"logits": model(torch.tensor(ARGS["prompt_ids"])).logits.tolist()}))
 '''
 
 
 def test_model_push_to_hub_after_finetuning_reloads(hub, published, tmp_path):
-    payload = {"prompt_ids": published["llama_prompt"]}
+    payload = {"prompt_ids": PROMPT_IDS}
     tuned = run_client(FINETUNE_AND_PUSH, client_env(hub, tmp_path / "tune"), payload)
-    repo = hub.repo("test-user/tiny-llama-finetuned")
+    repo = hub.repo("test-user/kvm-tiny-finetuned")
     assert repo.resolve(tuned["commit"]).title == "Fine-tune one step"
-    assert "tokenizer.json" in repo.resolve("main").files
+    files = repo.resolve("main").files
+    assert "tokenizer.json" in files and set(published["code_files"]["kvm"]) <= set(files)  # code travels along
     reloaded = run_client(RELOAD_FINETUNED, client_env(hub, tmp_path / "reload"), payload)
     assert_close(reloaded["logits"], tuned["logits"])
     with pytest.raises(AssertionError):
-        assert_close(reloaded["logits"], published["llama_logits"])
+        assert_close(reloaded["logits"], published["kvm_logits"])
 
 
 RESUME = r"""
