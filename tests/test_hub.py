@@ -104,6 +104,8 @@ def reference(folder, prompt, key):
     if (folder / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
         out[key + "_tokenizer_ids"] = tokenizer(ARGS["text"]).input_ids
+        if tokenizer.chat_template:
+            out[key + "_chat"] = tokenizer.apply_chat_template(ARGS["chat"], tokenize=False)
 
 # 1. a built-in architecture, pushed with the library function, twice (the second is a no-op)
 tokenizer = tiny_tokenizer()
@@ -166,6 +168,8 @@ def load(repo_id, key, prompt, revision=None, remote=True, tokenizer_too=False):
     if tokenizer_too:
         tokenizer = AutoTokenizer.from_pretrained(repo_id, revision=revision, trust_remote_code=remote)
         out[key + "_tokenizer_ids"] = tokenizer(ARGS["text"]).input_ids
+        if tokenizer.chat_template:
+            out[key + "_chat"] = tokenizer.apply_chat_template(ARGS["chat"], tokenize=False)
 
 llama_prompt = torch.tensor(ARGS["llama_prompt"])
 load("test-org/tiny-llama", "llama", llama_prompt, remote=False, tokenizer_too=True)
@@ -181,6 +185,7 @@ print(json.dumps(out))
 
 PROMPT_IDS = [[1, 17, 5, 42, 9, 3, 28, 11]]  # inside both fixture vocabularies
 TEXT = "hello world the hub"
+CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +198,7 @@ def published(hub, tmp_path_factory, data_dir):
         "maglev_source": str(data_dir / "nanochat" / "tiny_sl" / "base_checkpoints" / "d2"),
         "prompt_ids": PROMPT_IDS,
         "text": TEXT,
+        "chat": CHAT,
     }
     env = client_env(hub, tmp_path_factory.mktemp("hf_home_publish"))
     return run_client(PUBLISH, env, payload, block_package=False)
@@ -202,6 +208,7 @@ def load_payload(published: dict) -> dict:
     return {
         "prompt_ids": PROMPT_IDS,
         "text": TEXT,
+        "chat": CHAT,
         "llama_prompt": published["llama_prompt"],
         "kvm_tokenizer": "kvm_tokenizer_ids" in published,
         "maglev_tokenizer": "maglev_tokenizer_ids" in published,
@@ -294,8 +301,9 @@ def test_load_by_repo_id_matches_the_local_folders(published, downloaded):
             assert loaded[loaded_key + "_class_module"].startswith("transformers_modules.")
             assert_close(loaded[loaded_key + "_logits"], published[key + "_logits"], atol=1e-5)
             assert loaded[loaded_key + "_generated"] == published[key + "_generated"]
-            if key + "_tokenizer_ids" in published:
+            if key + "_tokenizer_ids" in published:  # Maglev: once the converter carries the tokenizer
                 assert loaded[loaded_key + "_tokenizer_ids"] == published[key + "_tokenizer_ids"]
+                assert loaded.get(loaded_key + "_chat") == published.get(key + "_chat")
 
 
 def test_remote_code_is_fetched_into_module_cache_pinned_by_commit(published, downloaded):
