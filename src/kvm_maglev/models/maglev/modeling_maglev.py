@@ -262,7 +262,13 @@ class MaglevModel(MaglevPreTrainedModel):
             self._inv_freq = inverse_frequencies(self.config, device)
         return rotary_tables(self._inv_freq, ctx.query_positions, dtype)
 
-    def run_stack(self, input_ids, x0, memory, cache, ctx, prefiller=False, hidden_states=None):
+    def value_embeddings_for(self, input_ids: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor | None]:
+        """Per layer, the value embeddings of the tokens (None where the layer has none)."""
+        tables = self.value_embeddings
+        return [tables[str(i)](input_ids).to(dtype) if str(i) in tables else None
+                for i in range(self.config.num_hidden_layers)]
+
+    def run_stack(self, x0, value_embeddings, memory, cache, ctx, rotary, prefiller=False, hidden_states=None):
         """One parallel pass over a chunk through P's (or Q's) blocks; returns `h` (after backout)."""
         config = self.config
         if prefiller:
@@ -272,17 +278,14 @@ class MaglevModel(MaglevPreTrainedModel):
             x0_l = self.x0_lambdas if self.prefiller_layers is None else self.prefiller_x0_lambdas
         else:
             windows, blocks, res_l, x0_l = config.decoder_windows, self.layers, self.residual_lambdas, self.x0_lambdas
-        rotary = self.rotary_for(ctx, x0.dtype)
         x, backout = x0, None
         for i, block in enumerate(blocks):
             if res_l is not None:
                 x = res_l[i] * x + x0_l[i] * x0
             if hidden_states is not None:
                 hidden_states.append(x)
-            table = self.value_embeddings[str(i)] if str(i) in self.value_embeddings else None
-            value_embedding = None if table is None else table(input_ids).to(x.dtype)
             store = None if cache is None else cache.layer_stores[i]
-            x = block(x, value_embedding, memory, rotary, windows[i], store, ctx)
+            x = block(x, value_embeddings[i], memory, rotary, windows[i], store, ctx)
             if self.backout_lambda is not None and i == config.backout_layer:
                 backout = x
         if backout is not None:
@@ -293,7 +296,8 @@ class MaglevModel(MaglevPreTrainedModel):
         """P over a chunk in parallel with the given memory inputs; updates the cache. Returns m."""
         previous = None if cache is None else cache.previous_embedding
         x0, raw = self.embed(input_ids, previous, ctx.valid)
-        h = self.run_stack(input_ids, x0, memory, cache, ctx, hidden_states=hidden_states)
+        values = self.value_embeddings_for(input_ids, x0.dtype)
+        h = self.run_stack(x0, values, memory, cache, ctx, self.rotary_for(ctx, x0.dtype), hidden_states=hidden_states)
         memories = rms_norm(h, self.config.rms_norm_eps)
         if cache is not None:
             cache.advance(ctx, raw, memories if memory is not None else None)
@@ -303,7 +307,8 @@ class MaglevModel(MaglevPreTrainedModel):
         """Q on a whole fresh sequence in parallel (no memory, Q's windows, padding skipped): m'."""
         ctx = StepContext(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
         x0, _ = self.embed(input_ids, None, valid)
-        h = self.run_stack(input_ids, x0, None, None, ctx, prefiller=True)
+        values = self.value_embeddings_for(input_ids, x0.dtype)
+        h = self.run_stack(x0, values, None, None, ctx, self.rotary_for(ctx, x0.dtype), prefiller=True)
         return rms_norm(h, self.config.rms_norm_eps)
 
     def shifted_memories(self, memories: torch.Tensor, first: torch.Tensor | None,
@@ -316,15 +321,30 @@ class MaglevModel(MaglevPreTrainedModel):
         return gather_columns(first, memories, previous_real_index(valid))
 
     def recurrent(self, input_ids, cache, valid, hidden_states=None):
-        """The paper's inference: token after token through P, each fed its row's previous memory."""
+        """The paper's inference: token after token through P, each fed its row's previous memory.
+
+        What does not depend on the memory - embeddings with smear, value embeddings, rotary tables -
+        is computed for the whole chunk at once; only the blocks run per token."""
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             raise NotImplementedError("gradient checkpointing would replay cache writes in the recurrent pass; "
                                       "train with the prefiller (lifted training) or without checkpointing")
+        length = input_ids.shape[1]
+        x0, raw = self.embed(input_ids, cache.previous_embedding, valid)
+        values = self.value_embeddings_for(input_ids, x0.dtype)
+        whole = cache.step_context(valid, 1) if length == 1 else StepContext(cache.positions, valid, length)
+        rotary = self.rotary_for(whole, x0.dtype)
+        eps = self.config.rms_norm_eps
         outputs, per_step = [], []
-        for t in range(input_ids.shape[1]):
-            ctx = cache.step_context(None if valid is None else valid[:, t:t + 1], 1)
+        for t in range(length):
+            step = (lambda tensor: tensor) if length == 1 else (lambda tensor: tensor[:, t:t + 1])
+            ctx = whole if length == 1 else cache.step_context(None if valid is None else step(valid), 1)
             step_states = None if hidden_states is None else []
-            outputs.append(self.decode_chunk(input_ids[:, t:t + 1], cache.last_memory, cache, ctx, step_states))
+            step_values = [None if v is None else step(v) for v in values]
+            h = self.run_stack(step(x0), step_values, cache.last_memory, cache, ctx, tuple(map(step, rotary)),
+                               hidden_states=step_states)
+            memories = rms_norm(h, eps)
+            cache.advance(ctx, step(raw), memories)
+            outputs.append(memories)
             per_step.append(step_states)
         if hidden_states is not None:
             hidden_states.extend(torch.cat(states, dim=1) for states in zip(*per_step))
