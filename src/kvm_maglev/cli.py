@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 _SUBCOMMANDS = {
     "convert": "kvm_maglev.convert.cli",
     "bench": "kvm_maglev.benchmarks.cli",
+    "demo": "kvm_maglev.demo",
     "push": "kvm_maglev.hub",
 }
 

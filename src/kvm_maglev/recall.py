@@ -127,31 +127,48 @@ def build_dataset(
 def evaluate_recall(
     model, task: RecallTask, distances: Sequence[int], num_examples: int, seed: int, use_generate: bool = True
 ) -> Dict[int, float]:
-    """Exact-match recall per distance: the prompt is cut right before the answer.
+    """Exact-match recall per distance: each prompt is cut right before its answer.
 
-    With ``use_generate`` the answer is one greedy ``generate()`` token on a cache, as a user
-    would query the model; otherwise the argmax of one uncached forward.
+    The prompts of one distance form one left-padded batch. With ``use_generate`` the answer
+    is one greedy ``generate()`` token on the model's cache, as a user would query the model;
+    otherwise the argmax of an uncached forward at the last position.
     """
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    hits: Dict[int, List[bool]] = {int(d): [] for d in distances}
-    for _ in range(num_examples):
-        for distance in distances:
+    recall: Dict[int, float] = {}
+    for distance in distances:
+        prompts, answers = [], []
+        while len(prompts) < num_examples:
             example = make_example(task, generator, [distance])
             if not example.answer_positions:
-                continue
+                raise ValueError(f"distance {distance} does not fit in a sequence of {task.seq_len} tokens")
             answer = example.answer_positions[0]
-            prompt = torch.tensor([example.input_ids[:answer]], device=device)
-            predicted = _predict_next(model, prompt, use_generate)
-            hits[int(distance)].append(predicted == example.input_ids[answer])
-    return {d: (sum(h) / len(h) if h else float("nan")) for d, h in hits.items()}
+            prompts.append(example.input_ids[:answer])
+            answers.append(example.input_ids[answer])
+        input_ids, attention_mask = left_pad(prompts, device)
+        predicted = _predict_next(model, input_ids, attention_mask, use_generate)
+        recall[int(distance)] = (predicted.cpu() == torch.tensor(answers)).float().mean().item()
+    return recall
 
 
-def _predict_next(model, prompt: torch.Tensor, use_generate: bool) -> int:
+def left_pad(rows: List[List[int]], device: torch.device = None):
+    """Left-pad token rows with ``PAD_ID``; returns ``(input_ids, attention_mask)``."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = torch.tensor(row)
+        attention_mask[i, width - len(row) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _predict_next(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, use_generate: bool) -> torch.Tensor:
     if use_generate:
-        out = model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=PAD_ID)
-        return int(out[0, -1])
-    return int(model(input_ids=prompt).logits[0, -1].argmax())
+        out = model.generate(
+            input_ids, attention_mask=attention_mask, max_new_tokens=1, do_sample=False, pad_token_id=PAD_ID
+        )
+        return out[:, -1]
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -1].argmax(-1)
 
 
 def default_distances(window: int, max_multiple: int = 8) -> List[int]:
@@ -175,6 +192,7 @@ __all__ = [
     "RecallTask",
     "RecallExample",
     "make_example",
+    "left_pad",
     "build_dataset",
     "evaluate_recall",
     "default_distances",
