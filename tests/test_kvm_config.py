@@ -146,8 +146,10 @@ def test_compiled_prefix_and_cli(tmp_path, data_dir):
     torch.save(checkpoint, compiled)
     parser = argparse.ArgumentParser()
     kvm_convert.add_arguments(parser)
-    assert kvm_convert.run(parser.parse_args([str(compiled), str(tmp_path / "out"), "--config", str(case / "config.yaml")])) == 0
-    assert kvm_convert.run(parser.parse_args([str(compiled), str(tmp_path / "out"), "--config", str(case / "config.yaml")])) == 2
+    argv = [str(compiled), str(tmp_path / "out"), "--config", str(case / "config.yaml"),
+            "--tokenizer", str(case.parent / "research_final")]
+    assert kvm_convert.run(parser.parse_args(argv)) == 0
+    assert kvm_convert.run(parser.parse_args(argv)) == 2
     model = KVMForCausalLM.from_pretrained(tmp_path / "out")
     assert model.config.chunk_size == 16
 

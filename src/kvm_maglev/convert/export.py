@@ -18,6 +18,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
+WRITE_STAGES = ["cast", "check logits", "weights", "tokenizer", "card", "verify", "move into place"]
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -54,7 +55,7 @@ def check_state_dict(expected: Mapping[str, Iterable[int]], got: Mapping[str, to
         raise ValueError("state dict does not match the config:\n  " + "\n  ".join(problems))
 
 
-class _Stages:
+class Stages:
     """Progress over named stages: a tqdm bar when tqdm is installed, else one line per stage on stderr."""
 
     def __init__(self, names: list[str], enabled: bool = True):
@@ -82,9 +83,11 @@ class _Stages:
         self.index += 1
 
     def close(self) -> None:
+        """Finish the display (the last stage is done); safe to call twice."""
         if self.bar is not None:
             self.bar.update(len(self.names) - self.bar.n)
             self.bar.close()
+            self.bar = None
 
 
 def _check_auto_map(model) -> None:
@@ -228,7 +231,7 @@ def write_model_folder(
     dry_run: bool = False,
     extra_files: Mapping[str, str | bytes | os.PathLike] | None = None,
     generation_fields: Mapping | None = None,
-    progress: bool = True,
+    progress: bool | Stages = True,
 ) -> Path:
     """Check `model` and write it with its tokenizer, generation config and card as a Hub folder at OUT.
 
@@ -236,6 +239,7 @@ def write_model_folder(
     tokens, and is saved as safetensors (sharded when `max_shard_size` is given). `generation_fields`
     (e.g. eos lists, suppress_tokens) go into generation_config.json on top of the tokenizer's
     bos/eos/pad ids. With `dry_run` the checks run and the plan is printed; nothing is written.
+    `progress` shows the stages (a converter passes its own Stages to continue its display).
     """
     out_dir = Path(out_dir)
     target_dtype = resolve_dtype(dtype)
@@ -244,8 +248,10 @@ def write_model_folder(
     if not out_dir.parent.is_dir():
         raise ValueError(f"the parent folder of {out_dir} does not exist")
     _check_auto_map(model)
-    stages = _Stages(["cast", "check logits", "weights", "tokenizer", "card", "verify", "move into place"],
-                     enabled=progress and not dry_run)
+    if isinstance(progress, Stages):
+        stages = progress  # a converter's display, already counting its reading stages
+    else:
+        stages = Stages(WRITE_STAGES, enabled=progress and not dry_run)
     try:
         if dry_run:
             check_finite_logits(model, tokenizer)

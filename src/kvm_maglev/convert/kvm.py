@@ -1,10 +1,9 @@
-"""`kvm-maglev convert kvm SRC OUT`: research KVM checkpoint -> transformers folder.
+"""`kvm-maglev convert kvm SRC OUT`: research KVM checkpoint -> Hub-ready transformers folder.
 
 SRC is a research trainer checkpoint (`model_stepNNNNNN.pt`, with `--config` naming its
 research YAML) or the research code's final `save_pretrained` folder. The steps are small
-functions so that later tooling (tokenizer, model card, sharding) can reuse them:
-load_research_checkpoint -> kvm_config_from_research + convert_state_dict -> build_model
--> write_model_folder.
+functions: read_research_checkpoint -> kvm_config_from_research + convert_state_dict ->
+build_model (checked against the config) -> export_model (card, tokenizer, checked write).
 """
 
 from __future__ import annotations
@@ -12,17 +11,28 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
-import sys
-import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import load_file
 
+from kvm_maglev.convert.common import (
+    READ_STAGES,
+    ExportOptions,
+    add_output_arguments,
+    check_out_dir,
+    export_model,
+    load_safetensors_file,
+    load_torch_file,
+    run_conversion,
+    source_dtype,
+    source_provenance,
+)
+from kvm_maglev.convert.export import check_state_dict, expected_shapes
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM, KVMModel
+from kvm_maglev.tokenization.gpt2 import generation_token_fields, load_research_tokenizer
 
 # research fields that must have exactly these values (or be absent) for our model to be exact
 _REQUIRED_VALUES = {
@@ -35,7 +45,6 @@ _REQUIRED_VALUES = {
     "model_class_path": ("model.rwkv7_backbone.RWKV7BackboneForCausalLM",),
 }
 _TOKEN_SHIFT_MODES = ("rwkv", "none")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
 # research parameter names (inside transformer.h.N.) -> ours (inside model.layers.N.)
 _LAYER_RENAMES = {
@@ -73,43 +82,84 @@ _TOP_RENAMES = {
 }
 
 
-def load_research_checkpoint(source: str | Path, config_path: str | Path | None = None) -> tuple[dict, dict]:
-    """Return (research model fields, research state dict) from a .pt checkpoint or a final folder."""
+@dataclass
+class ResearchCheckpoint:
+    """A research checkpoint as read from disk: model fields, state dict and where they came from."""
+
+    fields: dict
+    state: dict[str, torch.Tensor]
+    weights_files: list[Path]
+    config_file: Path
+    step: int | None = None
+
+
+def read_research_checkpoint(source: str | Path, config_path: str | Path | None = None) -> ResearchCheckpoint:
+    """Read a .pt trainer checkpoint (+ its YAML) or a final folder; never runs pickled code."""
     source = Path(source)
     if source.is_dir():
         config_file = source / "config.json"
         if not config_file.is_file():
             raise ValueError(f"{source} is not a research save_pretrained folder (no config.json)")
-        fields = json.loads(config_file.read_text())
+        fields = _read_json(config_file)
         if fields.get("model_type") != "rwkv7backbone":
             raise ValueError(f"{config_file}: model_type {fields.get('model_type')!r} is not 'rwkv7backbone'")
-        return fields, _load_safetensors_folder(source)
+        state, files = _load_safetensors_folder(source)
+        return ResearchCheckpoint(fields, state, files, config_file)
     if not source.is_file():
         raise ValueError(f"{source} does not exist")
     if config_path is None:
         raise ValueError("a research .pt checkpoint needs --config pointing at its research YAML")
-    document = yaml.safe_load(Path(config_path).read_text())
+    config_file = Path(config_path)
+    try:
+        document = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"cannot read the research YAML {config_file}: {error}") from error
     if not isinstance(document, dict) or not isinstance(document.get("model"), dict):
         raise ValueError(f"{config_path}: expected a research YAML with a top-level 'model:' mapping")
-    checkpoint = torch.load(str(source), map_location="cpu", weights_only=True)
+    checkpoint = load_torch_file(source)
     state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{source}: expected a trainer checkpoint dict with a 'model' state dict")
     state = {key.replace("_orig_mod.", ""): value for key, value in state.items()}
-    return dict(document["model"]), state
+    step = checkpoint.get("step") if isinstance(checkpoint.get("step"), int) else _step_from_name(source)
+    return ResearchCheckpoint(dict(document["model"]), state, [source], config_file, step)
 
 
-def _load_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+def load_research_checkpoint(source: str | Path, config_path: str | Path | None = None) -> tuple[dict, dict]:
+    """Return (research model fields, research state dict) from a .pt checkpoint or a final folder."""
+    checkpoint = read_research_checkpoint(source, config_path)
+    return checkpoint.fields, checkpoint.state
+
+
+def _step_from_name(path: Path) -> int | None:
+    match = re.search(r"step_?(\d+)", path.name)
+    return int(match.group(1)) if match else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {path}: {error}") from error
+    if not isinstance(document, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return document
+
+
+def _load_safetensors_folder(folder: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
     """model.safetensors, or every shard named by model.safetensors.index.json."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(str(single))
+        return load_safetensors_file(single), [single]
     if not index.is_file():
         raise ValueError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
-    state = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        state.update(load_file(str(folder / shard)))
-    return state
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no weight_map")
+    state, files = {}, sorted({folder / shard for shard in weight_map.values()})
+    for shard in files:
+        state.update(load_safetensors_file(shard))
+    return state, files
 
 
 def _check_supported(fields: dict) -> None:
@@ -200,86 +250,87 @@ def convert_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def build_model(config: KVMConfig, state: dict[str, torch.Tensor]) -> KVMForCausalLM:
-    """Instantiate KVMForCausalLM and load the converted weights strictly (shapes and names)."""
+    """Instantiate KVMForCausalLM and load the weights; every missing, unexpected or misshapen key is one error."""
     model = KVMForCausalLM(config)
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if isinstance(dtype, torch.dtype):
         model = model.to(dtype)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"weights do not match the config: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    for key, value in state.items():
-        if tuple(value.shape) != tuple(expected[key].shape):
-            raise ValueError(f"{key}: shape {tuple(value.shape)} does not match the config's {tuple(expected[key].shape)}")
+    check_state_dict(expected_shapes(model), state)
     model.load_state_dict(state, strict=True)
     return model.eval()
 
 
-def write_model_folder(model: KVMForCausalLM, out: str | Path, overwrite: bool = False,
-                       extra_files: list[Path] = ()) -> Path:
-    """save_pretrained with our code files and auto_map, into a temporary folder renamed into place."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        type(model.config).register_for_auto_class()
-        KVMModel.register_for_auto_class("AutoModel")
-        type(model).register_for_auto_class("AutoModelForCausalLM")
-        model.save_pretrained(staging, safe_serialization=True)
-        config_file = staging / "config.json"
-        config = json.loads(config_file.read_text())
-        auto_map = config.setdefault("auto_map", {})
-        auto_map.setdefault("AutoModel", "modeling_kvm.KVMModel")
-        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for extra in extra_files:
-            shutil.copy2(extra, staging / extra.name)
-        if out.exists():
-            backup = out.with_name(f".{out.name}.old")
-            shutil.rmtree(backup, ignore_errors=True)
-            out.rename(backup)
-            staging.rename(out)
-            shutil.rmtree(backup)
-        else:
-            staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
-
-
-def research_tokenizer_files(source: str | Path) -> list[Path]:
-    """Tokenizer files of a research final folder (none for a .pt checkpoint)."""
+def find_research_tokenizer(source: str | Path, explicit: str | Path | None = None) -> Path | None:
+    """Folder holding the run's tokenizer.json: `explicit`, else SRC (final folder) or the .pt's folder."""
+    if explicit is not None:
+        folder = Path(explicit)
+        folder = folder.parent if folder.is_file() else folder
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"--tokenizer {explicit}: no tokenizer.json there (give the research run's tokenizer folder)")
+        return folder
     source = Path(source)
-    return [source / name for name in TOKENIZER_FILES if source.is_dir() and (source / name).is_file()]
+    folder = source if source.is_dir() else source.parent
+    return folder if (folder / "tokenizer.json").is_file() else None
 
 
-def convert(source: str | Path, out: str | Path, config_path: str | Path | None = None,
-            overwrite: bool = False, **overrides: Any) -> Path:
-    """Whole conversion: research checkpoint at `source` -> transformers folder at `out`."""
-    fields, research_state = load_research_checkpoint(source, config_path)
-    config = kvm_config_from_research(fields, **overrides)
-    model = build_model(config, convert_state_dict(research_state))
-    return write_model_folder(model, out, overwrite=overwrite, extra_files=research_tokenizer_files(source))
+def convert(source: str | Path, out: str | Path, config_path: str | Path | None = None, overwrite: bool = False, *,
+            tokenizer: str | Path | None = None, require_tokenizer: bool = False, options: ExportOptions | None = None,
+            **overrides: Any) -> Path:
+    """Whole conversion: research checkpoint at `source` -> checked Hub folder at `out`.
+
+    The tokenizer comes from `tokenizer` or is found beside `source` (none written when absent,
+    unless `require_tokenizer`). `options` sets dtype, shards, card metadata and dry run;
+    without it `overwrite` alone applies. `overrides` are KVMConfig fields.
+    """
+    options = options or ExportOptions(overwrite=overwrite)
+    out = check_out_dir(out, options.overwrite)
+    tokenizer_dir = find_research_tokenizer(source, tokenizer)
+    if tokenizer_dir is None and require_tokenizer:
+        raise ValueError(
+            f"no tokenizer.json beside {source} (trainer checkpoints do not carry one); pass --tokenizer DIR "
+            "with the research run's tokenizer folder (its final save_pretrained folder has the files)"
+        )
+    stages = options.stages(READ_STAGES)
+    try:
+        stages.start("read checkpoint")
+        checkpoint = read_research_checkpoint(source, config_path)
+        stages.start("check weights")
+        config = kvm_config_from_research(checkpoint.fields, **overrides)
+        try:
+            model = build_model(config, convert_state_dict(checkpoint.state))
+        except ValueError as error:
+            raise ValueError(f"the weights in {source} do not fit the config from {checkpoint.config_file}: {error}") from error
+        stages.start("tokenizer")
+        tokenizer_object = load_research_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+        fields = generation_token_fields(tokenizer_object, config.vocab_size) if tokenizer_object is not None else {}
+        _register_auto_classes(model)
+        shown = checkpoint.weights_files[0] if len(checkpoint.weights_files) == 1 else Path(source)
+        provenance = source_provenance(checkpoint.weights_files, shown, checkpoint.step)
+        dtype = options.dtype or source_dtype(checkpoint.state)
+        return export_model(model, out, architecture="kvm", tokenizer=tokenizer_object, generation_fields=fields,
+                            provenance=provenance, options=replace(options, dtype=dtype), stages=stages)
+    finally:
+        stages.close()
+
+
+def _register_auto_classes(model: KVMForCausalLM) -> None:
+    """config.json's auto_map names our code files, so the folder loads with trust_remote_code anywhere."""
+    type(model.config).register_for_auto_class()
+    type(model).register_for_auto_class("AutoModelForCausalLM")
+    model.config.auto_map = {**(getattr(model.config, "auto_map", None) or {}),
+                             "AutoModel": f"modeling_kvm.{KVMModel.__name__}"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="research model_stepNNNNNN.pt or final save_pretrained folder")
     parser.add_argument("out", help="output folder (must not exist unless --overwrite)")
     parser.add_argument("--config", help="research YAML of a .pt checkpoint (its 'model:' section is read)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    add_output_arguments(parser, tokenizer_help="folder with the run's tokenizer.json (needed for a .pt trainer "
+                                                "checkpoint; a final folder carries its own)")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        out = convert(args.src, args.out, config_path=args.config, overwrite=args.overwrite)
-    except (ValueError, FileExistsError, TypeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
+    return run_conversion(args, lambda: convert(args.src, args.out, config_path=args.config, tokenizer=args.tokenizer,
+                                                require_tokenizer=True, options=ExportOptions.from_args(args)))

@@ -1,21 +1,38 @@
-"""`kvm-maglev convert maglev SRC OUT`: a nanochat / Maglev research checkpoint -> a transformers folder.
+"""`kvm-maglev convert maglev SRC OUT`: a nanochat / Maglev research checkpoint -> a Hub-ready transformers folder.
 
-Small steps that a caller can compose: `read_checkpoint` (folder -> state dict + meta),
+Small steps that a caller can compose: `load_checkpoint` (folder -> state dict + meta),
 `build_config` (meta -> MaglevConfig), `convert_state_dict` (research keys -> ours),
-`build_model`, `write_folder` (atomic save with the model's own code).
+`build_model` (checked against the config), then `export_model` (card, tokenizer, checked write).
 """
 
 import argparse
 import json
 import re
-import shutil
-import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from kvm_maglev.convert.common import (
+    READ_STAGES,
+    ExportOptions,
+    add_output_arguments,
+    check_out_dir,
+    export_model,
+    load_torch_file,
+    run_conversion,
+    source_dtype,
+    source_provenance,
+)
+from kvm_maglev.convert.export import check_state_dict, expected_shapes
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
-from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
+from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM, MaglevModel
+from kvm_maglev.tokenization.gpt2 import padded_token_ids
+from kvm_maglev.tokenization.nanochat import (
+    find_nanochat_tokenizer,
+    load_nanochat_tokenizer,
+    nanochat_generation_token_fields,
+)
 
 COMPILE_PREFIX = "_orig_mod."
 
@@ -68,20 +85,42 @@ def find_step(source: Path, step: int | None) -> int:
     return step
 
 
-def read_checkpoint(source: str | Path, step: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+@dataclass
+class NanochatCheckpoint:
+    """`model_<step>.pt` as stored (dtypes kept) with its meta json."""
+
+    state: dict[str, torch.Tensor]
+    meta: dict
+    step: int
+    weights_file: Path
+    meta_file: Path
+
+
+def load_checkpoint(source: str | Path, step: int | None = None) -> NanochatCheckpoint:
     """Load `model_<step>.pt` (weights only, never pickled code) and `meta_<step>.json`."""
     source = Path(source)
     if not source.is_dir():
         raise FileNotFoundError(f"checkpoint folder {source} does not exist")
     step = find_step(source, step)
-    meta_path = source / f"meta_{step:06d}.json"
+    meta_path, weights_path = source / f"meta_{step:06d}.json", source / f"model_{step:06d}.pt"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path} is missing")
-    meta = json.loads(meta_path.read_text())
-    state = torch.load(source / f"model_{step:06d}.pt", map_location="cpu", weights_only=True)
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise ValueError(f"{meta_path} is not valid JSON: {error}") from error
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: expected a JSON object")
+    state = load_torch_file(weights_path)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"model_{step:06d}.pt is not a state dict of tensors")
-    return normalize_state_dict(state), meta
+        raise ValueError(f"{weights_path.name} is not a state dict of tensors")
+    return NanochatCheckpoint(state, meta, step, weights_path, meta_path)
+
+
+def read_checkpoint(source: str | Path, step: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(normalized state dict, meta) of `model_<step>.pt` / `meta_<step>.json` (newest step by default)."""
+    checkpoint = load_checkpoint(source, step)
+    return normalize_state_dict(checkpoint.state), checkpoint.meta
 
 
 def normalize_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -189,58 +228,76 @@ def convert_state_dict(
 
 
 def build_model(config: MaglevConfig, state: dict[str, torch.Tensor]) -> MaglevForCausalLM:
-    """Instantiate the model and load the converted weights strictly (shapes and names checked)."""
+    """Instantiate the model and load the weights; every missing, unexpected or misshapen key is one error."""
     model = MaglevForCausalLM(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"converted weights do not fit the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
-    for key, value in state.items():
-        if value.shape != expected[key].shape:
-            raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(expected[key].shape)}")
+    check_state_dict(expected_shapes(model), state)
     model.load_state_dict(state, strict=True)
     return model.eval()
 
 
 # ----- writing ---------------------------------------------------------------------------------------
-def write_folder(model: MaglevForCausalLM, out: str | Path, overwrite: bool = False) -> Path:
-    """Save config (with auto_map), safetensors and the model's code into a temporary folder beside
-    OUT, then rename it into place, so OUT is never half-written."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+def find_tokenizer(source: str | Path, explicit: str | Path | None, required: bool) -> Path | None:
+    """nanochat's tokenizer.pkl: `explicit`, else found in the nanochat base-folder layout (None if absent and optional)."""
     try:
-        save_with_code(model, staging)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+        return find_nanochat_tokenizer(model_dir=source, explicit=explicit)
+    except ValueError:
+        if required or explicit is not None:
+            raise
+        return None
 
 
-def save_with_code(model: MaglevForCausalLM, folder: Path) -> None:
-    """save_pretrained with the modeling files copied and auto_map for AutoConfig/AutoModel/AutoModelForCausalLM."""
-    model.config.register_for_auto_class()
-    model.register_for_auto_class("AutoModelForCausalLM")
-    model.save_pretrained(folder)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text())
-    config.setdefault("auto_map", {})["AutoModel"] = "modeling_maglev.MaglevModel"
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+def generation_fields(tokenizer, config: MaglevConfig) -> dict:
+    """bos/eos/pad as nanochat's Engine uses them; ids beyond the tokenizer's are never generated."""
+    fields = nanochat_generation_token_fields(tokenizer)
+    padded = padded_token_ids(len(tokenizer), config.vocab_size)
+    if padded:
+        fields["suppress_tokens"] = padded
+    return fields
+
+
+def register_auto_classes(model: MaglevForCausalLM) -> None:
+    """config.json's auto_map names our code files (AutoConfig, AutoModel, AutoModelForCausalLM)."""
+    type(model.config).register_for_auto_class()
+    type(model).register_for_auto_class("AutoModelForCausalLM")
+    model.config.auto_map = {**(getattr(model.config, "auto_map", None) or {}),
+                             "AutoModel": f"modeling_maglev.{MaglevModel.__name__}"}
 
 
 def convert(source: str | Path, out: str | Path, step: int | None = None, keep_prefiller: bool = False,
-            key_map: dict[str, str] | None = None, overwrite: bool = False) -> Path:
-    """The whole conversion: read -> config -> weights -> model -> atomic write."""
-    state, meta = read_checkpoint(source, step)
-    config = build_config(meta, state, keep_prefiller)
-    model = build_model(config, convert_state_dict(state, config, key_map))
-    return write_folder(model, out, overwrite)
+            key_map: dict[str, str] | None = None, overwrite: bool = False, *, tokenizer: str | Path | None = None,
+            require_tokenizer: bool = False, options: ExportOptions | None = None) -> Path:
+    """The whole conversion: read -> config -> weights (checked) -> model -> card + tokenizer -> atomic write.
+
+    The tokenizer is `tokenizer` (tokenizer.pkl or its folder) or found in the nanochat layout;
+    without one nothing tokenizer-related is written unless `require_tokenizer`. `options` sets
+    dtype, shards, card metadata and dry run; without it `overwrite` alone applies.
+    """
+    options = options or ExportOptions(overwrite=overwrite)
+    out = check_out_dir(out, options.overwrite)
+    tokenizer_path = find_tokenizer(source, tokenizer, required=require_tokenizer)
+    stages = options.stages(READ_STAGES)
+    try:
+        stages.start("read checkpoint")
+        checkpoint = load_checkpoint(source, step)
+        stages.start("check weights")
+        state = normalize_state_dict(checkpoint.state)
+        try:
+            config = build_config(checkpoint.meta, state, keep_prefiller)
+            model = build_model(config, convert_state_dict(state, config, key_map))
+        except ValueError as error:
+            raise ValueError(f"the weights in {checkpoint.weights_file} do not fit {checkpoint.meta_file.name}: {error}") from error
+        stages.start("tokenizer")
+        tokenizer_object = fields = None
+        if tokenizer_path is not None:
+            tokenizer_object = load_nanochat_tokenizer(tokenizer_path, model_max_length=config.max_position_embeddings)
+            fields = generation_fields(tokenizer_object, config)
+        register_auto_classes(model)
+        provenance = source_provenance([checkpoint.weights_file], checkpoint.weights_file, checkpoint.step)
+        dtype = options.dtype or source_dtype(checkpoint.state)
+        return export_model(model, out, architecture="maglev", tokenizer=tokenizer_object, generation_fields=fields or {},
+                            provenance=provenance, options=replace(options, dtype=dtype), stages=stages)
+    finally:
+        stages.close()
 
 
 def load_key_map(path: str | None) -> dict[str, str]:
@@ -258,15 +315,17 @@ def load_key_map(path: str | None) -> dict[str, str]:
 # ----- command line -----------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="nanochat/Maglev checkpoint folder (model_<step>.pt, meta_<step>.json)")
-    parser.add_argument("out", help="output folder (written atomically)")
+    parser.add_argument("out", help="output folder (written atomically; must not exist unless --overwrite)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     parser.add_argument("--keep-prefiller", action="store_true", help="keep the prefiller Q (training, 'prefiller' prefill)")
     parser.add_argument("--key-map", default=None, help="JSON file {research_key_pattern: our_key_pattern} ({i} = layer)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    add_output_arguments(parser, tokenizer_help="nanochat tokenizer.pkl or its folder (default: <base>/tokenizer/ "
+                                                "of the nanochat layout <base>/base_checkpoints/<tag>/, "
+                                                "then $NANOCHAT_BASE_DIR/tokenizer)")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = convert(args.source, args.out, step=args.step, keep_prefiller=args.keep_prefiller,
-                  key_map=load_key_map(args.key_map), overwrite=args.overwrite)
-    print(f"wrote {out}")
-    return 0
+    return run_conversion(args, lambda: convert(
+        args.source, args.out, step=args.step, keep_prefiller=args.keep_prefiller, key_map=load_key_map(args.key_map),
+        tokenizer=args.tokenizer, require_tokenizer=True, options=ExportOptions.from_args(args),
+    ))
