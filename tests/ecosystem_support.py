@@ -1,7 +1,7 @@
-"""Tiny models and a tokenizer for the ecosystem tests (Trainer, PEFT, accelerate, lm-eval, pipeline).
+"""Tiny KVM and Maglev model folders for the ecosystem tests (Trainer, PEFT, accelerate, lm-eval, pipeline).
 
-Everything is built offline from the project's own files: a byte-level BPE tokenizer trained
-in-process on the example corpus, and model folders saved with save_pretrained.
+Everything is built offline from the project's own files: the research KVM fixture converted as a
+user would, and a random tiny Maglev with the nanochat test tokenizer.
 """
 
 from __future__ import annotations
@@ -10,66 +10,13 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORPUS = REPO_ROOT / "examples" / "data" / "tiny_corpus.txt"
-EOS = "<|endoftext|>"
-# a minimal chat template, so that pipeline/apply_chat_template can be exercised on the baseline model
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def corpus_lines() -> list[str]:
     return [line for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on the example corpus: exact round trips, no downloads."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus_lines(), trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS, pad_token=EOS)
-    wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped
-
-
-def save_tiny_llama(folder: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 32) with the tiny tokenizer, saved as a Hub-style folder."""
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-LORA_TARGETS_FOR_TESTS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 
 
 def perturb_(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
@@ -115,7 +62,7 @@ def save_tiny_kvm(folder: Path) -> Path:
 
 
 # model kinds the ecosystem tests run on; each maps to a builder of a saved model folder
-MODEL_BUILDERS = {"llama": save_tiny_llama, "maglev": save_tiny_maglev, "kvm": save_tiny_kvm}
+MODEL_BUILDERS = {"kvm": save_tiny_kvm, "maglev": save_tiny_maglev}
 
 
 def training_block_size(folder: Path) -> int:
@@ -125,6 +72,8 @@ def training_block_size(folder: Path) -> int:
     if config["model_type"] == "kvm":
         return config["chunk_size"] * (config["window_chunks"] + 2)
     return 32
+
+
 _FOLDERS: dict[str, Path] = {}
 
 
@@ -144,7 +93,3 @@ def load_example(name: str):
     spec.loader.exec_module(module)
     return module
 
-
-def project_models() -> list[str]:
-    """The project's own architectures among MODEL_BUILDERS (the Llama baseline excluded)."""
-    return sorted(kind for kind in MODEL_BUILDERS if kind != "llama")

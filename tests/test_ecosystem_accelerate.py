@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ import ecosystem_support as support
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
-@pytest.fixture(scope="module", params=support.project_models())
+@pytest.fixture(scope="module", params=sorted(support.MODEL_BUILDERS))
 def model_dir(request, tmp_path_factory):
     return support.model_folder(request.param, tmp_path_factory.getbasetemp())
 

@@ -7,7 +7,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ecosystem_support as support
-from kvm_maglev.training import LORA_TARGET_MODULES, lora_target_modules
+from kvm_maglev.training import lora_target_modules
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -21,13 +21,6 @@ def load(folder):
     return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
 
 
-def targets_for(model) -> list[str]:
-    model_type = model.config.model_type
-    if model_type in LORA_TARGET_MODULES:
-        return lora_target_modules(model)
-    return support.LORA_TARGETS_FOR_TESTS[model_type]
-
-
 def prompt_ids(folder, length=10) -> torch.Tensor:
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     return torch.tensor([tokenizer(support.corpus_lines()[3], add_special_tokens=False)["input_ids"][:length]])
@@ -35,10 +28,6 @@ def prompt_ids(folder, length=10) -> torch.Tensor:
 
 def test_documented_targets_cover_attention_mlp_and_memory(model_dir):
     model = load(model_dir)
-    if model.config.model_type not in LORA_TARGET_MODULES:
-        with pytest.raises(ValueError, match="no documented LoRA target modules"):
-            lora_target_modules(model)
-        return
     names = lora_target_modules(model)
     assert {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"} <= set(names)
     if model.config.model_type == "maglev":
@@ -46,11 +35,13 @@ def test_documented_targets_cover_attention_mlp_and_memory(model_dir):
         assert "memory_k_proj" not in lora_target_modules(model, groups=["attention", "mlp"])
     with pytest.raises(ValueError, match="unknown LoRA group"):
         lora_target_modules(model, groups=["embeddings"])
+    with pytest.raises(ValueError, match="no documented LoRA target modules"):
+        lora_target_modules(nn.Linear(2, 2))
 
 
 def test_lora_trainable_parameter_count(model_dir):
     model = load(model_dir)
-    targets = targets_for(model)
+    targets = lora_target_modules(model)
     rank = 4
     expected = sum(
         rank * (module.in_features + module.out_features)
@@ -71,8 +62,6 @@ def test_lora_example_trains_saves_reloads_merges_and_generates(model_dir, tmp_p
             "--batch-size", "2", "--learning-rate", "1e-2", "--eval-fraction", "0", "--save-steps", "4",
             "--lora", "--lora-rank", "4", "--merge-lora"]
     base = load(model_dir)
-    if base.config.model_type not in LORA_TARGET_MODULES:
-        argv += ["--lora-targets", ",".join(targets_for(base))]
     assert example.main(argv) == 0
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
 
