@@ -83,9 +83,10 @@ class Stages:
         self.index += 1
 
     def close(self) -> None:
-        """Finish the display (the last stage is done); safe to call twice."""
+        """End the display (full when every stage ran); safe to call twice."""
         if self.bar is not None:
-            self.bar.update(len(self.names) - self.bar.n)
+            if self.index == len(self.names):  # completed; after a failure the bar stays at the failing stage
+                self.bar.update(len(self.names) - self.bar.n)
             self.bar.close()
             self.bar = None
 
@@ -245,7 +246,7 @@ def write_model_folder(
     target_dtype = resolve_dtype(dtype)
     if out_dir.exists() and not overwrite:
         raise ValueError(f"{out_dir} already exists; pass overwrite=True (--overwrite) to replace it")
-    if not out_dir.parent.is_dir():
+    if not dry_run and not out_dir.parent.is_dir():
         raise ValueError(f"the parent folder of {out_dir} does not exist")
     _check_auto_map(model)
     if isinstance(progress, Stages):

@@ -286,6 +286,8 @@ def convert(source: str | Path, out: str | Path, config_path: str | Path | None 
     """
     options = options or ExportOptions(overwrite=overwrite)
     out = check_out_dir(out, options.overwrite)
+    if not Path(source).exists():
+        raise ValueError(f"{source} does not exist")
     tokenizer_dir = find_research_tokenizer(source, tokenizer)
     if tokenizer_dir is None and require_tokenizer:
         raise ValueError(

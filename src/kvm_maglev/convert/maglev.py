@@ -274,6 +274,8 @@ def convert(source: str | Path, out: str | Path, step: int | None = None, keep_p
     """
     options = options or ExportOptions(overwrite=overwrite)
     out = check_out_dir(out, options.overwrite)
+    if not Path(source).is_dir():
+        raise FileNotFoundError(f"checkpoint folder {source} does not exist")
     tokenizer_path = find_tokenizer(source, tokenizer, required=require_tokenizer)
     stages = options.stages(READ_STAGES)
     try:
