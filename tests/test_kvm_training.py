@@ -103,6 +103,6 @@ def test_reduced_precision_cached_decoding_matches_its_forward(dtype):
         assert (steps.float() - full[:, 6:].float()).abs().max() < 0.05
         # state sums accumulate in float32 for float16 (overflow), in the model dtype otherwise
         state_dtype = torch.float32 if dtype == torch.float16 else dtype
-        assert cache.layers[0].state_keys.dtype == state_dtype
+        assert cache.groups[0].layers[0].state_keys.dtype == state_dtype
         # the front window (no state yet) follows float32 closely
         assert (full[:, :8].float() - reference(ids[:, :8]).logits).abs().max() < 0.1

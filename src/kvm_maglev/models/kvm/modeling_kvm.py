@@ -21,7 +21,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_kvm import KVMCache, KVMLayerCache, SlidingWindowLayerCache
+from .cache_kvm import KVMCache, KVMLayerCache, RowGroup, SlidingWindowLayerCache, StepPlan, new_layer_cache
 from .configuration_kvm import KVMConfig, state_dtype_for
 
 # transformers 5.24 renamed the output/cache keyword `past_key_values` to `cache`.
@@ -58,14 +58,6 @@ def apply_rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | No
     return cos * x + sin * swapped
 
 
-def token_shift(x: torch.Tensor, mix: torch.Tensor, previous: torch.Tensor | None, first: str) -> torch.Tensor:
-    """x + mix * (x[t-1] - x[t]); x[-1] is the carried token, else x[0] ('first') or zeros ('zero')."""
-    if previous is None:
-        previous = x[:, :1] if first == "first" else torch.zeros_like(x[:, :1])
-    previous = previous.to(x.dtype)
-    return x + mix * (torch.cat([previous, x[:, :-1]], dim=1) - x)
-
-
 def lower_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """Query i (the last q_len of kv_len positions) sees keys up to its own position."""
     q_idx = torch.arange(q_len, device=device).unsqueeze(1)
@@ -75,6 +67,16 @@ def lower_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> to
 
 def value_residual_rank(hidden_size: int) -> int:
     return max(32, int(round(1.3 * hidden_size**0.5 / 32) * 32))
+
+
+def run_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch.Tensor:
+    """Run `attend(cache, q, k, v, *extra)` per row group on its real tokens; padding columns get zeros."""
+    if len(plan.segments) == 1 and plan.segments[0].whole_batch:
+        return attend(caches[0], q, k, v, *extra)
+    out = v.new_zeros(q.shape[:3] + v.shape[-1:])
+    for segment, cache in zip(plan.segments, caches):
+        segment.put(out, attend(cache, *(segment.take(t) for t in (q, k, v, *extra))))
+    return out
 
 
 # ---- attention -----------------------------------------------------------------------------
@@ -114,30 +116,20 @@ class KVMAttentionBase(nn.Module):
     def value_gate(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.value_gate_bias + self.value_gate_up(self.value_gate_down(x)))
 
-    def project(self, x: torch.Tensor, v_first: torch.Tensor | None, carries) -> tuple[torch.Tensor, ...]:
-        """Return q, k [B, H, T, Dqk] (normed, not rotated) and v [B, H, T, Dv]."""
+    def project(self, x: torch.Tensor, v_first: torch.Tensor | None, plan: StepPlan, carries) -> tuple[torch.Tensor, ...]:
+        """Return q, k [B, H, T, Dqk] (normed, not rotated) and v [B, H, T, Dv]; shifts follow each row's real tokens."""
         batch, length, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.value_residual_mode == "linear":
             v = (1 - self.value_residual_lambda) * v + self.value_residual_lambda * v_first.view_as(v)
         elif self.value_residual_mode == "rwkv":
             v = v + (v_first.to(v.dtype) - v) * self.value_gate(x).to(v.dtype)
-        previous = {name: carries.get(name) for name in ("q", "k", "v", "x")} if carries is not None else {}
-        if carries is not None:
-            for name, value in (("q", q), ("k", k), ("v", v), ("x", x)):
-                if (self.value_residual_mode == "rwkv_post_tokenshift") if name == "x" else self.token_shift_on:
-                    carries.set(name, value)
         if self.token_shift_on:
-            q = token_shift(q, self.q_shift, previous.get("q"), "first")
-            k = token_shift(k, self.k_shift, previous.get("k"), "first")
-            v = token_shift(v, self.v_shift, previous.get("v"), "first")
+            q = plan.shift(q, self.q_shift, carries, "q", "first")
+            k = plan.shift(k, self.k_shift, carries, "k", "first")
+            v = plan.shift(v, self.v_shift, carries, "v", "first")
         if self.value_residual_mode == "rwkv_post_tokenshift":
-            heads = (self.num_heads, self.value_head_dim)
-            prev_x = previous.get("x")
-            shifted = token_shift(
-                x.unflatten(-1, heads), self.v_shift.view(1, 1, *heads),
-                None if prev_x is None else prev_x.unflatten(-1, heads), "first",
-            ).flatten(-2)
+            shifted = plan.shift(x, self.v_shift, carries, "x", "first")
             v = v + (v_first.to(v.dtype) - v) * self.value_gate(shifted).to(v.dtype)
         q = self.q_norm(q.view(batch, length, self.num_heads, -1)).transpose(1, 2)
         k = self.k_norm(k.view(batch, length, self.num_heads, -1)).transpose(1, 2)
@@ -155,10 +147,16 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         super().__init__(config, layer_idx, config.sliding_window_token_shift, config.sliding_window_value_residual_mode)
         self.window = config.sliding_window_size
 
-    def forward(self, x, v_first, rotary, cache: SlidingWindowLayerCache | None) -> torch.Tensor:
-        cache = cache if cache is not None else SlidingWindowLayerCache()
-        q, k, v = self.project(x, v_first, cache.carries)
+    def forward(self, x, v_first, rotary, plan: StepPlan, state) -> torch.Tensor:
+        carries, caches = state if state is not None else (None, [SlidingWindowLayerCache() for _ in plan.segments])
+        q, k, v = self.project(x, v_first, plan, carries)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        return self.output(run_segments(plan, caches, self.attend, q, k, v))
+
+    def attend(self, cache: SlidingWindowLayerCache, q, k, v) -> torch.Tensor:
+        """Causal attention of new tokens over the group's last `window` tokens and themselves."""
+        if cache.journal is not None:
+            cache.journal["inputs"] = (k, v)
         start, length = cache.seen, q.shape[2]
         if start == 0:
             cache.window.start_at(0)
@@ -171,7 +169,7 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         cache.window.drop_before(start + length - self.window)
         cache.seen = start + length
-        return self.output(y)
+        return y
 
 
 class KVMStateKeyNorm(nn.LayerNorm):
@@ -313,17 +311,19 @@ class KVMAttention(KVMAttentionBase):
         slots = state_keys.shape[2]
         return torch.matmul(probs[..., :slots], state_values) + torch.matmul(probs[..., slots:], values)
 
-    def forward(self, x, v_first, rotary, cache: KVMLayerCache | None) -> torch.Tensor:
-        cache = cache if cache is not None else KVMLayerCache()
-        q, k, v = self.project(x, v_first, cache.carries)
+    def forward(self, x, v_first, rotary, plan: StepPlan, state) -> torch.Tensor:
+        carries, caches = state if state is not None else (None, [KVMLayerCache() for _ in plan.segments])
+        q, k, v = self.project(x, v_first, plan, carries)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         gate = None
         if self.gated:
             gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
-        return self.output(self.run_chunks(q, k, v, gate, cache))
+        return self.output(run_segments(plan, caches, self.run_chunks, q, k, v, gate))
 
-    def run_chunks(self, q, k, v, gate, cache: KVMLayerCache) -> torch.Tensor:
-        """Process new tokens (any count, any cache state) chunk by chunk; returns [B, H, T, Dv]."""
+    def run_chunks(self, cache: KVMLayerCache, q, k, v, gate) -> torch.Tensor:
+        """Process one group's new tokens (any count, any cache state) chunk by chunk; returns [G, H, T, Dv]."""
+        if cache.journal is not None:
+            cache.journal["inputs"] = (k, v, gate)
         chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
         state_dtype = state_dtype_for(q.dtype)
         start, end = cache.seen, cache.seen + q.shape[2]
@@ -340,13 +340,16 @@ class KVMAttention(KVMAttentionBase):
                 for block in range(cache.merged_blocks + 1, chunk_idx - window_chunks + 1):
                     self.fold_block(cache, block, state_dtype)
                     cache.merged_blocks = block
+                    cache.note_state_change(pos, "fold")
             lo, hi = pos - start, stop - start
             new_gate = gate[:, :, lo:hi] if gate is not None else None
             cache.window.append((k[:, :, lo:hi], v[:, :, lo:hi], new_gate))
             if pos < chunk:
                 first = min(stop, chunk) - start
+                before_len = cache.state_len
                 self.add_initial_tokens(cache, k[:, :, lo:first], v[:, :, lo:first],
                                         None if gate is None else gate[:, :, lo:first], state_dtype)
+                cache.note_state_change(pos, "initial", before_len, start + first)
             window_k, window_v = cache.window.view(window_begin, stop)[:2]
             if chunk_idx < window_chunks:
                 outputs.append(self.attend_window(q[:, :, lo:hi], window_k, window_v))
@@ -376,12 +379,9 @@ class KVMMLP(nn.Module):
         if self.token_shift_on:
             self.shift = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
 
-    def forward(self, x: torch.Tensor, carries) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: StepPlan, carries) -> torch.Tensor:
         if self.token_shift_on:
-            previous = carries.get("ffn") if carries is not None else None
-            if carries is not None:
-                carries.set("ffn", x)
-            x = token_shift(x, self.shift, previous, "zero")
+            x = plan.shift(x, self.shift, carries, "ffn", "zero")
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
@@ -399,14 +399,15 @@ class KVMDecoderLayer(GradientCheckpointingLayer):
         if config.block_lambdas:
             self.block_lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
 
-    def forward(self, hidden_states, x0, v_first, rotary=None, cache=None) -> torch.Tensor:
-        if cache is None:  # a fresh per-call state, so checkpoint recomputation replays identically
-            cache = SlidingWindowLayerCache() if self.sliding else KVMLayerCache()
+    def forward(self, hidden_states, x0, v_first, rotary, plan: StepPlan, state=None) -> torch.Tensor:
+        """`state`: (carries, per-segment layer caches) from a KVMCache, or None for a fresh per-call
+        state (so that checkpoint recomputation replays identically)."""
         if hasattr(self, "block_lambdas"):
             hidden_states = self.block_lambdas[0] * hidden_states + self.block_lambdas[1] * x0
-        attn = self.self_attn(self.input_layernorm(hidden_states), v_first, rotary, cache)
+        attn = self.self_attn(self.input_layernorm(hidden_states), v_first, rotary, plan, state)
         hidden_states = hidden_states + attn * self.residual_scale
-        mlp = self.mlp(self.post_attention_layernorm(hidden_states), cache.carries)
+        carries = state[0] if state is not None else None
+        mlp = self.mlp(self.post_attention_layernorm(hidden_states), plan, carries)
         return hidden_states + mlp * self.residual_scale
 
 
@@ -417,7 +418,6 @@ class KVMPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["KVMDecoderLayer"]
     _supports_sdpa = True
-    _is_stateful = True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -502,15 +502,18 @@ class KVMModel(KVMPreTrainedModel):
         cache: KVMCache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        """Padding (attention_mask == 0, anywhere) is skipped per row: each row's positions, chunk
+        boundaries and state follow its own real tokens. Without a mask every token is real and the
+        model is strictly causal (right padding needs no mask). `position_ids` are used only by
+        forwards without a cache or padding; otherwise positions come from each row's length."""
         if cache is not None and past_key_values is not None and cache is not past_key_values:
             raise ValueError("Pass the cache once, as `cache` or `past_key_values`, not both.")
         cache = cache if cache is not None else past_key_values
-        if cache is not None and not isinstance(cache, KVMCache):
-            raise TypeError(f"KVM models need a KVMCache, got {type(cache).__name__}.")
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            raise NotImplementedError("KVM models do not support padded batches yet (attention_mask has zeros).")
+        if cache is not None:
+            if not isinstance(cache, KVMCache):
+                raise TypeError(f"KVM models need a KVMCache, got {type(cache).__name__}.")
+            cache.check_compatible(self.config)
+        check_input_ids(input_ids, inputs_embeds, self.config.vocab_size, cache)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache, cache = False, None  # the cache would be updated again by the recomputation
@@ -519,11 +522,15 @@ class KVMModel(KVMPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         x0 = self.embed_norm(inputs_embeds)
-        length = x0.shape[1]
-        past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            positions = torch.arange(past, past + length, device=x0.device)
+        batch, length = x0.shape[:2]
+        valid = real_tokens(attention_mask, batch, length, cache.columns if cache is not None else 0, x0.device)
+        if cache is not None:
+            plan = cache.plan(batch, length, valid, x0.device)
         else:
+            fresh = [new_layer_cache(self.config, i) for i in range(self.config.num_hidden_layers)]
+            plan = StepPlan(batch, length, valid, [RowGroup(list(range(batch)), fresh)], x0.device)
+        positions = plan.positions
+        if position_ids is not None and cache is None and valid is None:
             positions = position_ids if position_ids.shape[0] > 1 else position_ids[0]
         head = self.config.qk_head_dim
         kvm_rotary = rotary_tables(positions, self.config.rotary_dim, head, self.config.rope_theta)
@@ -537,11 +544,13 @@ class KVMModel(KVMPreTrainedModel):
         for idx, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden.append(hidden_states)
-            layer_cache = cache.layers[idx] if cache is not None else None
+            state = (cache.carries[idx], cache.layer_caches(idx, plan)) if cache is not None else None
             if layer.sliding:
-                hidden_states = layer(hidden_states, x0, sliding_anchor, rotary=sliding_rotary, cache=layer_cache)
+                hidden_states = layer(hidden_states, x0, sliding_anchor, sliding_rotary, plan, state)
             else:
-                hidden_states = layer(hidden_states, x0, kvm_anchor, rotary=kvm_rotary, cache=layer_cache)
+                hidden_states = layer(hidden_states, x0, kvm_anchor, kvm_rotary, plan, state)
+        if cache is not None:
+            cache.finish(plan)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden.append(hidden_states)
@@ -550,6 +559,46 @@ class KVMModel(KVMPreTrainedModel):
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             **{CACHE_FIELD: cache if use_cache else None},
         )
+
+
+def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache: KVMCache | None) -> None:
+    """Clear errors for inputs the model cannot read. Token ids are range-checked on CPU always, and on
+    accelerators for prompts (checking each decoding step's ids would stall the device every token)."""
+    if input_ids is not None and inputs_embeds is not None:
+        raise ValueError("Pass either input_ids or inputs_embeds, not both.")
+    if input_ids is None and inputs_embeds is None:
+        raise ValueError("Pass input_ids or inputs_embeds.")
+    if inputs_embeds is not None:
+        if inputs_embeds.ndim != 3 or inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
+            raise ValueError(f"inputs_embeds must be a non-empty [batch, length, hidden] tensor, "
+                             f"got shape {tuple(inputs_embeds.shape)}")
+        return
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool \
+            or input_ids.is_complex():
+        raise TypeError(f"input_ids must be an integer tensor, got {getattr(input_ids, 'dtype', type(input_ids))}")
+    if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got shape {tuple(input_ids.shape)}")
+    prompt = cache is None or cache.get_seq_length() == 0 or input_ids.shape[1] > 1
+    if input_ids.device.type == "cpu" or prompt:
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"input_ids must be in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
+
+
+def real_tokens(attention_mask, batch: int, length: int, cached: int, device) -> torch.Tensor | None:
+    """[B, T] booleans for this forward's real tokens, or None when all are real. The mask covers the new
+    tokens or, as generate() passes it, the cached columns and the new tokens."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (length,
+                                                                                                     cached + length):
+        expected = f"[{batch}, {length}]" + (f" or [{batch}, {cached + length}]" if cached else "")
+        raise ValueError(f"attention_mask must have shape {expected} (batch, cached + new tokens), "
+                         f"got {tuple(attention_mask.shape)}")
+    valid = attention_mask[:, -length:].to(device=device) != 0
+    return None if bool(valid.all()) else valid
 
 
 class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
@@ -583,6 +632,9 @@ class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
         if user_cache is not None:
             if not isinstance(user_cache, KVMCache):
                 raise TypeError(f"KVM models need a KVMCache, got {type(user_cache).__name__}.")
+            user_cache.check_compatible(self.config)
+            if getattr(generation_config, "is_assistant", False):
+                user_cache.activate_past_recording()
             return
         if generation_config.use_cache is False:
             return
