@@ -100,7 +100,7 @@ def reference(folder, prompt, key):
     with torch.no_grad():
         out[key + "_logits"] = model(prompt).logits.tolist()
         out[key + "_generated"] = model.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
-    out[key + "_source"] = find_source_checkpoint(folder)
+    out[key + "_recorded_source"] = find_source_checkpoint(folder)
     if (folder / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
         out[key + "_tokenizer_ids"] = tokenizer(ARGS["text"]).input_ids
@@ -127,17 +127,19 @@ save_llama(llama, tokenizer, llama_dir, "runs/llama/step_000200.pt")
 assert cli_main(["push", str(llama_dir), "test-org/tiny-llama", "--revision", "dev"]) == 0
 out["llama_dev_logits"] = llama(llama_prompt).logits.tolist()
 
-# 3. our architectures: convert, then publish with the command line (KVM) and with the
-#    converter hook `--push-to-hub ... --private` (Maglev), each on main and on "dev"
+# 3. our architectures: KVM converted, then pushed with `kvm-maglev push`; Maglev converted and
+#    pushed in one go with `--push-to-hub ... --private`; both also pushed to branch "dev"
 prompt = torch.tensor(ARGS["prompt_ids"])
 kvm_dir, maglev_dir = work / "kvm", work / "maglev"
 assert cli_main(["convert", "kvm", ARGS["kvm_source"], str(kvm_dir)]) == 0
-assert cli_main(["convert", "maglev", ARGS["maglev_source"], str(maglev_dir)]) == 0
-out["kvm_commit"] = push_folder(kvm_dir, "test-org/kvm-tiny")
+assert cli_main(["push", str(kvm_dir), "test-org/kvm-tiny"]) == 0
+out["kvm_commit"] = push_folder(kvm_dir, "test-org/kvm-tiny")  # unchanged: returns the same commit
 assert cli_main(["push", str(kvm_dir), "test-org/kvm-tiny", "--revision", "dev"]) == 0
+assert cli_main(["convert", "maglev", ARGS["maglev_source"], str(maglev_dir),
+                 "--push-to-hub", "test-user/maglev-tiny", "--private"]) == 0
+out["maglev_commit"] = push_folder(maglev_dir, "test-user/maglev-tiny")
 hook = argparse.ArgumentParser()
 add_push_arguments(hook)
-out["maglev_commit"] = push_after_convert(hook.parse_args(["--push-to-hub", "test-user/maglev-tiny", "--private"]), maglev_dir)
 push_after_convert(hook.parse_args(["--push-to-hub", "test-user/maglev-tiny", "--revision", "dev"]), maglev_dir)
 assert push_after_convert(hook.parse_args([]), maglev_dir) is None
 reference(kvm_dir, prompt, "kvm")
@@ -176,8 +178,8 @@ load("test-org/tiny-llama", "llama", llama_prompt, remote=False, tokenizer_too=T
 load("test-org/tiny-llama", "llama_dev", llama_prompt, revision="dev", remote=False)
 prompt = torch.tensor(ARGS["prompt_ids"])
 for repo_id, key in (("test-org/kvm-tiny", "kvm"), ("test-user/maglev-tiny", "maglev")):
-    load(repo_id, key, prompt, tokenizer_too=ARGS[key + "_tokenizer"])
-    load(repo_id, key + "_dev", prompt, revision="dev", tokenizer_too=ARGS[key + "_tokenizer"])
+    load(repo_id, key, prompt, tokenizer_too=True)
+    load(repo_id, key + "_dev", prompt, revision="dev", tokenizer_too=True)
 modules = Path(os.environ["HF_HOME"]) / "modules" / "transformers_modules"
 out["module_files"] = sorted(str(p.relative_to(modules)) for p in modules.rglob("*.py"))
 print(json.dumps(out))
@@ -210,8 +212,6 @@ def load_payload(published: dict) -> dict:
         "text": TEXT,
         "chat": CHAT,
         "llama_prompt": published["llama_prompt"],
-        "kvm_tokenizer": "kvm_tokenizer_ids" in published,
-        "maglev_tokenizer": "maglev_tokenizer_ids" in published,
     }
 
 
@@ -268,16 +268,19 @@ def test_private_flag_hides_the_repo_without_token(hub, published, tmp_path):
     assert run_client(code, client_env(hub, tmp_path, token=False), {})["hidden"]
 
 
-def test_converted_models_are_published_with_their_code(hub, published):
+def test_converted_models_are_published_with_their_card_tokenizer_and_code(hub, published, data_dir):
+    sources = {"kvm": data_dir / "kvm" / "kvm_fixed" / "research_final", "maglev": data_dir / "nanochat" / "tiny_sl"}
     for repo_id, key in (("test-org/kvm-tiny", "kvm"), ("test-user/maglev-tiny", "maglev")):
         repo = hub.repo(repo_id)
         main, dev = repo.resolve("main"), repo.resolve("dev")
-        assert main.oid == published[f"{key}_commit"] == dev.oid  # same folder on dev: no new commit
+        assert main.oid == published[f"{key}_commit"] == dev.oid  # same folder again: no new commit
+        assert [c.title for c in repo.commits.values()] == ["initial commit", main.title]
         assert set(published["code_files"][key]) <= set(main.files)
-        assert {"config.json", "model.safetensors", "generation_config.json"} <= set(main.files)
-        assert main.title.startswith(f"Upload {key} model ")
-        if published[f"{key}_source"]:
-            assert main.title.endswith(f"converted from {published[key + '_source']}")
+        # the card and tokenizer go up in the same commit as the weights
+        assert {"config.json", "model.safetensors", "generation_config.json", "README.md", "tokenizer.json"} <= set(main.files)
+        recorded = published[f"{key}_recorded_source"]  # read back from the card by push
+        assert Path(recorded).is_relative_to(sources[key]) and Path(recorded).is_file()
+        assert main.title == f"Upload {key} model converted from {recorded}"
 
 
 def test_token_is_never_published_nor_sent_to_storage(hub, published, downloaded):
@@ -295,15 +298,15 @@ def test_load_by_repo_id_matches_the_local_folders(published, downloaded):
     assert loaded["llama_tokenizer_ids"] == published["llama_prompt"][0]
     assert_close(loaded["llama_logits"], published["llama_logits"])
     assert_close(loaded["llama_dev_logits"], published["llama_dev_logits"])
-    assert "kvm_tokenizer_ids" in published  # the KVM conversion carries its tokenizer
+    assert "kvm_tokenizer_ids" in published and "maglev_tokenizer_ids" in published  # conversions carry them
+    assert "<|assistant_start|>" in published["maglev_chat"]  # nanochat's chat template came along
     for key in ("kvm", "maglev"):
         for loaded_key in (key, key + "_dev"):
             assert loaded[loaded_key + "_class_module"].startswith("transformers_modules.")
             assert_close(loaded[loaded_key + "_logits"], published[key + "_logits"], atol=1e-5)
             assert loaded[loaded_key + "_generated"] == published[key + "_generated"]
-            if key + "_tokenizer_ids" in published:  # Maglev: once the converter carries the tokenizer
-                assert loaded[loaded_key + "_tokenizer_ids"] == published[key + "_tokenizer_ids"]
-                assert loaded.get(loaded_key + "_chat") == published.get(key + "_chat")
+            assert loaded[loaded_key + "_tokenizer_ids"] == published[key + "_tokenizer_ids"]
+            assert loaded.get(loaded_key + "_chat") == published.get(key + "_chat")
 
 
 def test_remote_code_is_fetched_into_module_cache_pinned_by_commit(published, downloaded):
