@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from kvm_maglev.cli import main
 from kvm_maglev.convert.cards import file_sha256
+from kvm_maglev.hub import find_source_checkpoint
 from kvm_maglev.tokenization.gpt2 import load_research_tokenizer
 from kvm_maglev.tokenization.nanochat import load_nanochat_tokenizer
 
@@ -101,6 +102,7 @@ def test_folders_are_complete_hub_repositories(folders):
         assert file_sha256(info["source"]) in card and str(info["source"]) in card
         assert (f"training step: {info['step']}" in card) == (info["step"] is not None)
         assert "**Parameters:**" in card and "| 1M |" in card and "| 128k |" in card
+        assert find_source_checkpoint(folder) == str(info["source"])  # --push-to-hub's commit message names it
     kvm_tokenizer_config = json.loads((Path(folders["kvm_fixed_pt"]["path"]) / "tokenizer_config.json").read_text())
     assert "tokenizer_class" in kvm_tokenizer_config and "auto_map" not in kvm_tokenizer_config
     assert (Path(folders["maglev_step10"]["path"]) / "tokenization_nanochat.py").is_file()
