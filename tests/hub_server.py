@@ -12,7 +12,8 @@ client uses for publishing and loading models:
 - info:       GET  /api/models/{repo}[/revision/{rev}] (sha, siblings, private)
 - listing:    GET  /api/models/{repo}/tree/{rev}[/{path}] (recursive), POST .../paths-info/{rev},
               GET  /api/models/{repo}/commits/{rev}
-- refs:       GET  /api/models/{repo}/refs, POST/DELETE .../branch/{name}, POST .../tag/{rev}
+- refs:       GET  /api/models/{repo}/refs, POST/DELETE .../branch/{name}, POST .../tag/{rev},
+              DELETE .../tag/{name}
 - uploads:    POST /api/models/{repo}/preupload/{rev} (binary weights go through LFS, small text
               files inline), POST /{repo}.git/info/lfs/objects/batch (LFS "basic" transfer) with
               the PUT upload and verify URLs it hands out, POST /api/models/{repo}/commit/{rev}
@@ -22,6 +23,9 @@ client uses for publishing and loading models:
               X-Repo-Commit, ETag (git blob sha1) and Content-Length; LFS files answer 302 to a
               second "CDN" host (another loopback address, so the client drops its token as for the
               real CDN; 127.0.0.2) with X-Linked-Etag (sha256) and X-Linked-Size. Range requests get 206.
+
+Not spoken: xet storage (clients must run with HF_HUB_DISABLE_XET=1, or `upload_folder` takes
+the xet pipeline when hf_xet is installed), pull requests, LFS multipart transfers.
 
 Errors carry the `X-Error-Code` header the client maps to its exceptions: RepoNotFound (404,
 or 401 without a valid token for a private repo), RevisionNotFound, EntryNotFound (with
