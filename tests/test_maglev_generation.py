@@ -357,3 +357,13 @@ def test_kvm_cache_is_refused():
     model = tiny_model()
     with pytest.raises(TypeError, match="MaglevCache, got KVMCache"):
         model(random_ids(1, 3), past_key_values=kvm.KVMCache(KVMConfig()))
+
+
+def test_recurrent_forward_trains_through_the_ring():
+    """Without a prefiller, training runs P recurrently: ring writes must not break autograd, and the
+    memory reaches memory_init."""
+    model = tiny_model(has_prefiller=False).train()
+    ids = random_ids(2, 20)
+    model(ids, labels=ids).loss.backward()
+    assert model.model.memory_init.grad.abs().sum() > 0
+    assert model.model.layers[0].self_attn.memory_k_proj.weight.grad.abs().sum() > 0

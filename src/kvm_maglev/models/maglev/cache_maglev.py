@@ -110,6 +110,12 @@ class StepContext:
         return self.mask(("chunk", left), build)
 
 
+def _tracks_grad(*tensors: torch.Tensor) -> bool:
+    """Writes go out of place when autograd tracks them: attention saved the old ring for its backward
+    pass (recurrent training through the cache); otherwise in place, with no copy of the window."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _attention(q, keys, values, mask):
     return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
@@ -173,8 +179,11 @@ class RingKeyValues:
                 k, v = torch.where(keep, k, old_k), torch.where(keep, v, old_v)
             if record is not None:
                 record.append((slot, old_k, old_v))
-        self.keys.scatter_(2, slot, k)
-        self.values.scatter_(2, slot, v)
+        if _tracks_grad(k, self.keys):
+            self.keys, self.values = self.keys.scatter(2, slot, k), self.values.scatter(2, slot, v)
+        else:
+            self.keys.scatter_(2, slot, k)
+            self.values.scatter_(2, slot, v)
 
     def _write_chunk(self, k, v, ctx) -> None:
         """Each slot takes the newest real chunk token that maps to it, else keeps its content."""
@@ -190,8 +199,13 @@ class RingKeyValues:
         else:
             index = torch.searchsorted(ctx.valid.long().cumsum(dim=1), rank + 1)
         index = index.clamp(max=length - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.keys.copy_(torch.where(from_chunk, k.gather(2, index), self.keys))
-        self.values.copy_(torch.where(from_chunk, v.gather(2, index), self.values))
+        keys = torch.where(from_chunk, k.gather(2, index), self.keys)
+        values = torch.where(from_chunk, v.gather(2, index), self.values)
+        if _tracks_grad(k, self.keys):
+            self.keys, self.values = keys, values
+        else:
+            self.keys.copy_(keys)
+            self.values.copy_(values)
 
     def undo(self, record) -> None:
         slot, old_k, old_v = record
@@ -341,7 +355,7 @@ class MaglevCache(Cache):
             self.positions = torch.zeros(batch_size, dtype=torch.long, device=like.device)
             self.previous_embedding = like.new_zeros(batch_size, 1, hidden)
             if memory_init is not None:
-                self.last_memory = memory_init.detach().to(like.dtype).expand(batch_size, 1, hidden).clone()
+                self.last_memory = memory_init.to(like.dtype).expand(batch_size, 1, hidden)
         elif self.positions.shape[0] != batch_size:
             raise ValueError(f"the cache holds {self.positions.shape[0]} rows but the inputs have {batch_size}; "
                              "use reorder_cache/batch_select_indices/batch_repeat_interleave to change it")
