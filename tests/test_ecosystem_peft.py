@@ -39,6 +39,17 @@ def test_documented_targets_cover_attention_mlp_and_memory(model_dir):
         lora_target_modules(nn.Linear(2, 2))
 
 
+def test_maglev_without_memory_gets_no_memory_targets():
+    from kvm_maglev import MaglevConfig, MaglevForCausalLM
+
+    config = MaglevConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          smear_gate_channels=12, use_memory=False, sliding_window=None, has_prefiller=False)
+    model = MaglevForCausalLM(config)
+    assert lora_target_modules(model) == ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+    with pytest.raises(ValueError, match="memory_k_proj"):
+        lora_target_modules(model, groups=["memory"])
+
+
 def test_lora_trainable_parameter_count(model_dir):
     model = load(model_dir)
     targets = lora_target_modules(model)

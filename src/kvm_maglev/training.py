@@ -33,14 +33,12 @@ LORA_TARGET_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 
-LOSS_COMPONENT_NAMES = ("lm_loss", "consistency_loss")
-
-
 def lora_target_modules(model: nn.Module, groups: Sequence[str] | None = None) -> list[str]:
-    """LoRA `target_modules` for a KVM or Maglev model: the documented groups that exist in it.
+    """LoRA `target_modules` for a KVM or Maglev model from LORA_TARGET_MODULES[model_type].
 
-    `groups` picks from LORA_TARGET_MODULES[model_type] (default: all groups). Raises ValueError
-    for an unknown architecture or when a documented name matches no linear layer of the model.
+    `groups=None` takes every documented name that is a linear layer of this model (a Maglev
+    checkpoint without memory has no memory projections); naming groups requires all their
+    layers. Raises ValueError for an unknown architecture, group or missing layer.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in LORA_TARGET_MODULES:
@@ -49,18 +47,21 @@ def lora_target_modules(model: nn.Module, groups: Sequence[str] | None = None) -
             f"known: {sorted(LORA_TARGET_MODULES)}. Pass target_modules to peft.LoraConfig yourself."
         )
     documented = LORA_TARGET_MODULES[model_type]
-    chosen_groups = list(documented) if groups is None else list(groups)
-    unknown = [group for group in chosen_groups if group not in documented]
+    unknown = [group for group in groups or () if group not in documented]
     if unknown:
         raise ValueError(f"unknown LoRA group(s) {unknown} for {model_type}; known: {list(documented)}")
     linear_names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     names: list[str] = []
-    for group in chosen_groups:
+    for group in documented if groups is None else groups:
         for name in documented[group]:
             if name not in linear_names:
+                if groups is None:
+                    continue
                 raise ValueError(f"documented LoRA target {name!r} ({group}) is not a linear layer of this {model_type} model")
             if name not in names:
                 names.append(name)
+    if not names:
+        raise ValueError(f"none of the documented LoRA targets is a linear layer of this {model_type} model")
     return names
 
 
