@@ -194,6 +194,13 @@ def test_bf16_autocast_training_on_cpu(model_dir, tmp_path):
     assert parameter_digest(model) != before
     assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast keeps fp32 master weights
 
+    # weights in bfloat16 themselves (as published checkpoints often are) train too
+    bf16_model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, dtype=torch.bfloat16).train()
+    ids = torch.tensor(packed(model_dir)["input_ids"][:2])
+    bf16_model(input_ids=ids, labels=ids).loss.backward()
+    gradients = [p.grad for p in bf16_model.parameters() if p.grad is not None]
+    assert gradients and all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in gradients)
+
 
 def test_resume_from_checkpoint_continues_identically(model_dir, tmp_path):
     dataset = packed(model_dir)
