@@ -62,7 +62,8 @@ class CacheMonitor(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         if self.last_cache is not None and callable(getattr(self.last_cache, "nbytes", None)):
-            self.trace.append({"step": len(self.trace), "length": input_ids.shape[1], **describe_cache(self.last_cache)})
+            entry = {"step": len(self.trace), "length": input_ids.shape[1], **describe_cache(self.last_cache)}
+            self.trace.append(entry)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def close(self) -> None:

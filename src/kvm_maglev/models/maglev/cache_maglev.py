@@ -39,7 +39,8 @@ def config_fingerprint(config: MaglevConfig) -> dict:
 def fingerprint_mismatch(expected: dict, found: dict) -> list[str]:
     """Names of the fields where two fingerprints differ (with both values)."""
     names = sorted(set(expected) | set(found))
-    return [f"{n}: cache {found.get(n)!r} vs model {expected.get(n)!r}" for n in names if expected.get(n) != found.get(n)]
+    return [f"{n}: cache {found.get(n)!r} vs model {expected.get(n)!r}"
+            for n in names if expected.get(n) != found.get(n)]
 
 
 def last_real_index(valid: torch.Tensor) -> torch.Tensor:
@@ -121,7 +122,7 @@ def _attention(q, keys, values, mask):
 
 
 class RingKeyValues:
-    """The last `capacity` (= window) keys/values of one layer per row; a row's position p lives in slot p % capacity."""
+    """The last `capacity` (= window) keys/values of one layer per row; position p lives in slot p % capacity."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -489,7 +490,8 @@ class MaglevCache(Cache):
             raise ValueError(f"MaglevCache cannot remove {remove} columns: {reason}")
         for _ in range(remove):
             record = self.history.pop()
-            self.positions, self.last_memory, self.previous_embedding = record.positions, record.memory, record.embedding
+            self.positions, self.last_memory = record.positions, record.memory
+            self.previous_embedding = record.embedding
             for store, layer_record in zip(self.layer_stores, record.layers):
                 store.undo(layer_record)
         self.seen_tokens -= remove

@@ -253,7 +253,8 @@ class MaglevModel(MaglevPreTrainedModel):
             predecessors = torch.cat([previous_embedding.to(raw.dtype), raw[:, :-1]], dim=1)
         else:
             predecessors = gather_columns(previous_embedding, raw, previous_real_index(valid))
-        gate = self.smear_lambda.to(raw.dtype) * torch.sigmoid(self.smear_gate(raw[..., : self.config.smear_gate_channels]))
+        channels = self.config.smear_gate_channels
+        gate = self.smear_lambda.to(raw.dtype) * torch.sigmoid(self.smear_gate(raw[..., :channels]))
         return raw + gate * predecessors, raw
 
     def rotary_for(self, ctx: StepContext, dtype: torch.dtype):
