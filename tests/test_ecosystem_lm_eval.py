@@ -12,19 +12,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 TASKS = "lighthouse_choice,lighthouse_answer"
 DOCS_PER_TASK = 2
-# architectures whose left-padded batches (lm-eval's generate_until with batch size > 1) are not
-# supported yet: padded cached batches come with a later release of the models
-LEFT_PADDING_UNSUPPORTED: dict[str, str] = {}
-
-
 @pytest.fixture(scope="module", params=sorted(support.MODEL_BUILDERS))
-def model_kind(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def model_dir(model_kind, tmp_path_factory):
-    return support.model_folder(model_kind, tmp_path_factory.getbasetemp())
+def model_dir(request, tmp_path_factory):
+    return support.model_folder(request.param, tmp_path_factory.getbasetemp())
 
 
 def run_example(model_dir, output, batch_size=1, tasks=TASKS):
@@ -118,10 +108,7 @@ def test_batched_loglikelihood_equals_unbatched(model_dir, unbatched, tmp_path):
             assert batched_ll == pytest.approx(ll, abs=1e-4) and batched_greedy == greedy
 
 
-def test_batched_generate_until_equals_unbatched(model_kind, model_dir, unbatched, tmp_path, request):
+def test_batched_generate_until_equals_unbatched(model_dir, unbatched, tmp_path):
     """Batches of 2 are left-padded with an attention mask."""
-    if model_kind in LEFT_PADDING_UNSUPPORTED:
-        request.applymarker(pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                                              reason=LEFT_PADDING_UNSUPPORTED[model_kind]))
     _, batched, _ = run_example(model_dir, tmp_path / "batched.json", batch_size=2, tasks="lighthouse_answer")
     assert [s["resps"] for s in batched["lighthouse_answer"]] == [s["resps"] for s in unbatched[1]["lighthouse_answer"]]
