@@ -99,16 +99,20 @@ def test_generate_until_equals_direct_greedy_generation(model_dir, unbatched):
         assert sample["resps"][0][0] == expected
 
 
-def test_batched_loglikelihood_equals_unbatched(model_dir, unbatched, tmp_path):
-    """Batches of 3 are right-padded and run without an attention mask: causal models are unaffected."""
-    _, batched, _ = run_example(model_dir, tmp_path / "batched.json", batch_size=3, tasks="lighthouse_choice")
-    for one, many in zip(unbatched[1]["lighthouse_choice"], batched["lighthouse_choice"], strict=True):
+@pytest.fixture(scope="module")
+def batched(model_dir, tmp_path_factory):
+    """The same tasks with batches of 2: log-likelihood batches are right-padded and run without
+    an attention mask, generation batches are left-padded with one."""
+    return run_example(model_dir, tmp_path_factory.mktemp("lm_eval_batched") / "results.json", batch_size=2)
+
+
+def test_batched_loglikelihood_equals_unbatched(unbatched, batched):
+    for one, many in zip(unbatched[1]["lighthouse_choice"], batched[1]["lighthouse_choice"], strict=True):
         for (ll, greedy), (batched_ll, batched_greedy) in zip([r[0] for r in one["resps"]],
                                                               [r[0] for r in many["resps"]], strict=True):
             assert batched_ll == pytest.approx(ll, abs=1e-4) and batched_greedy == greedy
 
 
-def test_batched_generate_until_equals_unbatched(model_dir, unbatched, tmp_path):
-    """Batches of 2 are left-padded with an attention mask."""
-    _, batched, _ = run_example(model_dir, tmp_path / "batched.json", batch_size=2, tasks="lighthouse_answer")
-    assert [s["resps"] for s in batched["lighthouse_answer"]] == [s["resps"] for s in unbatched[1]["lighthouse_answer"]]
+def test_batched_generate_until_equals_unbatched(unbatched, batched):
+    assert ([s["resps"] for s in batched[1]["lighthouse_answer"]]
+            == [s["resps"] for s in unbatched[1]["lighthouse_answer"]])
