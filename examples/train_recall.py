@@ -49,7 +49,7 @@ def _maglev(use_memory: bool) -> torch.nn.Module:
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=HEADS,
-        max_position_embeddings=TASK.seq_len,
+        max_position_embeddings=4096,  # nanochat's L window: the prefiller sees the whole sequence
         window_pattern="L",
         sliding_window=WINDOW,
         use_memory=use_memory,

@@ -39,18 +39,26 @@ def load_task(folder: Path) -> Dict:
 
 @torch.no_grad()
 def decode_cost(model, task: RecallTask, decode_tokens: int, seed: int) -> Dict[str, float]:
-    """Cache bytes after a full-length prompt, and greedy decode ms/token after it."""
-    from transformers import GenerationConfig
+    """Cache bytes after a full-length prompt, and greedy decode ms/token after it.
 
+    Decoding time is the time of ``decode_tokens + 1`` new tokens minus that of 1 (the prompt).
+    """
     example = make_example(task, torch.Generator().manual_seed(seed), [])
     prompt = torch.tensor([example.input_ids])
-    forced = GenerationConfig(max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False, pad_token_id=0)
-    model.generate(prompt, generation_config=forced, max_new_tokens=2, min_new_tokens=2)  # warm-up
-    start = time.perf_counter()
-    out = model.generate(prompt, generation_config=forced, return_dict_in_generate=True)
-    elapsed = time.perf_counter() - start
+
+    def timed_generate(new_tokens: int):
+        start = time.perf_counter()
+        out = model.generate(
+            prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+            pad_token_id=0, return_dict_in_generate=True,
+        )
+        return time.perf_counter() - start, out
+
+    timed_generate(2)  # warm-up
+    prompt_only, _ = timed_generate(1)
+    total, out = timed_generate(decode_tokens + 1)
     cache = out.past_key_values if getattr(out, "past_key_values", None) is not None else out.cache
-    return {"cache_bytes": float(cache.nbytes()), "ms_per_token": 1e3 * elapsed / decode_tokens}
+    return {"cache_bytes": float(cache.nbytes()), "ms_per_token": 1e3 * max(total - prompt_only, 0.0) / decode_tokens}
 
 
 def _plot(rows: Dict[str, Dict], chance: float, window: int, path: Path) -> None:
