@@ -389,3 +389,27 @@ def test_existing_out_needs_overwrite(data_dir, tmp_path, capsys):
     assert convert("kvm", source, out, "--overwrite") == 0
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_push_to_hub_after_converting(data_dir, tmp_path):
+    """`--push-to-hub ORG/NAME --private --revision dev` publishes OUT (to the local Hub test double)."""
+    from hub_server import HubServer
+
+    source = data_dir / "nanochat" / "tiny_sl" / "base_checkpoints" / "d2"
+    out = tmp_path / "out"
+    with HubServer() as hub:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+        env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_TOKEN=hub.token, HF_HUB_DISABLE_XET="1",
+                   HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
+        result = subprocess.run(
+            [sys.executable, "-m", "kvm_maglev", "convert", "maglev", str(source), str(out),
+             "--push-to-hub", "test-user/maglev-tiny", "--private", "--revision", "dev"],
+            env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        repo = hub.repo("test-user/maglev-tiny")
+        dev = repo.resolve("dev")
+    assert repo.private and "pushed to test-user/maglev-tiny@dev" in result.stdout
+    assert dev.title.endswith(f"converted from {source / 'model_000011.pt'}")
+    assert {p.name for p in out.iterdir()} <= set(dev.files)
+    assert hub.token not in result.stdout + result.stderr
