@@ -146,7 +146,8 @@ for name, info in folders.items():
     entry["tokenizer_class"] = type(tokenizer).__name__
     entry["ids"] = tokenizer.encode(text)
     generation = GenerationConfig.from_pretrained(folder)
-    entry["generation"] = {k: getattr(generation, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "suppress_tokens")}
+    entry["generation"] = {k: getattr(generation, k, None)
+                           for k in ("bos_token_id", "eos_token_id", "pad_token_id", "suppress_tokens")}
     card = ModelCard.load(folder + "/README.md", ignore_metadata_errors=False)
     entry["card"] = {"library_name": card.data.library_name, "pipeline_tag": card.data.pipeline_tag,
                      "tags": card.data.tags, "license": card.data.license, "datasets": card.data.datasets}
@@ -353,7 +354,8 @@ def test_meta_that_does_not_match_the_weights(data_dir, tmp_path, capsys, field)
     if field == "n_embd":  # half the width: every matrix is misshapen
         rows, width = torch.load(nanochat / "model_000010.pt", weights_only=True)["transformer.wte.weight"].shape
         model_config["n_embd"] = width // 2
-        expected = ["wrongly shaped", f"model.embed_tokens.weight: expected [{rows}, {width // 2}], got [{rows}, {width}]"]
+        expected = ["wrongly shaped",
+                    f"model.embed_tokens.weight: expected [{rows}, {width // 2}], got [{rows}, {width}]"]
     else:  # one layer too many: its weights are missing
         model_config["n_layer"] += 1
         expected = ["missing: ", f"model.layers.{model_config['n_layer'] - 1}.mlp.up_proj.weight"]

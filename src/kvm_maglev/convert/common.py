@@ -38,7 +38,12 @@ def load_torch_file(path: str | Path):
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
     try:
-        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        try:  # memory-mapped: optimizer states in a trainer checkpoint are never read into memory
+            return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:
+            if "mmap can only be used" not in str(error):
+                raise
+            return torch.load(str(path), map_location="cpu", weights_only=True)  # legacy (non-zip) format
     except pickle.UnpicklingError as error:
         refused = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line),
                        str(error).splitlines()[0])

@@ -268,7 +268,8 @@ def find_research_tokenizer(source: str | Path, explicit: str | Path | None = No
         folder = Path(explicit)
         folder = folder.parent if folder.is_file() else folder
         if not (folder / "tokenizer.json").is_file():
-            raise ValueError(f"--tokenizer {explicit}: no tokenizer.json there (give the research run's tokenizer folder)")
+            raise ValueError(f"--tokenizer {explicit}: no tokenizer.json there "
+                             "(give the research run's tokenizer folder)")
         return folder
     source = Path(source)
     folder = source if source.is_dir() else source.parent
@@ -303,7 +304,9 @@ def convert(source: str | Path, out: str | Path, config_path: str | Path | None 
         try:
             model = build_model(config, convert_state_dict(checkpoint.state))
         except ValueError as error:
-            raise ValueError(f"the weights in {source} do not fit the config from {checkpoint.config_file}: {error}") from error
+            raise ValueError(
+                f"the weights in {source} do not fit the config from {checkpoint.config_file}: {error}"
+            ) from error
         stages.start("tokenizer")
         tokenizer_object = load_research_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
         fields = generation_token_fields(tokenizer_object, config.vocab_size) if tokenizer_object is not None else {}

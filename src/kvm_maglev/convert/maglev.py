@@ -287,7 +287,9 @@ def convert(source: str | Path, out: str | Path, step: int | None = None, keep_p
             config = build_config(checkpoint.meta, state, keep_prefiller)
             model = build_model(config, convert_state_dict(state, config, key_map))
         except ValueError as error:
-            raise ValueError(f"the weights in {checkpoint.weights_file} do not fit {checkpoint.meta_file.name}: {error}") from error
+            raise ValueError(
+                f"the weights in {checkpoint.weights_file} do not fit {checkpoint.meta_file.name}: {error}"
+            ) from error
         stages.start("tokenizer")
         tokenizer_object = fields = None
         if tokenizer_path is not None:
@@ -296,7 +298,8 @@ def convert(source: str | Path, out: str | Path, step: int | None = None, keep_p
         register_auto_classes(model)
         provenance = source_provenance([checkpoint.weights_file], checkpoint.weights_file, checkpoint.step)
         dtype = options.dtype or source_dtype(checkpoint.state)
-        return export_model(model, out, architecture="maglev", tokenizer=tokenizer_object, generation_fields=fields or {},
+        return export_model(model, out, architecture="maglev", tokenizer=tokenizer_object,
+                            generation_fields=fields or {},
                             provenance=provenance, options=replace(options, dtype=dtype), stages=stages)
     finally:
         stages.close()
