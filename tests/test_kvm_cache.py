@@ -176,3 +176,30 @@ def test_past_key_values_keyword_and_attention_mask_of_ones():
         cache = cache_of(model(ids[:, :7], attention_mask=torch.ones(2, 7, dtype=torch.long)))
         step = model(ids[:, 7:], past_key_values=cache).logits
         assert torch.allclose(step, model(ids, use_cache=False).logits[:, 7:], atol=1e-5)
+
+
+def test_folds_computed_ahead_are_bitwise_identical(monkeypatch):
+    """Decoding folds the next block head by head during the chunk before its boundary; the boundary
+    step swaps the result in. Logits and state equal folding at the boundary bit for bit."""
+    from kvm_maglev.models.kvm.modeling_kvm import KVMAttention
+
+    model = random_model(num_attention_heads=4, hidden_size=64, rotary_dim=8)
+    ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(6))
+
+    def decode(ahead: bool):
+        cache = KVMCache(model.config)
+        logits = [model(ids[:, :3], cache=cache).logits]
+        for pos in range(3, 50):
+            logits.append(model(ids[:, pos : pos + 1], cache=cache).logits)
+            layer = cache.groups[0].layers[0]
+            if ahead and pos % 4 == 3 and pos >= 11:  # the last step of a chunk: the next fold is ready
+                assert layer.pending_fold is not None and layer.pending_fold.done
+        return torch.cat(logits, dim=1), cache
+
+    with torch.no_grad():
+        ahead, ahead_cache = decode(True)
+        monkeypatch.setattr(KVMAttention, "prepare_next_fold", lambda *args: None)
+        at_boundary, boundary_cache = decode(False)
+    assert torch.equal(ahead, at_boundary)
+    for a, b in zip(ahead_cache.groups[0].layers, boundary_cache.groups[0].layers):
+        assert all(torch.equal(x, y) for x, y in zip(a.state(), b.state()))

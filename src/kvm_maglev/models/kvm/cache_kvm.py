@@ -191,6 +191,7 @@ class KVMLayerCache:
         self.merged_blocks = 0  # blocks j >= 1 already folded into the state
         self.seen = 0
         self.journal: dict | None = None  # what the current forward did, while recording
+        self.pending_fold = None  # the next fold, computed ahead during decoding (modeling_kvm.PendingFold)
 
     @property
     def state_len(self) -> int:
@@ -230,6 +231,7 @@ class KVMLayerCache:
     def restore(self, snapshot: tuple) -> None:
         self.seen, self.merged_blocks, state, self.read_cache, window = snapshot
         self.state_keys, self.state_values, self.state_norms = state
+        self.pending_fold = None  # its block may have been replaced
         self.window.restore(window)
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -216,13 +216,21 @@ class KVMAttention(KVMAttentionBase):
     def read_state(self, cache: KVMLayerCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """State keys/values as attention reads them; recomputed only when the state changed."""
         if cache.read_cache is None:
-            keys = self.normalize_state_keys(cache.state_keys) * self.temperature("state_temperature")
-            if self.config.state_value_norms:
-                values = F.normalize(cache.state_values.float(), dim=-1) * cache.state_norms
-            else:
-                values = cache.state_values / cache.state_norms
-            cache.read_cache = (keys.to(dtype), values.to(dtype))
+            cache.read_cache = self.readable_state(cache.state(), slice(None), dtype)
         return cache.read_cache
+
+    def readable_state(self, state: tuple, heads: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer-normed, temperature-scaled keys and renormalised values of a state (heads `heads`)."""
+        state_keys, state_values, state_norms = state
+        temperature = self.temperature("state_temperature")
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature[:, heads]
+        keys = self.normalize_state_keys(state_keys) * temperature
+        if self.config.state_value_norms:
+            values = F.normalize(state_values.float(), dim=-1) * state_norms
+        else:
+            values = state_values / state_norms
+        return keys.to(dtype), values.to(dtype)
 
     def add_initial_tokens(self, cache: KVMLayerCache, k, v, gate, state_dtype) -> None:
         """Tokens of the first chunk enter the state directly, one slot each."""
@@ -237,10 +245,25 @@ class KVMAttention(KVMAttentionBase):
         cache.set_state(keys, values, norms)
 
     def fold_block(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> None:
-        """Fold window block `block` (>= 1) into the state: append the most novel, merge the rest."""
+        """Fold window block `block` (>= 1) into the state, using the share computed ahead if there is one."""
+        pending = cache.pending_fold
+        cache.pending_fold = None
+        if pending is not None and pending.block == block and pending.state is cache.state_keys:
+            while not pending.done:
+                self.advance_fold(cache, pending, state_dtype)
+            cache.set_state(*(torch.cat(parts, dim=1) for parts in zip(*pending.states)))
+            cache.read_cache = tuple(torch.cat(parts, dim=1) for parts in zip(*pending.reads))
+            return
+        cache.set_state(*self.folded_state(cache, block, slice(None), state_dtype))
+
+    def folded_state(self, cache: KVMLayerCache, block: int, heads: slice, state_dtype: torch.dtype) -> tuple:
+        """The state (keys, values, norms) of heads `heads` after folding window block `block` (>= 1):
+        the most novel tokens are appended while the state is below its budget, the rest merged
+        winner-take-all into their most similar slot (sink slots protected). Heads are independent."""
         config, chunk = self.config, self.config.chunk_size
         begin = block * chunk
-        tensors = cache.window.view(begin, begin + chunk)
+        tensors = [t[:, heads] for t in cache.window.view(begin, begin + chunk)]
+        state_keys, state_values, state_norms = (t[:, heads] for t in cache.state())
         k_block, v_block = tensors[0], tensors[1].to(state_dtype)
         gate = tensors[2].to(state_dtype) if self.gated else None
         keys = self.state_keys_from(k_block, state_dtype)
@@ -248,42 +271,65 @@ class KVMAttention(KVMAttentionBase):
         values_gated = v_block * gate if config.merge_gate_values else v_block
         keys_append, values_append = (keys_gated, values_gated) if config.merge_gate_appends else (keys, v_block)
 
-        current = cache.state_len
+        current = state_keys.shape[2]
         context_len = (block + config.window_chunks) * chunk
         desired = max(min(config.state_budget(context_len), (block + 1) * chunk), current)
         n_append = min(desired - current, chunk)
         keys_merge, values_merge = keys_gated, values_gated
+        reference = self.normalize_state_keys(state_keys)  # slots are normed one by one: computed once
         if n_append > 0:
             if n_append == chunk:
                 order = torch.arange(chunk, device=keys.device).expand(keys.shape[:2] + (chunk,))
             else:
                 with torch.no_grad():
-                    reference = self.normalize_state_keys(cache.state_keys)
                     novelty = torch.matmul(keys, reference.transpose(-1, -2)).float().amax(dim=-1)
                     order = torch.argsort(novelty, dim=-1)
             append_idx = order[..., :n_append].sort(dim=-1).values
             merge_idx = order[..., n_append:].sort(dim=-1).values
             new_keys, new_values = gather_tokens(keys_append, append_idx), gather_tokens(values_append, append_idx)
-            cache.set_state(
-                torch.cat([cache.state_keys, new_keys], dim=2),
-                torch.cat([cache.state_values, new_values], dim=2),
-                torch.cat([cache.state_norms, self.slot_norms(new_values)], dim=2),
-            )
+            state_keys = torch.cat([state_keys, new_keys], dim=2)
+            state_values = torch.cat([state_values, new_values], dim=2)
+            state_norms = torch.cat([state_norms, self.slot_norms(new_values)], dim=2)
+            reference = torch.cat([reference, self.normalize_state_keys(new_keys)], dim=2)
             keys_merge, values_merge = gather_tokens(keys_gated, merge_idx), gather_tokens(values_gated, merge_idx)
         if keys_merge.shape[2] == 0:
-            return
-        protected = min(config.sink_slots, cache.state_len)
-        similarity = torch.matmul(keys_merge, self.normalize_state_keys(cache.state_keys).transpose(-1, -2))
+            return state_keys, state_values, state_norms
+        protected = min(config.sink_slots, state_keys.shape[2])
+        similarity = torch.matmul(keys_merge, reference.transpose(-1, -2))
         similarity[..., :protected] = float("-inf")
         winner = similarity.argmax(dim=-1, keepdim=True)  # [B, H, M, 1]
-        state_keys = cache.state_keys.scatter_add(2, winner.expand_as(keys_merge), keys_merge)
-        state_values = cache.state_values.scatter_add(2, winner.expand_as(values_merge), values_merge)
-        norms = cache.state_norms
+        state_keys = state_keys.scatter_add(2, winner.expand_as(keys_merge), keys_merge)
+        state_values = state_values.scatter_add(2, winner.expand_as(values_merge), values_merge)
         if not config.state_value_norms:
             # The research code sums its one-hot merge matrix over slots, so each merged block adds
             # one to every slot's count (the published no-vlens ablation was trained that way).
-            norms = norms + 1
-        cache.set_state(state_keys, state_values, norms)
+            state_norms = state_norms + 1
+        return state_keys, state_values, state_norms
+
+    def advance_fold(self, cache: KVMLayerCache, pending: PendingFold, state_dtype: torch.dtype) -> None:
+        """Compute the next head's share of a fold ahead of its boundary (state and read form)."""
+        head = len(pending.states)
+        heads = slice(head, head + 1)
+        state = self.folded_state(cache, pending.block, heads, state_dtype)
+        pending.states.append(state)
+        pending.reads.append(self.readable_state(state, heads, pending.dtype))
+
+    def prepare_next_fold(self, cache: KVMLayerCache, dtype: torch.dtype, state_dtype: torch.dtype) -> None:
+        """During decoding, fold the block that leaves the window at the next chunk boundary ahead of time,
+        one head per step: it is complete and the state is final a whole chunk before (window_chunks >= 2),
+        so the boundary step only swaps the result in and costs what any step costs."""
+        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
+        if window_chunks < 2 or cache.seen == 0:
+            return
+        current_chunk = (cache.seen - 1) // chunk
+        block = current_chunk + 1 - window_chunks
+        if block < 1 or cache.merged_blocks != block - 1:
+            return
+        pending = cache.pending_fold
+        if pending is None or pending.block != block or pending.state is not cache.state_keys:
+            pending = cache.pending_fold = PendingFold(block, cache.state_keys, self.num_heads, dtype)
+        if not pending.done:
+            self.advance_fold(cache, pending, state_dtype)
 
     # -- attention --
     def attend_window(self, q, keys, values) -> torch.Tensor:
@@ -359,7 +405,22 @@ class KVMAttention(KVMAttentionBase):
             cache.window.drop_before(window_begin)
             pos = stop
         cache.seen = end
+        if end - start == 1 and not torch.is_grad_enabled():
+            self.prepare_next_fold(cache, q.dtype, state_dtype)
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+
+
+class PendingFold:
+    """A fold computed ahead of its chunk boundary, head by head, from the state object it started on."""
+
+    def __init__(self, block: int, state: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+        self.block, self.state, self.num_heads, self.dtype = block, state, num_heads, dtype
+        self.states: list[tuple] = []
+        self.reads: list[tuple] = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.states) == self.num_heads
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
