@@ -314,10 +314,12 @@ class KVMAttention(KVMAttentionBase):
         pending.states.append(state)
         pending.reads.append(self.readable_state(state, heads, pending.dtype))
 
-    def prepare_next_fold(self, cache: KVMLayerCache, dtype: torch.dtype, state_dtype: torch.dtype) -> None:
-        """During decoding, fold the block that leaves the window at the next chunk boundary ahead of time,
-        one head per step: it is complete and the state is final a whole chunk before (window_chunks >= 2),
-        so the boundary step only swaps the result in and costs what any step costs."""
+    def prepare_next_fold(self, cache: KVMLayerCache, dtype: torch.dtype, state_dtype: torch.dtype,
+                          whole: bool = False) -> None:
+        """Fold the block that leaves the window at the next chunk boundary ahead of time: one head per
+        decoding step, or all at the end of a multi-token forward (`whole`, e.g. a prefill). The block is
+        complete and the state final a whole chunk before (window_chunks >= 2), so the boundary step only
+        swaps the result in and costs what any step costs."""
         chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
         if window_chunks < 2 or cache.seen == 0:
             return
@@ -328,8 +330,10 @@ class KVMAttention(KVMAttentionBase):
         pending = cache.pending_fold
         if pending is None or pending.block != block or pending.state is not cache.state_keys:
             pending = cache.pending_fold = PendingFold(block, cache.state_keys, self.num_heads, dtype)
-        if not pending.done:
+        while not pending.done:
             self.advance_fold(cache, pending, state_dtype)
+            if not whole:
+                break
 
     # -- attention --
     def attend_window(self, q, keys, values) -> torch.Tensor:
@@ -364,7 +368,11 @@ class KVMAttention(KVMAttentionBase):
         gate = None
         if self.gated:
             gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
-        return self.output(run_segments(plan, caches, self.run_chunks, q, k, v, gate))
+        y = run_segments(plan, caches, self.run_chunks, q, k, v, gate)
+        if state is not None and not torch.is_grad_enabled():
+            for cache in caches:
+                self.prepare_next_fold(cache, q.dtype, state_dtype_for(q.dtype), whole=x.shape[1] > 1)
+        return self.output(y)
 
     def run_chunks(self, cache: KVMLayerCache, q, k, v, gate) -> torch.Tensor:
         """Process one group's new tokens (any count, any cache state) chunk by chunk; returns [G, H, T, Dv]."""
@@ -405,8 +413,6 @@ class KVMAttention(KVMAttentionBase):
             cache.window.drop_before(window_begin)
             pos = stop
         cache.seen = end
-        if end - start == 1 and not torch.is_grad_enabled():
-            self.prepare_next_fold(cache, q.dtype, state_dtype)
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
 
 
