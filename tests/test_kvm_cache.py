@@ -198,7 +198,7 @@ def test_folds_computed_ahead_are_bitwise_identical(monkeypatch):
 
     with torch.no_grad():
         ahead, ahead_cache = decode(True)
-        monkeypatch.setattr(KVMAttention, "prepare_next_fold", lambda *args: None)
+        monkeypatch.setattr(KVMAttention, "prepare_next_fold", lambda *args, **kwargs: None)
         at_boundary, boundary_cache = decode(False)
     assert torch.equal(ahead, at_boundary)
     for a, b in zip(ahead_cache.groups[0].layers, boundary_cache.groups[0].layers):
