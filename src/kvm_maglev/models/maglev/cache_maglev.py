@@ -539,7 +539,9 @@ class MaglevCache(Cache):
         if differences:
             raise ValueError(f"the cache in {path} was made for another Maglev config: " + "; ".join(differences))
         device, dtype = model.device, model.dtype
-        tensors = load_file(tensor_path, device=str(device))
+        # fresh copies: on CPU the loaded tensors are views into the file's buffer at any byte offset, and
+        # unaligned data takes other vector kernels, which round differently from the live cache
+        tensors = {k: v.clone() for k, v in load_file(tensor_path, device=str(device)).items()}
         cache = cls(config)
         cache.seen_tokens = meta["seen_tokens"]
         cache.positions = tensors["positions"]
