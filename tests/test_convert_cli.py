@@ -429,3 +429,18 @@ def test_push_to_hub_after_converting(data_dir, tmp_path):
     assert dev.title.endswith(f"converted from {source / 'model_000011.pt'}")
     assert {p.name for p in out.iterdir()} <= set(dev.files)
     assert hub.token not in result.stdout + result.stderr
+
+
+def test_sizes_and_bad_flags_are_refused_while_parsing(data_dir, tmp_path, capsys):
+    from kvm_maglev.convert.common import parse_size
+
+    assert [parse_size(s) for s in ("2GB", "500MiB", "1.5kb", "4096", 7)] == [2 * 10**9, 500 * 2**20, 1500, 4096, 7]
+    for bad in ("12XB", "-1MB", "0", "GB"):
+        with pytest.raises(ValueError, match="size"):
+            parse_size(bad)
+    source = data_dir / "kvm" / "kvm_fixed" / "research_final"
+    for flags in (["--max-shard-size", "12XB"], ["--dtype", "int8"], ["--push-to-hub", "not a repo"]):
+        with pytest.raises(SystemExit) as exit_info:
+            convert("kvm", source, tmp_path / "out", *flags)
+        assert exit_info.value.code == 2 and "Traceback" not in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
