@@ -188,6 +188,7 @@ class KVMLayerCache:
         self.state_values: torch.Tensor | None = None  # sums of values
         self.state_norms: torch.Tensor | None = None  # float32 slot value norms, or merge counts
         self.read_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # attention-ready state
+        self.normed_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # (state keys, their layer norm)
         self.merged_blocks = 0  # blocks j >= 1 already folded into the state
         self.seen = 0
         self.journal: dict | None = None  # what the current forward did, while recording

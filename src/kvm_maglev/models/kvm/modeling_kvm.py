@@ -216,16 +216,19 @@ class KVMAttention(KVMAttentionBase):
     def read_state(self, cache: KVMLayerCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """State keys/values as attention reads them; recomputed only when the state changed."""
         if cache.read_cache is None:
-            cache.read_cache = self.readable_state(cache.state(), slice(None), dtype)
+            normed = self.normalize_state_keys(cache.state_keys)
+            cache.normed_keys = (cache.state_keys, normed)  # the next fold compares against the same keys
+            cache.read_cache = self.readable_state(cache.state(), slice(None), dtype, normed)
         return cache.read_cache
 
-    def readable_state(self, state: tuple, heads: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def readable_state(self, state: tuple, heads: slice, dtype: torch.dtype,
+                       normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer-normed, temperature-scaled keys and renormalised values of a state (heads `heads`)."""
         state_keys, state_values, state_norms = state
         temperature = self.temperature("state_temperature")
         if isinstance(temperature, torch.Tensor):
             temperature = temperature[:, heads]
-        keys = self.normalize_state_keys(state_keys) * temperature
+        keys = (self.normalize_state_keys(state_keys) if normed is None else normed) * temperature
         if self.config.state_value_norms:
             values = F.normalize(state_values.float(), dim=-1) * state_norms
         else:
@@ -276,7 +279,11 @@ class KVMAttention(KVMAttentionBase):
         desired = max(min(config.state_budget(context_len), (block + 1) * chunk), current)
         n_append = min(desired - current, chunk)
         keys_merge, values_merge = keys_gated, values_gated
-        reference = self.normalize_state_keys(state_keys)  # slots are normed one by one: computed once
+        normed = cache.normed_keys
+        if normed is not None and normed[0] is cache.state_keys:  # already normed to be read
+            reference = normed[1][:, heads]
+        else:
+            reference = self.normalize_state_keys(state_keys)
         if n_append > 0:
             if n_append == chunk:
                 order = torch.arange(chunk, device=keys.device).expand(keys.shape[:2] + (chunk,))
