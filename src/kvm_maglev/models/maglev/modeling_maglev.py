@@ -393,7 +393,7 @@ class MaglevModel(MaglevPreTrainedModel):
 
         Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
         and the model is strictly causal (right padding needs no mask)."""
-        cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
+        cache = take_cache(past_key_values, kwargs)
         config = self.config
         check_input_ids(input_ids, inputs_embeds, config.vocab_size, cache)
         if cache is not None:
@@ -450,6 +450,14 @@ class MaglevModel(MaglevPreTrainedModel):
             consistency_loss=consistency_loss,
             **{CACHE_NAME: cache},
         )
+
+
+def take_cache(past_key_values: MaglevCache | None, kwargs: dict) -> MaglevCache | None:
+    """The cache given as `past_key_values` or as `cache` (transformers >= 5.24); two different ones are refused."""
+    cache = kwargs.pop("cache", None)
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("pass the cache once, as `cache` or `past_key_values`, not both")
+    return past_key_values if past_key_values is not None else cache
 
 
 def memories_like(model: MaglevModel) -> torch.Tensor:
@@ -540,7 +548,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
     ) -> MaglevCausalLMOutput:
         """Training forward (labels given or training mode): lifted parallel training with the
         consistency loss; otherwise inference with `config.memory_prefill`."""
-        cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
+        cache = take_cache(past_key_values, kwargs)
         for ignored in ("output_attentions", "return_dict", "cache_position", "position_ids"):
             kwargs.pop(ignored, None)
         outputs = self.model(
