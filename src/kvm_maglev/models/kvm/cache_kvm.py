@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from transformers.cache_utils import Cache

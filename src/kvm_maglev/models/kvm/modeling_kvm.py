@@ -251,11 +251,11 @@ class KVMAttention(KVMAttentionBase):
         """Fold window block `block` (>= 1) into the state, using the share computed ahead if there is one."""
         pending = cache.pending_fold
         cache.pending_fold = None
-        if pending is not None and pending.block == block and pending.state is cache.state_keys:
+        if pending is not None and pending.block == block and pending.source is cache.state_keys:
             while not pending.done:
                 self.advance_fold(cache, pending, state_dtype)
-            cache.set_state(*(torch.cat(parts, dim=1) for parts in zip(*pending.states)))
-            cache.read_cache = tuple(torch.cat(parts, dim=1) for parts in zip(*pending.reads))
+            cache.set_state(*pending.state)
+            cache.read_cache = tuple(pending.read)
             return
         cache.set_state(*self.folded_state(cache, block, slice(None), state_dtype))
 
@@ -314,12 +314,17 @@ class KVMAttention(KVMAttentionBase):
         return state_keys, state_values, state_norms
 
     def advance_fold(self, cache: KVMLayerCache, pending: PendingFold, state_dtype: torch.dtype) -> None:
-        """Compute the next head's share of a fold ahead of its boundary (state and read form)."""
-        head = len(pending.states)
-        heads = slice(head, head + 1)
+        """Compute the next head's share of a fold ahead of its boundary (state and read form), written
+        in place into the new state so that the boundary step swaps it in without copying."""
+        heads = slice(pending.heads_done, pending.heads_done + 1)
         state = self.folded_state(cache, pending.block, heads, state_dtype)
-        pending.states.append(state)
-        pending.reads.append(self.readable_state(state, heads, pending.dtype))
+        read = self.readable_state(state, heads, pending.dtype)
+        if pending.state is None:
+            pending.state = [t.new_empty(t.shape[:1] + (self.num_heads,) + t.shape[2:]) for t in state]
+            pending.read = [t.new_empty(t.shape[:1] + (self.num_heads,) + t.shape[2:]) for t in read]
+        for full, part in zip(pending.state + pending.read, state + read):
+            full[:, heads] = part
+        pending.heads_done += 1
 
     def prepare_next_fold(self, cache: KVMLayerCache, dtype: torch.dtype, state_dtype: torch.dtype,
                           whole: bool = False) -> None:
@@ -335,7 +340,7 @@ class KVMAttention(KVMAttentionBase):
         if block < 1 or cache.merged_blocks != block - 1:
             return
         pending = cache.pending_fold
-        if pending is None or pending.block != block or pending.state is not cache.state_keys:
+        if pending is None or pending.block != block or pending.source is not cache.state_keys:
             pending = cache.pending_fold = PendingFold(block, cache.state_keys, self.num_heads, dtype)
         while not pending.done:
             self.advance_fold(cache, pending, state_dtype)
@@ -426,14 +431,15 @@ class KVMAttention(KVMAttentionBase):
 class PendingFold:
     """A fold computed ahead of its chunk boundary, head by head, from the state object it started on."""
 
-    def __init__(self, block: int, state: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
-        self.block, self.state, self.num_heads, self.dtype = block, state, num_heads, dtype
-        self.states: list[tuple] = []
-        self.reads: list[tuple] = []
+    def __init__(self, block: int, source: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+        self.block, self.source, self.num_heads, self.dtype = block, source, num_heads, dtype
+        self.heads_done = 0
+        self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
+        self.read: list[torch.Tensor] | None = None  # their attention-ready form
 
     @property
     def done(self) -> bool:
-        return len(self.states) == self.num_heads
+        return self.heads_done == self.num_heads
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
