@@ -41,7 +41,7 @@ from kvm_maglev.models.maglev.modeling_maglev import CACHE_NAME, MaglevForCausal
 VOCAB = 53
 ATOL = 1e-4  # float32 logits: parallel chunks and token-by-token steps differ only by rounding
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
-settings.register_profile("kvm_maglev_fast", max_examples=12, deadline=None, derandomize=True, database=None,
+settings.register_profile("kvm_maglev_fast", max_examples=15, deadline=None, derandomize=True, database=None,
                           print_blob=True, suppress_health_check=_HEALTH)
 settings.register_profile("kvm_maglev_large", max_examples=int(os.environ.get("KVM_MAGLEV_PROPERTY_EXAMPLES", 300)),
                           deadline=None, print_blob=True, suppress_health_check=_HEALTH)
