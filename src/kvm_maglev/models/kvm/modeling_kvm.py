@@ -253,16 +253,26 @@ class KVMAttention(KVMAttentionBase):
         cache.pending_fold = None
         if pending is not None and pending.block == block and pending.source is cache.state_keys:
             while not pending.done:
-                self.advance_fold(cache, pending, state_dtype)
+                next(pending.work, None)
             cache.set_state(*pending.state)
             cache.read_cache = tuple(pending.read)
             return
         cache.set_state(*self.folded_state(cache, block, slice(None), state_dtype))
 
     def folded_state(self, cache: KVMLayerCache, block: int, heads: slice, state_dtype: torch.dtype) -> tuple:
-        """The state (keys, values, norms) of heads `heads` after folding window block `block` (>= 1):
-        the most novel tokens are appended while the state is below its budget, the rest merged
-        winner-take-all into their most similar slot (sink slots protected). Heads are independent."""
+        """The state (keys, values, norms) of heads `heads` after folding window block `block` (>= 1)."""
+        stages = self.fold_stages(cache, block, heads, state_dtype)
+        while True:
+            try:
+                next(stages)
+            except StopIteration as finished:
+                return finished.value
+
+    def fold_stages(self, cache: KVMLayerCache, block: int, heads: slice, state_dtype: torch.dtype):
+        """Generator computing `folded_state` in stages (it pauses after the novelty ranking and after the
+        merge similarities; its return value is the state): the most novel tokens are appended while the
+        state is below its budget, the rest merged winner-take-all into their most similar slot (sink
+        slots protected). Heads are independent."""
         config, chunk = self.config, self.config.chunk_size
         begin = block * chunk
         tensors = [t[:, heads] for t in cache.window.view(begin, begin + chunk)]
@@ -291,6 +301,7 @@ class KVMAttention(KVMAttentionBase):
                 with torch.no_grad():
                     novelty = torch.matmul(keys, reference.transpose(-1, -2)).float().amax(dim=-1)
                     order = torch.argsort(novelty, dim=-1)
+                yield
             append_idx = order[..., :n_append].sort(dim=-1).values
             merge_idx = order[..., n_append:].sort(dim=-1).values
             new_keys, new_values = gather_tokens(keys_append, append_idx), gather_tokens(values_append, append_idx)
@@ -305,6 +316,7 @@ class KVMAttention(KVMAttentionBase):
         similarity = torch.matmul(keys_merge, reference.transpose(-1, -2))
         similarity[..., :protected] = float("-inf")
         winner = similarity.argmax(dim=-1, keepdim=True)  # [B, H, M, 1]
+        yield
         state_keys = state_keys.scatter_add(2, winner.expand_as(keys_merge), keys_merge)
         state_values = state_values.scatter_add(2, winner.expand_as(values_merge), values_merge)
         if not config.state_value_norms:
@@ -313,18 +325,26 @@ class KVMAttention(KVMAttentionBase):
             state_norms = state_norms + 1
         return state_keys, state_values, state_norms
 
-    def advance_fold(self, cache: KVMLayerCache, pending: PendingFold, state_dtype: torch.dtype) -> None:
-        """Compute the next head's share of a fold ahead of its boundary (state and read form), written
-        in place into the new state so that the boundary step swaps it in without copying."""
-        heads = slice(pending.heads_done, pending.heads_done + 1)
-        state = self.folded_state(cache, pending.block, heads, state_dtype)
-        read = self.readable_state(state, heads, pending.dtype)
-        if pending.state is None:
-            pending.state = [t.new_empty(t.shape[:1] + (self.num_heads,) + t.shape[2:]) for t in state]
-            pending.read = [t.new_empty(t.shape[:1] + (self.num_heads,) + t.shape[2:]) for t in read]
-        for full, part in zip(pending.state + pending.read, state + read):
-            full[:, heads] = part
-        pending.heads_done += 1
+    def fold_ahead(self, cache: KVMLayerCache, pending: PendingFold, state_dtype: torch.dtype):
+        """Generator doing a fold ahead of its boundary a slice at a time (a stage of one head per `next`),
+        written in place into the new state and its read form, so that the boundary step swaps them in."""
+        for head in range(self.num_heads):
+            heads = slice(head, head + 1)
+            state = yield from self.fold_stages(cache, pending.block, heads, state_dtype)
+            if pending.state is None:
+                pending.state = [t.new_empty(t.shape[:1] + (self.num_heads,) + t.shape[2:]) for t in state]
+            for full, part in zip(pending.state, state):
+                full[:, heads] = part
+            yield
+            read = self.readable_state(state, heads, pending.dtype)
+            if pending.read is None:
+                pending.read = [t.new_empty(t.shape[:1] + (self.num_heads,) + t.shape[2:]) for t in read]
+            for full, part in zip(pending.read, read):
+                full[:, heads] = part
+            pending.heads_done += 1
+            if pending.done:
+                return
+            yield
 
     def prepare_next_fold(self, cache: KVMLayerCache, dtype: torch.dtype, state_dtype: torch.dtype,
                           whole: bool = False) -> None:
@@ -342,8 +362,9 @@ class KVMAttention(KVMAttentionBase):
         pending = cache.pending_fold
         if pending is None or pending.block != block or pending.source is not cache.state_keys:
             pending = cache.pending_fold = PendingFold(block, cache.state_keys, self.num_heads, dtype)
+            pending.work = self.fold_ahead(cache, pending, state_dtype)
         while not pending.done:
-            self.advance_fold(cache, pending, state_dtype)
+            next(pending.work, None)
             if not whole:
                 break
 
@@ -436,6 +457,7 @@ class PendingFold:
         self.heads_done = 0
         self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
         self.read: list[torch.Tensor] | None = None  # their attention-ready form
+        self.work = None  # the generator that fills them (KVMAttention.fold_ahead)
 
     @property
     def done(self) -> bool:
