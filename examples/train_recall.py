@@ -24,8 +24,9 @@ from kvm_maglev.convert.export import write_model_folder
 from kvm_maglev.demo import TASK_FILE
 from kvm_maglev.recall import RecallTask, build_dataset, chance_level, collate, default_distances, evaluate_recall
 
-WIDTH, LAYERS, HEADS, WINDOW, CHUNK = 64, 2, 2, 32, 16
-TASK = RecallTask(num_keys=32, num_values=32, num_filler=32, num_facts=4, seq_len=320)
+WIDTH, LAYERS, HEADS, WINDOW, CHUNK = 64, 2, 2, 16, 8
+# queries reach 8 windows past their fact: 1 + 2 * facts + 8 * WINDOW + room for the query
+TASK = RecallTask(num_keys=32, num_values=32, num_filler=32, num_facts=4, seq_len=144)
 
 
 def _kvm(**budget) -> torch.nn.Module:
@@ -62,10 +63,10 @@ def _maglev(use_memory: bool) -> torch.nn.Module:
 
 
 MODELS: Dict[str, Callable[[], torch.nn.Module]] = {
-    "kvm_fixed": lambda: _kvm(state_budget_mode="fixed", state_budget_min=16, state_max_chunks=1),
+    "kvm_fixed": lambda: _kvm(state_budget_mode="fixed", state_budget_min=2 * CHUNK, state_max_chunks=2),
     "kvm_sqrt": lambda: _kvm(
         state_budget_mode="power_law", state_budget_factor=4.0, state_budget_exponent=0.5,
-        state_budget_min=16, state_max_chunks=1000,
+        state_budget_min=CHUNK, state_max_chunks=1000,
     ),
     "maglev": lambda: _maglev(use_memory=True),
     "swa_baseline": lambda: _maglev(use_memory=False),
@@ -140,9 +141,9 @@ def plot(results: Dict[str, Dict[int, float]], path: Path) -> None:
 def main(argv: List[str] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=6e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-examples", type=int, default=50)
     parser.add_argument("--out", type=Path, default=Path("results/recall"))
@@ -151,7 +152,7 @@ def main(argv: List[str] = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     train_distances = list(range(4, 8 * WINDOW + 1))
-    train_data = build_dataset(TASK, args.steps * args.batch_size, train_distances, queries_per_example=8, seed=args.seed)
+    train_data = build_dataset(TASK, args.steps * args.batch_size, train_distances, queries_per_example=12, seed=args.seed)
     eval_distances = default_distances(WINDOW)
     results, timings = {}, {}
     for name in args.models:
