@@ -348,8 +348,8 @@ class KVMAttention(KVMAttentionBase):
 
     def prepare_next_fold(self, cache: KVMLayerCache, dtype: torch.dtype, state_dtype: torch.dtype,
                           whole: bool = False) -> None:
-        """Fold the block that leaves the window at the next chunk boundary ahead of time: one head per
-        decoding step, or all at the end of a multi-token forward (`whole`, e.g. a prefill). The block is
+        """Fold the block that leaves the window at the next chunk boundary ahead of time: one stage of one
+        head per decoding step, or all at the end of a multi-token forward (`whole`, e.g. a prefill). The block is
         complete and the state final a whole chunk before (window_chunks >= 2), so the boundary step only
         swaps the result in and costs what any step costs."""
         chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
