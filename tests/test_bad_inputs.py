@@ -128,7 +128,9 @@ def test_refused_inputs_leave_the_cache_untouched(models, name):
     """A refused forward must not half-update the cache: the next good step equals one on a fresh copy."""
     model = models[name]
     cache, reference = filled_cache(model), filled_cache(model)
-    for bad in (dict(input_ids=torch.tensor([[1], [VOCAB]])), dict(input_ids=IDS[:, :1], attention_mask=torch.ones(2, 3))):
+    refused = (dict(input_ids=torch.tensor([[1], [VOCAB]])),
+               dict(input_ids=IDS[:, :1], attention_mask=torch.ones(2, 3)))
+    for bad in refused:
         with pytest.raises(ValueError):
             model(**bad, past_key_values=cache)
     assert cache.get_seq_length() == reference.get_seq_length() == 4

@@ -104,7 +104,8 @@ def test_same_seed_samples_the_same_tokens_across_processes():
 @pytest.fixture
 def deterministic_algorithms():
     """Turn on deterministic algorithms for one test and restore the previous mode afterwards."""
-    previous, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    previous = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(previous, warn_only=warn_only)
