@@ -164,6 +164,10 @@ def main(argv: List[str] = None) -> None:
         if args.save_models is not None:
             args.save_models.mkdir(parents=True, exist_ok=True)
             save_recall_model(model, args.save_models / name, name, eval_distances, args)
+        write_results(results, timings, args)  # after every model, so a long run can be read as it goes
+
+
+def write_results(results: Dict[str, Dict[int, float]], timings: Dict[str, float], args: argparse.Namespace) -> None:
     summary = {
         "task": TASK.__dict__,
         "window": WINDOW,
@@ -174,7 +178,7 @@ def main(argv: List[str] = None) -> None:
     }
     (args.out / "recall.json").write_text(json.dumps(summary, indent=1))
     plot(results, args.out / "recall.png")
-    print(f"wrote {args.out / 'recall.json'} and {args.out / 'recall.png'}")
+    print(f"wrote {args.out / 'recall.json'} and {args.out / 'recall.png'}", flush=True)
 
 
 if __name__ == "__main__":
