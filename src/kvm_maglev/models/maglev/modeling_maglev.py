@@ -572,7 +572,9 @@ class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
             lm_loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
             loss = lm_loss
             if outputs.consistency_loss is not None:
-                loss = lm_loss + self.config.consistency_weight * outputs.consistency_loss
+                loss = lm_loss + self.config.consistency_weight * self._accumulation_share(
+                    outputs.consistency_loss, labels, kwargs.get("num_items_in_batch")
+                )
         return MaglevCausalLMOutput(
             loss=loss,
             lm_loss=lm_loss,
@@ -581,6 +583,21 @@ class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
+
+    @staticmethod
+    def _accumulation_share(
+        consistency_loss: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None
+    ) -> torch.Tensor:
+        """The consistency mean weighted by this micro-batch's share of the supervised tokens.
+
+        Trainer adds the losses of accumulation steps (and processes) and the language-model loss
+        is already a sum divided by `num_items_in_batch`; weighting each micro-batch's mean by its
+        share keeps the total equal to one large batch's loss.
+        """
+        if num_items_in_batch is None:
+            return consistency_loss
+        supervised = (labels[..., 1:] != -100).sum()
+        return consistency_loss * supervised.to(consistency_loss.dtype) / num_items_in_batch
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate() gets a MaglevCache (never a DynamicCache) unless the user passed one or disabled caching;
