@@ -358,5 +358,6 @@ class KVMConfig(PretrainedConfig):
 
 
 def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """State sums accumulate many tokens: float16 would overflow, so it is kept in float32."""
-    return torch.float32 if dtype == torch.float16 else dtype
+    """State sums accumulate many tokens: float16 would overflow and bfloat16's 8-bit mantissa drops
+    each new token once a sum is large, so both keep the state in float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
