@@ -34,14 +34,16 @@ print(json.dumps(out.tolist()))
 
 
 def package_free_path() -> list[str]:
-    """This interpreter's sys.path without the entries that provide kvm_maglev or the tests."""
+    """This interpreter's sys.path without the entries that provide kvm_maglev or the tests, nor
+    transformers' module cache (an earlier test's remote code puts it there; the child has its own)."""
     spec = importlib.util.find_spec("kvm_maglev")
     package_root = Path(spec.origin).resolve().parent.parent
     tests = Path(__file__).resolve().parent
     kept = []
     for entry in sys.path:
         resolved = Path(entry or os.getcwd()).resolve()
-        if resolved in (package_root, tests, tests.parent) or (resolved / "kvm_maglev").exists():
+        provides = (resolved / "kvm_maglev").exists() or (resolved / "transformers_modules").exists()
+        if resolved in (package_root, tests, tests.parent) or provides:
             continue
         kept.append(str(resolved))
     return kept
