@@ -1,0 +1,793 @@
+"""KVMCache: what a KVM model carries between forward calls.
+
+Rows of a batch advance independently: each row has read its own number of real tokens, so its
+chunk boundaries, positions, state length and window follow its own length (padding, where
+attention_mask is 0, never enters anything). Rows that have read the same number of tokens form a
+`RowGroup` whose per-layer caches hold them as one batch; a forward that gives rows different
+numbers of real tokens splits a group. Per KVM layer a group holds the compressed state (key sums,
+value sums, value norms or counts) and the block window (keys, values, merge gates not yet folded
+into the state); per sliding-window layer the last `sliding_window` keys/values. The token-shift
+carries (last real token of each shifted stream) are kept per row for the whole batch.
+
+Window buffers grow geometrically and are compacted rarely, so a decode step writes one token
+instead of copying the window; the state changes once per chunk. While recording is active
+(assisted decoding), each forward keeps what it replaced, so `crop` rolls back exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from typing import Iterable
+
+import torch
+from transformers.cache_utils import Cache
+
+from .configuration_kvm import KVMConfig
+
+CACHE_FORMAT = "kvm-cache"
+CACHE_FORMAT_VERSION = 1
+TENSORS_FILE = "kvm_cache.safetensors"
+META_FILE = "kvm_cache.json"
+# Config fields that decide what a cache holds and how a model reads it.
+CACHE_CONFIG_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "value_head_dim",
+    "intermediate_size", "layer_norm_eps", "rope_theta", "rotary_dim", "chunk_size", "window_chunks", "sink_slots",
+    "state_budget_mode", "state_budget_min", "state_budget_factor", "state_budget_exponent",
+    "state_budget_saturation", "state_budget_round_to", "state_max_chunks", "merge_gate_keys", "merge_gate_values",
+    "merge_gate_appends", "merge_gate_initial_state", "head_temperatures", "state_value_norms", "kvm_token_shift",
+    "ffn_token_shift", "value_residual", "kvm_value_residual_mode", "sliding_window_every", "sliding_window",
+    "sliding_window_rope_theta", "sliding_window_rotary_dim", "sliding_window_token_shift",
+    "sliding_window_value_residual_mode", "sliding_window_share_value_residual", "block_lambdas",
+    "residual_scale", "logit_softcap",
+)
+
+
+def config_fingerprint(config: KVMConfig) -> dict:
+    """The config fields a cache depends on, as plain JSON values."""
+    return {name: getattr(config, name) for name in CACHE_CONFIG_FIELDS}
+
+
+def fingerprint_mismatch(expected: dict, found: dict) -> list[str]:
+    """Fields where two fingerprints differ, with both values."""
+    names = sorted(set(expected) | set(found))
+    return [f"{n}: cache {found.get(n)!r} vs model {expected.get(n)!r}" for n in names if expected.get(n) != found.get(n)]
+
+
+class TokenBuffer:
+    """Contiguous [batch, heads, tokens, dim] tensors for a run of absolute positions.
+
+    `begin`/`end` are the absolute positions held. Appends write in place into spare
+    capacity (doubling when full) unless autograd tracks the inputs, in which case the
+    buffer is rebuilt functionally so that earlier views stay valid for backward. Positions
+    below `end` are never overwritten in place, so a snapshot (storage, offset, begin, end)
+    stays valid until the buffer is rolled back past it.
+    """
+
+    def __init__(self) -> None:
+        self.storage: list[torch.Tensor] | None = None
+        self.offset = 0  # storage index of position `begin`
+        self.begin = 0
+        self.end = 0
+
+    def __len__(self) -> int:
+        return self.end - self.begin
+
+    def append(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Add tokens at positions [end, end + n)."""
+        tensors = [t for t in tensors if t is not None]
+        n = tensors[0].shape[2]
+        if self.storage is None:
+            self.storage = [t[:, :, :0] for t in tensors]
+            self.offset = 0
+        live = len(self)
+        if any(t.requires_grad for t in tensors) or any(s.requires_grad for s in self.storage):
+            self.storage = [torch.cat([s[:, :, self.offset : self.offset + live], t], dim=2)
+                            for s, t in zip(self.storage, tensors)]
+            self.offset = 0
+        else:
+            capacity = self.storage[0].shape[2]
+            if self.offset + live + n > capacity:
+                new_capacity = max(2 * (live + n), 16)
+                grown = []
+                for s, t in zip(self.storage, tensors):
+                    fresh = t.new_empty(t.shape[:2] + (new_capacity,) + t.shape[3:])
+                    fresh[:, :, :live] = s[:, :, self.offset : self.offset + live]
+                    grown.append(fresh)
+                self.storage, self.offset = grown, 0
+            for s, t in zip(self.storage, tensors):
+                s[:, :, self.offset + live : self.offset + live + n] = t
+        self.end += n
+
+    def view(self, start: int, stop: int) -> list[torch.Tensor]:
+        """Views of absolute positions [start, stop)."""
+        if not self.begin <= start <= stop <= self.end:
+            raise IndexError(f"positions [{start}, {stop}) not held (buffer holds [{self.begin}, {self.end}))")
+        lo = self.offset + start - self.begin
+        return [s[:, :, lo : lo + stop - start] for s in self.storage]
+
+    def live(self) -> list[torch.Tensor]:
+        return [] if self.storage is None else self.view(self.begin, self.end)
+
+    def drop_before(self, position: int) -> None:
+        """Forget positions before `position`."""
+        position = min(max(position, self.begin), self.end)
+        self.offset += position - self.begin
+        self.begin = position
+
+    def start_at(self, position: int) -> None:
+        """Position the (empty) buffer at absolute `position`."""
+        self.begin = self.end = position
+
+    def snapshot(self) -> tuple:
+        return (None if self.storage is None else list(self.storage), self.offset, self.begin, self.end)
+
+    def restore(self, snapshot: tuple) -> None:
+        storage, self.offset, self.begin, self.end = snapshot
+        self.storage = None if storage is None else list(storage)
+
+    def load(self, tensors: list[torch.Tensor], begin: int) -> None:
+        self.storage = [t.contiguous() for t in tensors] if tensors else None
+        self.offset, self.begin = 0, begin
+        self.end = begin + (tensors[0].shape[2] if tensors else 0)
+
+    def nbytes(self) -> int:
+        if self.storage is None:
+            return 0
+        return sum(s[:, :, :1].numel() * s.element_size() for s in self.storage) * len(self)
+
+    def take_rows(self, index) -> "TokenBuffer":
+        """A buffer holding rows `index` (a slice or index tensor) of this one."""
+        taken = TokenBuffer()
+        taken.load([t[index] for t in self.live()], self.begin)
+        taken.end = self.end
+        return taken
+
+
+class ShiftCarries:
+    """Last real token of each token-shifted stream of one layer (attention q/k/v/x, FFN input), per row.
+
+    Rows that have not read a token yet hold zeros. While recording, `journal` keeps each stream's
+    whole input of the current forward so that a crop can pick the carry at any of its tokens.
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[str, torch.Tensor] = {}
+        self.journal: dict[str, torch.Tensor] | None = None
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.values.get(name)
+
+    def set(self, name: str, value: torch.Tensor) -> None:
+        """`value` [B, 1, D]: the new carry (data, detached, as in the research cache)."""
+        self.values[name] = value.detach()
+
+    def record(self, name: str, sequence: torch.Tensor) -> None:
+        if self.journal is not None:
+            self.journal[name] = sequence.detach()
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.values.values())
+
+    def map_batch(self, fn) -> None:
+        self.values = {k: fn(v) for k, v in self.values.items()}
+
+
+class KVMLayerCache:
+    """State and block window of one KVM layer for one group of rows."""
+
+    is_sliding = False
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.window = TokenBuffer()  # keys, values, merge gates (if gated)
+        self.state_keys: torch.Tensor | None = None  # sums of layer-normed, rotary-zeroed keys
+        self.state_values: torch.Tensor | None = None  # sums of values
+        self.state_norms: torch.Tensor | None = None  # float32 slot value norms, or merge counts
+        self.read_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # attention-ready state
+        self.normed_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # (state keys, their layer norm)
+        self.merged_blocks = 0  # blocks j >= 1 already folded into the state
+        self.seen = 0
+        self.journal: dict | None = None  # what the current forward did, while recording
+        self.pending_fold = None  # the next fold, computed ahead during decoding (modeling_kvm.PendingFold)
+
+    @property
+    def state_len(self) -> int:
+        return 0 if self.state_keys is None else self.state_keys.shape[2]
+
+    def __repr__(self) -> str:
+        return f"KVMLayerCache(seen={self.seen}, state_slots={self.state_len}, window_tokens={len(self.window)})"
+
+    def set_state(self, keys: torch.Tensor, values: torch.Tensor, norms: torch.Tensor) -> None:
+        self.state_keys, self.state_values, self.state_norms = keys, values, norms
+        self.read_cache = None
+
+    def state(self) -> tuple:
+        return (self.state_keys, self.state_values, self.state_norms)
+
+    def note_state_change(self, position: int, kind: str, before_len: int = 0, stop: int = 0) -> None:
+        """While recording: the state after a fold ('fold', valid once `position` is read) or after
+        first-chunk tokens [position, stop) entered it one slot each ('initial')."""
+        if self.journal is not None:
+            self.journal["events"].append((position, kind, before_len, stop, self.state(), self.merged_blocks))
+
+    def nbytes(self) -> int:
+        state = sum(t.numel() * t.element_size() for t in self.state() if t is not None)
+        return state + self.window.nbytes()
+
+    def take_rows(self, index) -> "KVMLayerCache":
+        taken = KVMLayerCache()
+        taken.window = self.window.take_rows(index)
+        if self.state_keys is not None:
+            taken.set_state(*(t[index] for t in self.state()))
+        taken.merged_blocks, taken.seen = self.merged_blocks, self.seen
+        return taken
+
+    def snapshot(self) -> tuple:
+        return (self.seen, self.merged_blocks, self.state(), self.read_cache, self.window.snapshot())
+
+    def restore(self, snapshot: tuple) -> None:
+        self.seen, self.merged_blocks, state, self.read_cache, window = snapshot
+        self.state_keys, self.state_values, self.state_norms = state
+        self.pending_fold = None  # its block may have been replaced
+        self.window.restore(window)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        named = {f"window.{i}": t for i, t in enumerate(self.window.live())}
+        if self.state_keys is not None:
+            named.update(state_keys=self.state_keys, state_values=self.state_values, state_norms=self.state_norms)
+        return named
+
+    def load(self, tensors: dict, meta: dict) -> None:
+        window = [tensors[f"window.{i}"] for i in range(len([k for k in tensors if k.startswith("window.")]))]
+        self.window.load(window, meta["window_begin"])
+        if "state_keys" in tensors:
+            self.set_state(tensors["state_keys"], tensors["state_values"], tensors["state_norms"])
+        self.seen, self.merged_blocks = meta["seen"], meta["merged_blocks"]
+
+
+class SlidingWindowLayerCache:
+    """Last `sliding_window` keys/values of one sliding-window layer for one group of rows."""
+
+    is_sliding = True
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.window = TokenBuffer()
+        self.seen = 0
+        self.merged_blocks = 0
+        self.journal: dict | None = None
+
+    @property
+    def state_len(self) -> int:
+        return -1
+
+    def __repr__(self) -> str:
+        return f"SlidingWindowLayerCache(seen={self.seen}, window_tokens={len(self.window)})"
+
+    def nbytes(self) -> int:
+        return self.window.nbytes()
+
+    def take_rows(self, index) -> "SlidingWindowLayerCache":
+        taken = SlidingWindowLayerCache()
+        taken.window, taken.seen = self.window.take_rows(index), self.seen
+        return taken
+
+    def snapshot(self) -> tuple:
+        return (self.seen, self.window.snapshot())
+
+    def restore(self, snapshot: tuple) -> None:
+        self.seen, window = snapshot
+        self.window.restore(window)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"window.{i}": t for i, t in enumerate(self.window.live())}
+
+    def load(self, tensors: dict, meta: dict) -> None:
+        self.window.load([tensors[f"window.{i}"] for i in range(len(tensors))], meta["window_begin"])
+        self.seen = meta["seen"]
+
+
+def new_layer_cache(config: KVMConfig, layer_idx: int):
+    return SlidingWindowLayerCache() if config.is_sliding_window_layer(layer_idx) else KVMLayerCache()
+
+
+class RowGroup:
+    """Rows (batch indices, ascending) that have read the same number of real tokens, and their layer caches."""
+
+    def __init__(self, rows: list[int], layers: list) -> None:
+        self.rows = rows
+        self.layers = layers
+
+    @property
+    def seen(self) -> int:
+        return self.layers[0].seen
+
+    def take(self, local: list[int], rows: list[int]) -> "RowGroup":
+        """A group of this group's rows at positions `local`, renumbered `rows`."""
+        if local == list(range(len(self.rows))):
+            return RowGroup(rows, self.layers)
+        index = torch.tensor(local, device=self.device) if self.device is not None else torch.tensor(local)
+        return RowGroup(rows, [layer.take_rows(index) for layer in self.layers])
+
+    @property
+    def device(self):
+        for layer in self.layers:
+            if layer.window.storage is not None:
+                return layer.window.storage[0].device
+        return None
+
+
+def row_index(rows: list[int], batch: int, device) -> slice | torch.Tensor:
+    """Index of `rows` in a batch: a slice when they are consecutive (views, no copies)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows)) if len(rows) < batch else slice(None)
+    return torch.tensor(rows, device=device)
+
+
+class Segment:
+    """The tokens of one row group in one forward: which rows, which columns (None: all), how many."""
+
+    def __init__(self, group: RowGroup, batch: int, count: int, columns: torch.Tensor | None, device) -> None:
+        self.group = group
+        self.count = count
+        self.rows = row_index(group.rows, batch, device)
+        self.columns = columns  # [G, count] real columns of each row, ascending
+        if columns is not None and not isinstance(self.rows, torch.Tensor):
+            self.rows = torch.arange(batch, device=device)[self.rows]
+
+    @property
+    def whole_batch(self) -> bool:
+        return self.columns is None and self.rows == slice(None)
+
+    def take(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """This segment's tokens of a [B, H, T, D] tensor, as [G, H, count, D]."""
+        if t is None:
+            return None
+        if self.columns is None:
+            return t[self.rows]
+        return t.transpose(1, 2)[self.rows[:, None], self.columns].transpose(1, 2)
+
+    def put(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        """Write [G, H, count, D] results into their places of `out` [B, H, T, D]."""
+        if self.columns is None:
+            out[self.rows] = y
+        else:
+            out.transpose(1, 2)[self.rows[:, None], self.columns] = y.transpose(1, 2)
+
+
+class StepPlan:
+    """One forward's view of its tokens: row groups, per-row positions, where each token's
+    token-shift predecessor is. Built once per forward, shared by the layers.
+
+    `previous_index` / `last_index` index the sequence [carry, x_0, ..., x_{T-1}] (0 = the carry);
+    both are None in the common case of one group with every token real (plain shifts).
+    """
+
+    def __init__(self, batch: int, length: int, valid: torch.Tensor | None, groups: list[RowGroup], device) -> None:
+        self.batch, self.length, self.valid = batch, length, valid
+        counts = None if valid is None else valid.sum(dim=1).tolist()
+        self.groups, self.segments = [], []
+        for group in groups:
+            by_count: dict[int, list[int]] = {}
+            for local, row in enumerate(group.rows):
+                by_count.setdefault(length if counts is None else counts[row], []).append(local)
+            for count, local in by_count.items():
+                sub = group.take(local, [group.rows[i] for i in local])
+                self.groups.append(sub)
+                if count:
+                    columns = None
+                    if count < length:
+                        real = valid[torch.tensor(sub.rows, device=device)]
+                        columns = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices[:, :count]
+                    self.segments.append(Segment(sub, batch, count, columns, device))
+        self.groups.sort(key=lambda g: g.rows[0])
+        self.uniform = len(self.groups) == 1 and valid is None
+        if self.uniform:
+            seen = self.groups[0].seen
+            self.positions = torch.arange(seen, seen + length, device=device)
+            self.previous_index = self.last_index = None
+            self.has_prior = seen > 0
+            return
+        row_seen = torch.zeros(batch, dtype=torch.long)
+        for group in self.groups:
+            row_seen[group.rows] = group.seen
+        row_seen = row_seen.to(device)
+        real = valid if valid is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
+        before = real.long().cumsum(dim=1) - real.long()
+        self.positions = row_seen[:, None] + before
+        steps = torch.arange(1, length + 1, device=device)
+        last_real = torch.where(real, steps, 0).cummax(dim=1).values  # 1 + last real index at or before t
+        self.previous_index = torch.cat([last_real.new_zeros(batch, 1), last_real[:, :-1]], dim=1)
+        self.last_index = last_real[:, -1:]
+        self.has_prior = row_seen > 0
+        # 'first' mode: a row's very first token is its own predecessor
+        self.first_previous_index = torch.where((self.previous_index == 0) & ~self.has_prior[:, None],
+                                                steps, self.previous_index)
+
+    def shift(self, x: torch.Tensor, mix: torch.Tensor, carries, name: str, first: str) -> torch.Tensor:
+        """Token shift x + mix * (x[t-1] - x[t]) over each row's real tokens, updating the carry of `name`."""
+        carry = carries.get(name) if carries is not None else None
+        if self.previous_index is None:
+            if carry is None or not self.has_prior:
+                previous = x[:, :1] if first == "first" else torch.zeros_like(x[:, :1])
+            else:
+                previous = carry.to(x.dtype)
+            if carries is not None:
+                carries.set(name, x[:, -1:])
+                carries.record(name, x)
+            return x + mix * (torch.cat([previous, x[:, :-1]], dim=1) - x)
+        if carry is None:
+            carry = x.new_zeros(x.shape[0], 1, x.shape[-1])
+        source = torch.cat([carry.to(x.dtype), x], dim=1)
+        index = self.first_previous_index if first == "first" else self.previous_index
+        previous = source.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+        if carries is not None:
+            carries.set(name, source.gather(1, self.last_index[..., None].expand(-1, -1, x.shape[-1])))
+            carries.record(name, x)
+        return x + mix * (previous - x)
+
+
+class ForwardRecord:
+    """What one recorded forward replaced (layer snapshots, carries, columns) and did (journals)."""
+
+    def __init__(self, cache: "KVMCache", length: int) -> None:
+        self.columns = cache.columns
+        self.length = length
+        self.groups = [(group.rows, [layer.snapshot() for layer in group.layers]) for group in cache.groups]
+        self.carries = [dict(c.values) for c in cache.carries]
+        self.valid: torch.Tensor | None = None  # the forward's real tokens (None: all)
+        self.journals: list | None = None  # per layer (layer journal, carries journal), single-group forwards only
+
+
+class KVMCache(Cache):
+    """Cache of a KVM model; created by the model (`generate` or a forward with use_cache).
+
+    `get_seq_length()` counts columns (padding included), as generate() slices its inputs by it;
+    each row's own token count is in `row_lengths()`.
+    """
+
+    def __init__(self, config: KVMConfig, max_rollback: int = 256, **kwargs) -> None:
+        super().__init__(layers=[])
+        self.config = config
+        self.fingerprint = config_fingerprint(config)
+        self.max_rollback = max_rollback
+        self.groups: list[RowGroup] = []
+        self.carries = [ShiftCarries() for _ in range(config.num_hidden_layers)]
+        self.columns = 0
+        self.rows = 0
+        self.recording = False
+        self.history: deque[ForwardRecord] = deque()
+
+    # ---- what the model uses ----------------------------------------------------------------
+    def check_compatible(self, config: KVMConfig) -> None:
+        """Refuse a cache made for a model with another architecture."""
+        if config is self.config:
+            return
+        differences = fingerprint_mismatch(config_fingerprint(config), self.fingerprint)
+        if differences:
+            raise ValueError("this KVMCache was made for another KVM config: " + "; ".join(differences))
+
+    def plan(self, batch: int, length: int, valid: torch.Tensor | None, device) -> StepPlan:
+        """Start rows on the first forward, check the batch size after; split groups by this forward's
+        per-row token counts; record what the forward will replace while recording."""
+        if not self.groups:
+            self.rows = batch
+            self.groups = [RowGroup(list(range(batch)), [new_layer_cache(self.config, i)
+                                                         for i in range(self.config.num_hidden_layers)])]
+        elif batch != self.rows:
+            raise ValueError(f"the cache holds {self.rows} rows but the inputs have {batch}; "
+                             "use reorder_cache/batch_select_indices/batch_repeat_interleave to change it")
+        if self.recording:
+            self._record(length, valid, single=len(self.groups) == 1)
+        plan = StepPlan(batch, length, valid, self.groups, device)
+        self.groups = plan.groups
+        return plan
+
+    def finish(self, plan: StepPlan) -> None:
+        self.columns += plan.length
+        record = self.history[-1] if self.recording and self.history else None
+        if record is not None and record.journals is not None and len(self.groups) == 1:
+            layers = self.groups[0].layers
+            record.journals = [(layer.journal, carries.journal) for layer, carries in zip(layers, self.carries)]
+        elif record is not None:
+            record.journals = None  # rows read different numbers of tokens: only the whole forward can be undone
+        for group in self.groups:
+            for layer in group.layers:
+                layer.journal = None
+        for carries in self.carries:
+            carries.journal = None
+
+    def layer_caches(self, layer_idx: int, plan: StepPlan) -> list:
+        return [segment.group.layers[layer_idx] for segment in plan.segments]
+
+    # ---- what generate() asks ---------------------------------------------------------------
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        """Crop rolls back only what was recorded (activate_past_recording)."""
+        return self.recording
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.columns > 0
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [self.config.is_sliding_window_layer(i) for i in range(self.config.num_hidden_layers)]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.config.num_hidden_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.config.num_hidden_layers
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows if self.groups else -1
+
+    def __len__(self) -> int:
+        return self.config.num_hidden_layers
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns read so far (padding included)."""
+        return self.columns
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def row_lengths(self) -> list[int]:
+        """Real tokens each row has read."""
+        lengths = [0] * self.rows
+        for group in self.groups:
+            for row in group.rows:
+                lengths[row] = group.seen
+        return lengths
+
+    def row_state_lengths(self) -> list[list[int]]:
+        """State slots per row and layer (-1 for sliding-window layers)."""
+        lengths = [[]] * self.rows
+        for group in self.groups:
+            for row in group.rows:
+                lengths[row] = [layer.state_len for layer in group.layers]
+        return lengths
+
+    def state_lengths(self) -> list[int]:
+        """State slots per layer, the largest over rows (-1 for sliding-window layers)."""
+        per_row = self.row_state_lengths()
+        if not per_row:
+            return [-1 if s else 0 for s in self.is_sliding]
+        return [max(column) for column in zip(*per_row)]
+
+    def layer_lengths(self) -> list[int]:
+        """Entries per layer for monitors: state slots (KVM layers) or window tokens (sliding-window layers)."""
+        lengths = []
+        for i, sliding in enumerate(self.is_sliding):
+            sizes = [len(g.layers[i].window) if sliding else g.layers[i].state_len for g in self.groups]
+            lengths.append(max(sizes, default=0))
+        return lengths
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors the cache holds (live data, not spare buffer capacity or rollback records)."""
+        layers = sum(layer.nbytes() for group in self.groups for layer in group.layers)
+        return layers + sum(c.nbytes() for c in self.carries)
+
+    def reset(self) -> None:
+        self.__init__(self.config, self.max_rollback)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """New row i is old row beam_idx[i] (beam search)."""
+        self._select_rows(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_rows([row for row in range(self.rows) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(torch.arange(self.rows)[indices.cpu() if isinstance(indices, torch.Tensor) else indices]
+                          .reshape(-1).tolist())
+
+    def _select_rows(self, source: list[int]) -> None:
+        """Rebuild the batch so that new row i holds old row source[i] (rollback records are dropped)."""
+        if not self.groups:
+            return
+        location = {row: (g, local) for g, group in enumerate(self.groups) for local, row in enumerate(group.rows)}
+        picked: dict[int, tuple[list[int], list[int]]] = {}
+        for new_row, old_row in enumerate(source):
+            g, local = location[old_row]
+            picked.setdefault(g, ([], []))[0].append(local)
+            picked[g][1].append(new_row)
+        self.groups = sorted((self.groups[g].take(local, rows) for g, (local, rows) in picked.items()),
+                             key=lambda group: group.rows[0])
+        for carries in self.carries:
+            carries.map_batch(lambda t: t.index_select(0, torch.tensor(source, device=t.device)))
+        self.rows = len(source)
+        self.history.clear()
+
+    # ---- rollback -----------------------------------------------------------------------------
+    def activate_past_recording(self) -> None:
+        """Keep, for the forwards of the last `max_rollback` columns, what each replaced, so `crop` can undo them."""
+        self.recording = True
+
+    def _record(self, length: int, valid: torch.Tensor | None, single: bool) -> None:
+        if length > self.max_rollback:
+            self.history.clear()  # never cropped that far back: keep no copy of a long prompt
+            return
+        record = ForwardRecord(self, length)
+        record.valid = valid
+        if single:
+            record.journals = []
+            for layer in self.groups[0].layers:
+                layer.journal = {"inputs": None, "events": []}
+            for carries in self.carries:
+                carries.journal = {}
+        self.history.append(record)
+        while sum(r.length for r in self.history) - self.history[0].length >= self.max_rollback:
+            self.history.popleft()
+
+    def crop(self, max_length: int) -> None:
+        """Roll back to `max_length` columns (absolute, > 0) or remove `-max_length` columns (<= 0; 0 removes
+        nothing). Exact: state, window, carries and lengths return to what they were after those columns.
+        Needs recording (activate_past_recording) since before the removed columns were read."""
+        max_length = int(max_length)  # generate may pass a 0-d tensor
+        target = self.columns + max_length if max_length <= 0 else min(max_length, self.columns)
+        if target >= self.columns:
+            return
+        history = self.history
+        if not history or history[-1].columns + history[-1].length != self.columns or history[0].columns > target:
+            reason = ("recording is not active (call activate_past_recording before reading them)" if not self.recording
+                      else "they are not recorded (only the last max_rollback columns are)")
+            raise ValueError(f"KVMCache cannot remove {self.columns - target} columns: {reason}")
+        while history[-1].columns > target:
+            history.pop()
+        record = history.pop()
+        keep = target - record.columns
+        if keep and (record.journals is None or (record.valid is not None
+                                                 and record.valid[:, :keep].sum(dim=1).unique().numel() > 1)):
+            raise ValueError(f"KVMCache cannot remove {self.columns - target} columns: rows read different numbers "
+                             "of real tokens in the forward that read them; only that whole forward can be removed")
+        self._restore(record)
+        if keep:
+            self._replay(record, keep)
+            record.length = keep  # its journal replays any shorter prefix too
+            history.append(record)
+        self.columns = target
+
+    def _restore(self, record: ForwardRecord) -> None:
+        self.groups = []
+        for rows, snapshots in record.groups:
+            layers = [new_layer_cache(self.config, i) for i in range(len(snapshots))]
+            for layer, snapshot in zip(layers, snapshots):
+                layer.restore(snapshot)
+            self.groups.append(RowGroup(rows, layers))
+        for carries, values in zip(self.carries, record.carries):
+            carries.values = dict(values)
+        self.columns = record.columns
+
+    def _replay(self, record: ForwardRecord, keep: int) -> None:
+        """Redo the first `keep` columns of a recorded single-group forward from its journal (no model needed)."""
+        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
+        if record.valid is None:
+            real, last_column = keep, None
+        else:
+            kept = record.valid[:, :keep]
+            real = int(kept[0].sum())
+            steps = torch.arange(1, keep + 1, device=kept.device)
+            last_column = torch.where(kept, steps, 0).amax(dim=1)  # 1 + last real kept column, 0: none
+        for layer, carries, (journal, carry_journal) in zip(self.groups[0].layers, self.carries, record.journals):
+            for name, sequence in carry_journal.items():
+                if last_column is None:
+                    carries.values[name] = sequence[:, keep - 1 : keep]
+                else:
+                    old = carries.values.get(name, sequence.new_zeros(sequence.shape[0], 1, sequence.shape[-1]))
+                    source = torch.cat([old.to(sequence.dtype), sequence], dim=1)
+                    index = last_column.to(sequence.device)[:, None, None].expand(-1, 1, sequence.shape[-1])
+                    carries.values[name] = source.gather(1, index)
+            if real == 0:
+                continue
+            start = layer.seen
+            stop = start + real
+            inputs = journal["inputs"]
+            layer.window.append([t[:, :, :real] if t is not None else None for t in inputs])
+            if layer.is_sliding:
+                layer.window.drop_before(stop - self.config.sliding_window_size)
+            else:
+                last_chunk = (stop - 1) // chunk
+                layer.window.drop_before(max(0, last_chunk + 1 - window_chunks) * chunk)
+                for position, kind, before_len, end, state, merged in journal["events"]:
+                    if position >= stop:
+                        break
+                    if kind == "initial" and stop < end:
+                        state = tuple(t[:, :, : before_len + stop - position] for t in state)
+                    layer.set_state(*state)
+                    layer.merged_blocks = merged
+            layer.seen = stop
+
+    def update(self, *args, **kwargs):
+        raise NotImplementedError("KVMCache is updated by the KVM layers themselves, not through Cache.update().")
+
+    def get_mask_sizes(self, *args, **kwargs):
+        raise NotImplementedError("KVMCache builds its own attention masks.")
+
+    def offload(self, *args, **kwargs) -> None:
+        raise NotImplementedError("KVMCache does not support offloading.")
+
+    def prefetch(self, *args, **kwargs) -> None:
+        raise NotImplementedError("KVMCache does not support offloading.")
+
+    # ---- saved caches ("prompt caching") ------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the cache to folder `path`: tensors as safetensors plus a JSON with the config fingerprint."""
+        from safetensors.torch import save_file
+
+        if not self.groups or self.columns == 0:
+            raise ValueError("the cache is empty: read some tokens before saving it")
+        tensors, groups = {}, []
+        for g, group in enumerate(self.groups):
+            layers = []
+            for i, layer in enumerate(group.layers):
+                tensors.update({f"groups.{g}.layers.{i}.{name}": t for name, t in layer.tensors().items()})
+                layers.append({"seen": layer.seen, "merged_blocks": layer.merged_blocks,
+                               "window_begin": layer.window.begin})
+            groups.append({"rows": group.rows, "layers": layers})
+        for i, carries in enumerate(self.carries):
+            tensors.update({f"carries.{i}.{name}": t for name, t in carries.values.items()})
+        dtype = next(iter(tensors.values())).dtype
+        meta = {"format": CACHE_FORMAT, "version": CACHE_FORMAT_VERSION, "columns": self.columns,
+                "batch_size": self.rows, "dtype": str(dtype).removeprefix("torch."), "groups": groups,
+                "config": self.fingerprint}
+        os.makedirs(path, exist_ok=True)
+        tensor_path, meta_path = os.path.join(path, TENSORS_FILE), os.path.join(path, META_FILE)
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tensor_path + ".tmp")
+        with open(meta_path + ".tmp", "w") as handle:
+            json.dump(meta, handle, indent=2)
+        os.replace(tensor_path + ".tmp", tensor_path)
+        os.replace(meta_path + ".tmp", meta_path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model) -> "KVMCache":
+        """Read a cache written by `save` for `model` (onto its device); refuses one made for another config."""
+        from safetensors.torch import load_file
+
+        meta_path, tensor_path = os.path.join(path, META_FILE), os.path.join(path, TENSORS_FILE)
+        if not (os.path.isfile(meta_path) and os.path.isfile(tensor_path)):
+            raise ValueError(f"{path} is not a saved KVMCache (needs {META_FILE} and {TENSORS_FILE})")
+        with open(meta_path) as handle:
+            meta = json.load(handle)
+        if meta.get("format") != CACHE_FORMAT or meta.get("version") != CACHE_FORMAT_VERSION:
+            raise ValueError(f"{meta_path} is not a {CACHE_FORMAT} version {CACHE_FORMAT_VERSION} file")
+        config = model.config
+        differences = fingerprint_mismatch(config_fingerprint(config), meta.get("config", {}))
+        if differences:
+            raise ValueError(f"the cache in {path} was made for another KVM config: " + "; ".join(differences))
+        tensors = load_file(tensor_path, device=str(model.device))
+        cache = cls(config)
+        cache.columns, cache.rows = meta["columns"], meta["batch_size"]
+        for g, group_meta in enumerate(meta["groups"]):
+            layers = []
+            for i, layer_meta in enumerate(group_meta["layers"]):
+                prefix = f"groups.{g}.layers.{i}."
+                layer = new_layer_cache(config, i)
+                layer.load({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, layer_meta)
+                layers.append(layer)
+            cache.groups.append(RowGroup(group_meta["rows"], layers))
+        for i, carries in enumerate(cache.carries):
+            prefix = f"carries.{i}."
+            carries.values = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        return cache
+
+    def __repr__(self) -> str:
+        return (f"KVMCache(columns={self.columns}, rows={self.rows}, groups={len(self.groups)}, "
+                f"nbytes={self.nbytes()})")

@@ -1,0 +1,794 @@
+"""KVM (Key-Value Means) language model for transformers.
+
+Each KVM layer attends, in one softmax, to a block sliding window (the last
+`window_chunks` chunk-aligned blocks, causal inside) and to a compressed state of
+key/value slots. A block leaving the window updates the state: its most novel tokens are
+appended while the state is below its budget, the rest are merged winner-take-all into
+their most similar slot. Optional layers in between are plain sliding-window attention.
+The full forward and cached decoding run the same chunk loop, so they agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .cache_kvm import KVMCache, KVMLayerCache, RowGroup, SlidingWindowLayerCache, StepPlan, new_layer_cache
+from .configuration_kvm import KVMConfig, state_dtype_for
+
+# transformers 5.24 renamed the output/cache keyword `past_key_values` to `cache`.
+CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
+# ---- small math helpers --------------------------------------------------------------------
+def rotary_tables(
+    positions: torch.Tensor, rotary_dim: int, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """float32 cos/sin [..., T, head_dim] for adjacent-pair rotary on the first `rotary_dim` channels.
+
+    Frequencies run from 1 to 1/theta over the pairs (endpoints included) as in the research
+    code; the sign of the paired term is folded into `sin`. None when nothing rotates.
+    """
+    if rotary_dim == 0:
+        return None
+    freqs = (1.0 / theta) ** torch.linspace(0.0, 1.0, rotary_dim // 2, dtype=torch.float32, device=positions.device)
+    freqs = torch.cat([freqs.repeat_interleave(2), freqs.new_zeros(head_dim - rotary_dim)])
+    angles = positions.float().unsqueeze(-1) * freqs
+    sin = angles.sin()
+    sin[..., 1::2] *= -1
+    return angles.cos(), sin
+
+
+def apply_rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Rotate adjacent channel pairs of x [B, H, T, D]; tables are [T, D] or [B, T, D]."""
+    if tables is None:
+        return x
+    cos, sin = (t.to(x.dtype) for t in tables)
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return cos * x + sin * swapped
+
+
+def lower_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (the last q_len of kv_len positions) sees keys up to its own position."""
+    q_idx = torch.arange(q_len, device=device).unsqueeze(1)
+    kv_idx = torch.arange(kv_len, device=device).unsqueeze(0)
+    return kv_idx <= q_idx + (kv_len - q_len)
+
+
+def value_residual_rank(hidden_size: int) -> int:
+    return max(32, int(round(1.3 * hidden_size**0.5 / 32) * 32))
+
+
+def run_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch.Tensor:
+    """Run `attend(cache, q, k, v, *extra)` per row group on its real tokens; padding columns get zeros."""
+    if len(plan.segments) == 1 and plan.segments[0].whole_batch:
+        return attend(caches[0], q, k, v, *extra)
+    out = v.new_zeros(q.shape[:3] + v.shape[-1:])
+    for segment, cache in zip(plan.segments, caches):
+        segment.put(out, attend(cache, *(segment.take(t) for t in (q, k, v, *extra))))
+    return out
+
+
+# ---- attention -----------------------------------------------------------------------------
+class KVMAttentionBase(nn.Module):
+    """q/k/v projections with per-head layer norm, optional token shift and value residual."""
+
+    def __init__(self, config: KVMConfig, layer_idx: int, token_shift_on: bool, value_residual_mode: str):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.qk_head_dim
+        self.value_head_dim = config.v_head_dim
+        qk, vv = self.num_heads * self.head_dim, self.num_heads * self.value_head_dim
+        self.q_proj = nn.Linear(config.hidden_size, qk, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, qk, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, vv, bias=False)
+        self.o_proj = nn.Linear(vv, config.hidden_size, bias=False)
+        self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
+        self.token_shift_on = token_shift_on
+        self.value_residual_mode = value_residual_mode if config.value_residual else "none"
+        if token_shift_on:
+            self.q_shift = nn.Parameter(torch.zeros(qk))
+            self.k_shift = nn.Parameter(torch.zeros(qk))
+        if token_shift_on or self.value_residual_mode in ("rwkv", "rwkv_post_tokenshift"):
+            # also the token-shift mix of the value-gate input in 'rwkv_post_tokenshift'
+            self.v_shift = nn.Parameter(torch.zeros(vv))
+        if self.value_residual_mode == "linear":
+            self.value_residual_lambda = nn.Parameter(torch.tensor(0.5))
+        elif self.value_residual_mode != "none":
+            rank = value_residual_rank(config.hidden_size)
+            self.value_gate_bias = nn.Parameter(torch.zeros(1, 1, vv))
+            self.value_gate_down = nn.Linear(config.hidden_size, rank, bias=False)
+            self.value_gate_up = nn.Linear(rank, vv, bias=False)
+
+    def value_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.value_gate_bias + self.value_gate_up(self.value_gate_down(x)))
+
+    def project(self, x: torch.Tensor, v_first: torch.Tensor | None, plan: StepPlan, carries) -> tuple[torch.Tensor, ...]:
+        """Return q, k [B, H, T, Dqk] (normed, not rotated) and v [B, H, T, Dv]; shifts follow each row's real tokens."""
+        batch, length, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.value_residual_mode == "linear":
+            v = (1 - self.value_residual_lambda) * v + self.value_residual_lambda * v_first.view_as(v)
+        elif self.value_residual_mode == "rwkv":
+            v = v + (v_first.to(v.dtype) - v) * self.value_gate(x).to(v.dtype)
+        if self.token_shift_on:
+            q = plan.shift(q, self.q_shift, carries, "q", "first")
+            k = plan.shift(k, self.k_shift, carries, "k", "first")
+            v = plan.shift(v, self.v_shift, carries, "v", "first")
+        if self.value_residual_mode == "rwkv_post_tokenshift":
+            shifted = plan.shift(x, self.v_shift, carries, "x", "first")
+            v = v + (v_first.to(v.dtype) - v) * self.value_gate(shifted).to(v.dtype)
+        q = self.q_norm(q.view(batch, length, self.num_heads, -1)).transpose(1, 2)
+        k = self.k_norm(k.view(batch, length, self.num_heads, -1)).transpose(1, 2)
+        v = v.view(batch, length, self.num_heads, -1).transpose(1, 2)
+        return q, k, v
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(y.transpose(1, 2).flatten(2))
+
+
+class KVMSlidingWindowAttention(KVMAttentionBase):
+    """Plain causal attention over the last `sliding_window` tokens (research 'swa' mixer)."""
+
+    def __init__(self, config: KVMConfig, layer_idx: int):
+        super().__init__(config, layer_idx, config.sliding_window_token_shift, config.sliding_window_value_residual_mode)
+        self.window = config.sliding_window_size
+
+    def forward(self, x, v_first, rotary, plan: StepPlan, state) -> torch.Tensor:
+        carries, caches = state if state is not None else (None, [SlidingWindowLayerCache() for _ in plan.segments])
+        q, k, v = self.project(x, v_first, plan, carries)
+        q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        return self.output(run_segments(plan, caches, self.attend, q, k, v))
+
+    def attend(self, cache: SlidingWindowLayerCache, q, k, v) -> torch.Tensor:
+        """Causal attention of new tokens over the group's last `window` tokens and themselves."""
+        if cache.journal is not None:
+            cache.journal["inputs"] = (k, v)
+        start, length = cache.seen, q.shape[2]
+        if start == 0:
+            cache.window.start_at(0)
+        cache.window.append((k, v))
+        first_key = max(0, start - self.window + 1)
+        keys, values = cache.window.view(first_key, start + length)
+        q_pos = torch.arange(start, start + length, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(first_key, start + length, device=q.device).unsqueeze(0)
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        cache.window.drop_before(start + length - self.window)
+        cache.seen = start + length
+        return y
+
+
+class KVMStateKeyNorm(nn.LayerNorm):
+    """LayerNorm of state keys, which may be kept in float32 under a float16 model."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
+class KVMAttention(KVMAttentionBase):
+    """Joint softmax over the block sliding window and the key-value-means state."""
+
+    def __init__(self, config: KVMConfig, layer_idx: int):
+        super().__init__(config, layer_idx, config.kvm_token_shift, config.kvm_value_residual_mode)
+        self.state_key_norm = KVMStateKeyNorm(self.head_dim, eps=config.layer_norm_eps)
+        self.gated = config.merge_gate_keys or config.merge_gate_values
+        if self.gated:
+            self.merge_gate_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        if config.head_temperatures:
+            self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
+            self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
+
+    # -- state helpers --
+    def normalize_state_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.state_key_norm(keys)
+
+    def state_keys_from(self, k: torch.Tensor, state_dtype: torch.dtype) -> torch.Tensor:
+        """Keys as they enter the state: rotary channels zeroed, then layer-normed."""
+        rotary = self.config.rotary_dim
+        k = torch.cat([torch.zeros_like(k[..., :rotary]), k[..., rotary:]], dim=-1).to(state_dtype)
+        return self.normalize_state_keys(k)
+
+    def slot_norms(self, values: torch.Tensor) -> torch.Tensor:
+        """float32 value norm of a new slot (or a count of 1 when value norms are off)."""
+        if self.config.state_value_norms:
+            return torch.linalg.vector_norm(values.float(), dim=-1, keepdim=True)
+        return values.new_ones(values.shape[:-1] + (1,), dtype=torch.float32)
+
+    def temperature(self, name: str) -> torch.Tensor | float:
+        if not self.config.head_temperatures:
+            return 1.0
+        return getattr(self, name).view(1, self.num_heads, 1, 1)
+
+    def read_state(self, cache: KVMLayerCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """State keys/values as attention reads them; recomputed only when the state changed."""
+        if cache.read_cache is None:
+            normed = self.normalize_state_keys(cache.state_keys)
+            cache.normed_keys = (cache.state_keys, normed)  # the next fold compares against the same keys
+            cache.read_cache = self.readable_state(cache.state(), slice(None), dtype, normed)
+        return cache.read_cache
+
+    def readable_state(self, state: tuple, heads: slice, dtype: torch.dtype,
+                       normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer-normed, temperature-scaled keys and renormalised values of a state (heads `heads`)."""
+        state_keys, state_values, state_norms = state
+        temperature = self.temperature("state_temperature")
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature[:, heads]
+        keys = (self.normalize_state_keys(state_keys) if normed is None else normed) * temperature
+        if self.config.state_value_norms:
+            values = F.normalize(state_values.float(), dim=-1) * state_norms
+        else:
+            values = state_values / state_norms
+        return keys.to(dtype), values.to(dtype)
+
+    def add_initial_tokens(self, cache: KVMLayerCache, k, v, gate, state_dtype) -> None:
+        """Tokens of the first chunk enter the state directly, one slot each."""
+        keys, values = self.state_keys_from(k, state_dtype), v.to(state_dtype)
+        if self.config.merge_gate_initial_state and gate is not None:
+            keys, values = keys * gate.to(state_dtype), values * gate.to(state_dtype)
+        norms = self.slot_norms(v)
+        if cache.state_keys is not None:
+            keys = torch.cat([cache.state_keys, keys], dim=2)
+            values = torch.cat([cache.state_values, values], dim=2)
+            norms = torch.cat([cache.state_norms, norms], dim=2)
+        cache.set_state(keys, values, norms)
+
+    def fold_block(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> None:
+        """Fold window block `block` (>= 1) into the state, using the share computed ahead if there is one."""
+        pending = cache.pending_fold
+        cache.pending_fold = None
+        if pending is not None and pending.block == block and pending.source is cache.state_keys:
+            while not pending.done:
+                next(pending.work, None)
+            cache.set_state(*pending.state)
+            cache.read_cache = tuple(pending.read)
+            return
+        cache.set_state(*self.folded_state(cache, block, slice(None), state_dtype))
+
+    def folded_state(self, cache: KVMLayerCache, block: int, heads: slice, state_dtype: torch.dtype) -> tuple:
+        """The state (keys, values, norms) of heads `heads` after folding window block `block` (>= 1)."""
+        stages = self.fold_stages(cache, block, heads, state_dtype)
+        while True:
+            try:
+                next(stages)
+            except StopIteration as finished:
+                return finished.value
+
+    def fold_stages(self, cache: KVMLayerCache, block: int, heads: slice, state_dtype: torch.dtype):
+        """Generator computing `folded_state` in stages (it pauses after the novelty ranking and after the
+        merge similarities; its return value is the state): the most novel tokens are appended while the
+        state is below its budget, the rest merged winner-take-all into their most similar slot (sink
+        slots protected). Heads are independent."""
+        config, chunk = self.config, self.config.chunk_size
+        begin = block * chunk
+        tensors = [t[:, heads] for t in cache.window.view(begin, begin + chunk)]
+        state_keys, state_values, state_norms = (t[:, heads] for t in cache.state())
+        k_block, v_block = tensors[0], tensors[1].to(state_dtype)
+        gate = tensors[2].to(state_dtype) if self.gated else None
+        keys = self.state_keys_from(k_block, state_dtype)
+        keys_gated = keys * gate if config.merge_gate_keys else keys
+        values_gated = v_block * gate if config.merge_gate_values else v_block
+        keys_append, values_append = (keys_gated, values_gated) if config.merge_gate_appends else (keys, v_block)
+
+        current = state_keys.shape[2]
+        context_len = (block + config.window_chunks) * chunk
+        desired = max(min(config.state_budget(context_len), (block + 1) * chunk), current)
+        n_append = min(desired - current, chunk)
+        keys_merge, values_merge = keys_gated, values_gated
+        normed = cache.normed_keys
+        if normed is not None and normed[0] is cache.state_keys:  # already normed to be read
+            reference = normed[1][:, heads]
+        else:
+            reference = self.normalize_state_keys(state_keys)
+        if n_append > 0:
+            if n_append == chunk:
+                order = torch.arange(chunk, device=keys.device).expand(keys.shape[:2] + (chunk,))
+            else:
+                with torch.no_grad():
+                    novelty = torch.matmul(keys, reference.transpose(-1, -2)).float().amax(dim=-1)
+                    order = torch.argsort(novelty, dim=-1)
+                yield
+            append_idx = order[..., :n_append].sort(dim=-1).values
+            merge_idx = order[..., n_append:].sort(dim=-1).values
+            new_keys, new_values = gather_tokens(keys_append, append_idx), gather_tokens(values_append, append_idx)
+            state_keys = torch.cat([state_keys, new_keys], dim=2)
+            state_values = torch.cat([state_values, new_values], dim=2)
+            state_norms = torch.cat([state_norms, self.slot_norms(new_values)], dim=2)
+            reference = torch.cat([reference, self.normalize_state_keys(new_keys)], dim=2)
+            keys_merge, values_merge = gather_tokens(keys_gated, merge_idx), gather_tokens(values_gated, merge_idx)
+        if keys_merge.shape[2] == 0:
+            return state_keys, state_values, state_norms
+        protected = min(config.sink_slots, state_keys.shape[2])
+        similarity = torch.matmul(keys_merge, reference.transpose(-1, -2))
+        similarity[..., :protected] = float("-inf")
+        winner = similarity.argmax(dim=-1, keepdim=True)  # [B, H, M, 1]
+        yield
+        state_keys = state_keys.scatter_add(2, winner.expand_as(keys_merge), keys_merge)
+        state_values = state_values.scatter_add(2, winner.expand_as(values_merge), values_merge)
+        if not config.state_value_norms:
+            # The research code sums its one-hot merge matrix over slots, so each merged block adds
+            # one to every slot's count (the published no-vlens ablation was trained that way).
+            state_norms = state_norms + 1
+        return state_keys, state_values, state_norms
+
+    def fold_ahead(self, cache: KVMLayerCache, pending: PendingFold, state_dtype: torch.dtype):
+        """Generator doing a fold ahead of its boundary a slice at a time (a stage of one head per `next`),
+        written in place into the new state and its read form, so that the boundary step swaps them in."""
+        for head in range(self.num_heads):
+            heads = slice(head, head + 1)
+            state = yield from self.fold_stages(cache, pending.block, heads, state_dtype)
+            if pending.state is None:
+                pending.state = [t.new_empty(t.shape[:1] + (self.num_heads,) + t.shape[2:]) for t in state]
+            for full, part in zip(pending.state, state):
+                full[:, heads] = part
+            yield
+            read = self.readable_state(state, heads, pending.dtype)
+            if pending.read is None:
+                pending.read = [t.new_empty(t.shape[:1] + (self.num_heads,) + t.shape[2:]) for t in read]
+            for full, part in zip(pending.read, read):
+                full[:, heads] = part
+            pending.heads_done += 1
+            if pending.done:
+                return
+            yield
+
+    def prepare_next_fold(self, cache: KVMLayerCache, dtype: torch.dtype, state_dtype: torch.dtype,
+                          whole: bool = False) -> None:
+        """Fold the block that leaves the window at the next chunk boundary ahead of time: one stage of one
+        head per decoding step, or all at the end of a multi-token forward (`whole`, e.g. a prefill). The block is
+        complete and the state final a whole chunk before (window_chunks >= 2), so the boundary step only
+        swaps the result in and costs what any step costs."""
+        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
+        if window_chunks < 2 or cache.seen == 0:
+            return
+        current_chunk = (cache.seen - 1) // chunk
+        block = current_chunk + 1 - window_chunks
+        if block < 1 or cache.merged_blocks != block - 1:
+            return
+        pending = cache.pending_fold
+        if pending is None or pending.block != block or pending.source is not cache.state_keys:
+            pending = cache.pending_fold = PendingFold(block, cache.state_keys, self.num_heads, dtype)
+            pending.work = self.fold_ahead(cache, pending, state_dtype)
+        while not pending.done:
+            next(pending.work, None)
+            if not whole:
+                break
+
+    # -- attention --
+    def attend_window(self, q, keys, values) -> torch.Tensor:
+        """Causal attention inside the front window (no state yet); temperature on the queries."""
+        q = q * self.temperature("window_temperature")
+        if q.shape[2] == keys.shape[2]:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device) if q.shape[2] > 1 else None
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+    def attend_state_and_window(self, q, keys, values, state_keys, state_values) -> torch.Tensor:
+        """One softmax over state slots and window keys, without concatenating keys/values.
+
+        The per-head window temperature scales the queries of the window logits rather than
+        the window keys: the same logits without rewriting the window every step.
+        """
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        state_logits = torch.matmul(q, state_keys.transpose(-1, -2)).float()
+        window_q = q * self.temperature("window_temperature")
+        window_logits = torch.matmul(window_q, keys.transpose(-1, -2)).float()
+        if q.shape[2] > 1:
+            mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device)
+            window_logits = window_logits.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(torch.cat([state_logits, window_logits], dim=-1) * scale, dim=-1).to(values.dtype)
+        slots = state_keys.shape[2]
+        return torch.matmul(probs[..., :slots], state_values) + torch.matmul(probs[..., slots:], values)
+
+    def forward(self, x, v_first, rotary, plan: StepPlan, state) -> torch.Tensor:
+        carries, caches = state if state is not None else (None, [KVMLayerCache() for _ in plan.segments])
+        q, k, v = self.project(x, v_first, plan, carries)
+        q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        gate = None
+        if self.gated:
+            gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
+        y = run_segments(plan, caches, self.run_chunks, q, k, v, gate)
+        if state is not None and not torch.is_grad_enabled():
+            for cache in caches:
+                self.prepare_next_fold(cache, q.dtype, state_dtype_for(q.dtype), whole=x.shape[1] > 1)
+        return self.output(y)
+
+    def run_chunks(self, cache: KVMLayerCache, q, k, v, gate) -> torch.Tensor:
+        """Process one group's new tokens (any count, any cache state) chunk by chunk; returns [G, H, T, Dv]."""
+        if cache.journal is not None:
+            cache.journal["inputs"] = (k, v, gate)
+        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
+        state_dtype = state_dtype_for(q.dtype)
+        start, end = cache.seen, cache.seen + q.shape[2]
+        if start == 0:
+            cache.window.start_at(0)
+        outputs, pos = [], start
+        while pos < end:
+            chunk_idx = pos // chunk
+            if chunk_idx < window_chunks:  # the front: no state, one window from position 0
+                stop, window_begin = min(end, window_chunks * chunk), 0
+            else:
+                stop = min(end, (chunk_idx + 1) * chunk)
+                window_begin = (chunk_idx + 1 - window_chunks) * chunk
+                for block in range(cache.merged_blocks + 1, chunk_idx - window_chunks + 1):
+                    self.fold_block(cache, block, state_dtype)
+                    cache.merged_blocks = block
+                    cache.note_state_change(pos, "fold")
+            lo, hi = pos - start, stop - start
+            new_gate = gate[:, :, lo:hi] if gate is not None else None
+            cache.window.append((k[:, :, lo:hi], v[:, :, lo:hi], new_gate))
+            if pos < chunk:
+                first = min(stop, chunk) - start
+                before_len = cache.state_len
+                self.add_initial_tokens(cache, k[:, :, lo:first], v[:, :, lo:first],
+                                        None if gate is None else gate[:, :, lo:first], state_dtype)
+                cache.note_state_change(pos, "initial", before_len, start + first)
+            window_k, window_v = cache.window.view(window_begin, stop)[:2]
+            if chunk_idx < window_chunks:
+                outputs.append(self.attend_window(q[:, :, lo:hi], window_k, window_v))
+            else:
+                state_k, state_v = self.read_state(cache, q.dtype)
+                outputs.append(self.attend_state_and_window(q[:, :, lo:hi], window_k, window_v, state_k, state_v))
+            cache.window.drop_before(window_begin)
+            pos = stop
+        cache.seen = end
+        return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+
+
+class PendingFold:
+    """A fold computed ahead of its chunk boundary, head by head, from the state object it started on."""
+
+    def __init__(self, block: int, source: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+        self.block, self.source, self.num_heads, self.dtype = block, source, num_heads, dtype
+        self.heads_done = 0
+        self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
+        self.read: list[torch.Tensor] | None = None  # their attention-ready form
+        self.work = None  # the generator that fills them (KVMAttention.fold_ahead)
+
+    @property
+    def done(self) -> bool:
+        return self.heads_done == self.num_heads
+
+
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+
+
+# ---- feed-forward and blocks ---------------------------------------------------------------
+class KVMMLP(nn.Module):
+    """relu^2 feed-forward with optional token shift (zeros before the first token)."""
+
+    def __init__(self, config: KVMConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_size, bias=False)
+        self.down_proj = nn.Linear(config.ffn_size, config.hidden_size, bias=False)
+        self.token_shift_on = config.ffn_token_shift
+        if self.token_shift_on:
+            self.shift = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
+
+    def forward(self, x: torch.Tensor, plan: StepPlan, carries) -> torch.Tensor:
+        if self.token_shift_on:
+            x = plan.shift(x, self.shift, carries, "ffn", "zero")
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class KVMDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block: attention (KVM or sliding-window) then feed-forward, scaled residuals."""
+
+    def __init__(self, config: KVMConfig, layer_idx: int):
+        super().__init__()
+        self.sliding = config.is_sliding_window_layer(layer_idx)
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.self_attn = (KVMSlidingWindowAttention if self.sliding else KVMAttention)(config, layer_idx)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = KVMMLP(config, layer_idx)
+        self.residual_scale = config.residual_scale
+        if config.block_lambdas:
+            self.block_lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
+
+    def forward(self, hidden_states, x0, v_first, rotary, plan: StepPlan, state=None) -> torch.Tensor:
+        """`state`: (carries, per-segment layer caches) from a KVMCache, or None for a fresh per-call
+        state (so that checkpoint recomputation replays identically)."""
+        if hasattr(self, "block_lambdas"):
+            hidden_states = self.block_lambdas[0] * hidden_states + self.block_lambdas[1] * x0
+        attn = self.self_attn(self.input_layernorm(hidden_states), v_first, rotary, plan, state)
+        hidden_states = hidden_states + attn * self.residual_scale
+        carries = state[0] if state is not None else None
+        mlp = self.mlp(self.post_attention_layernorm(hidden_states), plan, carries)
+        return hidden_states + mlp * self.residual_scale
+
+
+# ---- models --------------------------------------------------------------------------------
+class KVMPreTrainedModel(PreTrainedModel):
+    config_class = KVMConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KVMDecoderLayer"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Fresh-model init after the research code's scheme (small embeddings, zeroed outputs)."""
+        config = self.config
+        if isinstance(module, nn.Embedding):
+            init.uniform_(module.weight, a=-1e-4, b=1e-4)
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=module.in_features**-0.5)
+        elif isinstance(module, KVMMLP):
+            init.zeros_(module.down_proj.weight)
+            if module.token_shift_on:
+                depth = 1.0 - module.layer_idx / config.num_hidden_layers
+                ramp = torch.arange(config.hidden_size, dtype=torch.float32) / config.hidden_size
+                init.copy_(module.shift, (1.0 - ramp.pow(depth**4)).view(1, 1, -1).to(module.shift.dtype))
+        elif isinstance(module, KVMDecoderLayer) and hasattr(module, "block_lambdas"):
+            init.copy_(module.block_lambdas, torch.tensor([1.0, 0.0]))
+        if isinstance(module, KVMAttentionBase):
+            init.zeros_(module.o_proj.weight)
+            depth = 1.0 - module.layer_idx / config.num_hidden_layers
+            for name, power in (("q_shift", 0.2), ("k_shift", 0.7), ("v_shift", 0.7)):
+                param = getattr(module, name, None)
+                if param is not None:
+                    ramp = torch.arange(param.numel(), dtype=torch.float32) / param.numel()
+                    value = 1.0 - ramp.pow(power * depth) if module.token_shift_on else torch.zeros_like(ramp)
+                    init.copy_(param, value.to(param.dtype))
+            if hasattr(module, "value_gate_bias"):
+                n = module.value_gate_bias.numel()
+                linear = torch.arange(n, dtype=torch.float32) / (n - 1) - 0.5
+                init.copy_(module.value_gate_bias, (0.73 - 0.4 * linear).view(1, 1, n).to(module.value_gate_bias.dtype))
+                init.zeros_(module.value_gate_down.weight)
+            if hasattr(module, "value_residual_lambda"):
+                init.constant_(module.value_residual_lambda, 0.5)
+        if isinstance(module, KVMAttention) and config.head_temperatures:
+            init.ones_(module.window_temperature)
+            init.ones_(module.state_temperature)
+
+
+class KVMModel(KVMPreTrainedModel):
+    """Embeddings, KVM / sliding-window decoder layers and the final norm."""
+
+    def __init__(self, config: KVMConfig):
+        config.validate_kvm()  # from_pretrained(..., field=value) sets fields after the config's own check
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.layers = nn.ModuleList(KVMDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def value_anchors(self, x0: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Value-residual anchors (KVM layers, sliding layers): the first such layer's plain value of x0."""
+        if not self.config.value_residual:
+            return None, None
+        def anchor(layer: KVMDecoderLayer) -> torch.Tensor:
+            return layer.self_attn.v_proj(layer.input_layernorm(x0))
+        if not self.config.sliding_window_every:
+            return anchor(self.layers[0]), None
+        sliding_anchor = anchor(self.layers[0])
+        kvm_anchor = sliding_anchor if self.config.sliding_window_share_value_residual else anchor(self.layers[1])
+        return kvm_anchor, sliding_anchor
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: KVMCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        cache: KVMCache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """Padding (attention_mask == 0, anywhere) is skipped per row: each row's positions, chunk
+        boundaries and state follow its own real tokens. Without a mask every token is real and the
+        model is strictly causal (right padding needs no mask). `position_ids` are used only by
+        forwards without a cache or padding; otherwise positions come from each row's length."""
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("Pass the cache once, as `cache` or `past_key_values`, not both.")
+        cache = cache if cache is not None else past_key_values
+        if cache is not None:
+            if not isinstance(cache, KVMCache):
+                raise TypeError(f"KVM models need a KVMCache, got {type(cache).__name__}.")
+            cache.check_compatible(self.config)
+        check_input_ids(input_ids, inputs_embeds, self.config.vocab_size, cache)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            use_cache, cache = False, None  # the cache would be updated again by the recomputation
+        if use_cache and cache is None:
+            cache = KVMCache(self.config)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        x0 = self.embed_norm(inputs_embeds)
+        batch, length = x0.shape[:2]
+        valid = real_tokens(attention_mask, batch, length, cache.columns if cache is not None else 0, x0.device)
+        if cache is not None:
+            plan = cache.plan(batch, length, valid, x0.device)
+        else:
+            fresh = [new_layer_cache(self.config, i) for i in range(self.config.num_hidden_layers)]
+            plan = StepPlan(batch, length, valid, [RowGroup(list(range(batch)), fresh)], x0.device)
+        positions = plan.positions
+        if position_ids is not None and cache is None and valid is None:
+            positions = position_ids if position_ids.shape[0] > 1 else position_ids[0]
+        head = self.config.qk_head_dim
+        kvm_rotary = rotary_tables(positions, self.config.rotary_dim, head, self.config.rope_theta)
+        sliding_rotary = None
+        if self.config.sliding_window_every:
+            sliding_rotary = rotary_tables(
+                positions, self.config.sliding_window_rotary_dim, head, self.config.sliding_window_rope_theta
+            )
+        kvm_anchor, sliding_anchor = self.value_anchors(x0)
+        hidden_states, all_hidden = x0, []
+        for idx, layer in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden.append(hidden_states)
+            state = (cache.carries[idx], cache.layer_caches(idx, plan)) if cache is not None else None
+            if layer.sliding:
+                hidden_states = layer(hidden_states, x0, sliding_anchor, sliding_rotary, plan, state)
+            else:
+                hidden_states = layer(hidden_states, x0, kvm_anchor, kvm_rotary, plan, state)
+        if cache is not None:
+            cache.finish(plan)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden.append(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            **{CACHE_FIELD: cache if use_cache else None},
+        )
+
+
+def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache: KVMCache | None) -> None:
+    """Clear errors for inputs the model cannot read. Token ids are range-checked on CPU always, and on
+    accelerators for prompts (checking each decoding step's ids would stall the device every token)."""
+    if input_ids is not None and inputs_embeds is not None:
+        raise ValueError("Pass either input_ids or inputs_embeds, not both.")
+    if input_ids is None and inputs_embeds is None:
+        raise ValueError("Pass input_ids or inputs_embeds.")
+    if inputs_embeds is not None:
+        if inputs_embeds.ndim != 3 or inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
+            raise ValueError(f"inputs_embeds must be a non-empty [batch, length, hidden] tensor, "
+                             f"got shape {tuple(inputs_embeds.shape)}")
+        return
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool \
+            or input_ids.is_complex():
+        raise TypeError(f"input_ids must be an integer tensor, got {getattr(input_ids, 'dtype', type(input_ids))}")
+    if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got shape {tuple(input_ids.shape)}")
+    prompt = cache is None or cache.get_seq_length() == 0 or input_ids.shape[1] > 1
+    if input_ids.device.type == "cpu" or prompt:
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"input_ids must be in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
+
+
+def real_tokens(attention_mask, batch: int, length: int, cached: int, device) -> torch.Tensor | None:
+    """[B, T] booleans for this forward's real tokens, or None when all are real. The mask covers the new
+    tokens or, as generate() passes it, the cached columns and the new tokens."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (length,
+                                                                                                     cached + length):
+        expected = f"[{batch}, {length}]" + (f" or [{batch}, {cached + length}]" if cached else "")
+        raise ValueError(f"attention_mask must have shape {expected} (batch, cached + new tokens), "
+                         f"got {tuple(attention_mask.shape)}")
+    valid = attention_mask[:, -length:].to(device=device) != 0
+    return None if bool(valid.all()) else valid
+
+
+class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
+    """KVM model with a language-modelling head (optional logit soft-cap)."""
+
+    _tied_weights_keys = {}
+
+    def __init__(self, config: KVMConfig):
+        super().__init__(config)
+        self.model = KVMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
+    ):
+        """generate() gets a KVMCache (never a DynamicCache) unless use_cache=False."""
+        user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if user_cache is not None:
+            if not isinstance(user_cache, KVMCache):
+                raise TypeError(f"KVM models need a KVMCache, got {type(user_cache).__name__}.")
+            user_cache.check_compatible(self.config)
+            if getattr(generation_config, "is_assistant", False):
+                user_cache.activate_past_recording()
+            return
+        if generation_config.use_cache is False:
+            return
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
+                "KVM models always use their own KVMCache."
+            )
+        model_kwargs[CACHE_FIELD] = KVMCache(self.config)
+        if getattr(generation_config, "is_assistant", False):
+            model_kwargs[CACHE_FIELD].activate_past_recording()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: KVMCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cache: KVMCache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        for ignored in ("output_attentions", "return_dict"):
+            kwargs.pop(ignored, None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            cache=cache,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        if self.config.logit_softcap:
+            logits = self.config.logit_softcap * torch.tanh(logits / self.config.logit_softcap)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
+        )
+
+
+__all__ = ["KVMPreTrainedModel", "KVMModel", "KVMForCausalLM"]

@@ -1,0 +1,243 @@
+"""Configuration of Maglev (Sliding Recurrent Memory) on a nanochat GPT backbone."""
+
+import math
+
+import torch
+from transformers import PretrainedConfig
+
+WINDOW_LETTERS = "SL"
+CONSISTENCY_LOSSES = ("mse", "cosine")
+MEMORY_PREFILL_MODES = ("recurrent", "prefiller")
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class MaglevConfig(PretrainedConfig):
+    """Every nanochat GPT feature as a switch, plus the Maglev memory and prefiller fields.
+
+    With `use_memory=False` and `sliding_window=None` the model is exactly nanochat's GPT,
+    its per-layer windows taken from `window_pattern`.
+    """
+
+    model_type = "maglev"
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 32768,
+        pad_vocab_size_to: int = 64,
+        hidden_size: int = 768,
+        intermediate_size: int | None = None,
+        num_hidden_layers: int = 12,
+        num_attention_heads: int = 6,
+        num_key_value_heads: int | None = None,
+        max_position_embeddings: int = 2048,
+        window_pattern: str = "L",
+        rope_theta: float = 100000.0,
+        rms_norm_eps: float | None = None,
+        qk_norm_scale: float = 1.2,
+        logit_softcap: float | None = 15.0,
+        use_value_embeddings: bool = True,
+        value_embedding_gate_channels: int = 12,
+        value_embedding_gate_scale: float = 3.0,
+        use_smear: bool = True,
+        smear_gate_channels: int = 24,
+        use_backout: bool = True,
+        backout_layer: int | None = None,
+        use_layer_lambdas: bool = True,
+        use_memory: bool = True,
+        sliding_window: int | None = 256,
+        memory_gate_channels: int = 12,
+        memory_init_std: float = 0.02,
+        has_prefiller: bool = True,
+        prefiller_window_pattern: str = "SSSL",
+        prefiller_shares_blocks: bool = True,
+        consistency_weight: float = 1.0,
+        consistency_loss: str = "mse",
+        consistency_detach_target: bool = False,
+        memory_prefill: str = "recurrent",
+        initializer_range: float = 0.02,
+        use_cache: bool = True,
+        tie_word_embeddings: bool = False,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.pad_vocab_size_to = pad_vocab_size_to
+        self.hidden_size = hidden_size
+        self.intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        self.max_position_embeddings = max_position_embeddings
+        self.window_pattern = window_pattern
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.qk_norm_scale = qk_norm_scale
+        self.logit_softcap = logit_softcap
+        self.use_value_embeddings = use_value_embeddings
+        self.value_embedding_gate_channels = value_embedding_gate_channels
+        self.value_embedding_gate_scale = value_embedding_gate_scale
+        self.use_smear = use_smear
+        self.smear_gate_channels = smear_gate_channels
+        self.use_backout = use_backout
+        self.backout_layer = num_hidden_layers // 2 if backout_layer is None else backout_layer
+        self.use_layer_lambdas = use_layer_lambdas
+        self.use_memory = use_memory
+        self.sliding_window = sliding_window
+        self.memory_gate_channels = memory_gate_channels
+        self.memory_init_std = memory_init_std
+        self.has_prefiller = has_prefiller
+        self.prefiller_window_pattern = prefiller_window_pattern
+        self.prefiller_shares_blocks = prefiller_shares_blocks
+        self.consistency_weight = consistency_weight
+        self.consistency_loss = consistency_loss
+        self.consistency_detach_target = consistency_detach_target
+        self.memory_prefill = memory_prefill
+        self.initializer_range = initializer_range
+        self.use_cache = use_cache
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.validate_maglev()
+
+    # ----- validation -------------------------------------------------------------------
+    def validate_maglev(self) -> None:
+        """Raise a ValueError naming the field of the first invalid setting."""
+        positive = ("vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size",
+                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "max_position_embeddings")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})")
+        if self.head_dim % 2:
+            raise ValueError(f"hidden_size / num_attention_heads must be even for rotary, got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})")
+        _check_pattern("window_pattern", self.window_pattern)
+        _check_pattern("prefiller_window_pattern", self.prefiller_window_pattern)
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be positive or None, got {self.logit_softcap}")
+        for name, used in (("value_embedding_gate_channels", self.use_value_embeddings),
+                           ("smear_gate_channels", self.use_smear),
+                           ("memory_gate_channels", self.use_memory)):
+            channels = getattr(self, name)
+            if used and not 1 <= channels <= self.hidden_size:
+                raise ValueError(f"{name} must be in [1, hidden_size={self.hidden_size}], got {channels}")
+        if self.use_backout and not 0 <= self.backout_layer < self.num_hidden_layers:
+            raise ValueError(
+                f"backout_layer must be in [0, num_hidden_layers={self.num_hidden_layers}), got {self.backout_layer}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 2):
+            raise ValueError(f"sliding_window must be an integer >= 2 (keys including the current token) "
+                             f"or None, got {self.sliding_window!r}")
+        if self.use_memory and self.sliding_window is None:
+            raise ValueError("sliding_window must be set when use_memory is true")
+        if self.consistency_loss not in CONSISTENCY_LOSSES:
+            raise ValueError(f"consistency_loss must be one of {CONSISTENCY_LOSSES}, got {self.consistency_loss!r}")
+        if self.consistency_weight < 0:
+            raise ValueError(f"consistency_weight must be >= 0, got {self.consistency_weight}")
+        if self.memory_prefill not in MEMORY_PREFILL_MODES:
+            raise ValueError(f"memory_prefill must be one of {MEMORY_PREFILL_MODES}, got {self.memory_prefill!r}")
+        if self.memory_prefill == "prefiller" and not (self.use_memory and self.has_prefiller):
+            raise ValueError("memory_prefill='prefiller' needs use_memory=true and the prefiller's weights "
+                             "(has_prefiller=true); convert with --keep-prefiller")
+
+    # ----- derived sizes ------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and lm_head tables (nanochat pads for efficiency)."""
+        return math.ceil(self.vocab_size / self.pad_vocab_size_to) * self.pad_vocab_size_to
+
+    def has_value_embedding(self, layer_idx: int) -> bool:
+        """nanochat puts value embeddings on alternating layers, the last one always included."""
+        return self.use_value_embeddings and layer_idx % 2 == (self.num_hidden_layers - 1) % 2
+
+    def pattern_windows(self, pattern: str) -> list[int]:
+        """Per-layer `left` context (keys before the current one) for a nanochat window pattern.
+
+        L = max_position_embeddings tokens back, S = a quarter of that rounded up to a multiple
+        of 128; the last layer is always L.
+        """
+        long_window = self.max_position_embeddings
+        short_window = -(-long_window // 4 // 128) * 128
+        letters = pattern.upper()
+        windows = [long_window if letters[i % len(letters)] == "L" else short_window
+                   for i in range(self.num_hidden_layers)]
+        windows[-1] = long_window
+        return windows
+
+    @property
+    def decoder_windows(self) -> list[int]:
+        """Left context per layer of the decoder P: `sliding_window - 1` everywhere when set."""
+        if self.sliding_window is not None:
+            return [self.sliding_window - 1] * self.num_hidden_layers
+        return self.pattern_windows(self.window_pattern)
+
+    @property
+    def prefiller_windows(self) -> list[int]:
+        return self.pattern_windows(self.prefiller_window_pattern)
+
+    def layer_keeps_all_tokens(self, layer_idx: int) -> bool:
+        """A nanochat "L" layer (no uniform sliding window) keeps every token in the cache, as nanochat."""
+        if self.sliding_window is not None:
+            return False
+        letters = self.window_pattern.upper()
+        return layer_idx == self.num_hidden_layers - 1 or letters[layer_idx % len(letters)] == "L"
+
+    # ----- cache sizes ----------------------------------------------------------------------
+    def cache_bytes(self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of a MaglevCache after reading `num_tokens` tokens (equals `MaglevCache.nbytes()`)."""
+        if num_tokens < 0 or batch_size < 1:
+            raise ValueError(f"num_tokens must be >= 0 and batch_size >= 1, got {num_tokens}, {batch_size}")
+        if num_tokens == 0:
+            return 0
+        element = _dtype_bytes(dtype)
+        per_token = 2 * self.kv_dim * element * batch_size
+        total = 0
+        position_bytes = 8 * batch_size  # int64 position per row (per stored column in full-window layers)
+        for layer_idx, left in enumerate(self.decoder_windows):
+            if self.layer_keeps_all_tokens(layer_idx):
+                total += (per_token + position_bytes) * growing_capacity(num_tokens)
+            else:
+                total += per_token * left
+        total += position_bytes  # each row's position (real tokens read)
+        total += batch_size * self.hidden_size * element  # smear's previous embedding
+        if self.use_memory:
+            total += batch_size * self.hidden_size * element  # last memory vector
+        return total
+
+    def full_attention_cache_bytes(
+        self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16
+    ) -> int:
+        """Bytes of a plain full-attention KV cache of the same shape holding `num_tokens` tokens."""
+        if num_tokens < 0 or batch_size < 1:
+            raise ValueError(f"num_tokens must be >= 0 and batch_size >= 1, got {num_tokens}, {batch_size}")
+        return 2 * self.num_hidden_layers * self.kv_dim * num_tokens * batch_size * _dtype_bytes(dtype)
+
+
+def growing_capacity(num_tokens: int) -> int:
+    """Capacity of a geometrically grown key/value buffer holding `num_tokens` tokens."""
+    capacity = 16
+    while capacity < num_tokens:
+        capacity *= 2
+    return capacity
+
+
+def _check_pattern(name: str, pattern: str) -> None:
+    if not isinstance(pattern, str) or not pattern or any(c not in WINDOW_LETTERS for c in pattern.upper()):
+        raise ValueError(f"{name} must be a non-empty string of the letters S and L, got {pattern!r}")

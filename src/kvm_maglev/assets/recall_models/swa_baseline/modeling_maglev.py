@@ -1,0 +1,621 @@
+"""Maglev (Sliding Recurrent Memory) on an exact nanochat GPT backbone.
+
+The decoder P is a nanochat GPT with sliding-window attention whose keys and values carry the
+previous token's memory `m_{t-1} = rms_norm(h_{t-1})`. Training runs the prefiller Q in
+parallel and feeds P the shifted prefiller memories; inference feeds P its own memories.
+"""
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .cache_maglev import MaglevCache, StepContext, gather_columns, previous_real_index
+from .configuration_maglev import MaglevConfig
+
+# transformers 5.24 renamed the model keyword and output field `past_key_values` to `cache`.
+CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+_GENERATE_CACHE_KWARG = (
+    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)
+
+
+@dataclass
+class MaglevModelOutput(BaseModelOutputWithPast):
+    """Base output plus P's memories `m`, the prefiller's `m'` (lifted training) and their consistency loss."""
+
+    memories: torch.Tensor | None = None
+    prefiller_memories: torch.Tensor | None = None
+    consistency_loss: torch.Tensor | None = None
+
+
+@dataclass
+class MaglevCausalLMOutput(CausalLMOutputWithPast):
+    """Causal-LM output with the two parts of `loss = lm_loss + consistency_weight * consistency_loss`."""
+
+    lm_loss: torch.Tensor | None = None
+    consistency_loss: torch.Tensor | None = None
+
+
+def rms_norm(x: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """Weightless RMSNorm as nanochat (eps=None means the dtype's machine epsilon)."""
+    return F.rms_norm(x, (x.size(-1),), eps=eps)
+
+
+def inverse_frequencies(config: MaglevConfig, device: torch.device) -> torch.Tensor:
+    channels = torch.arange(0, config.head_dim, 2, dtype=torch.float32, device=device)
+    return 1.0 / (config.rope_theta ** (channels / config.head_dim))
+
+
+def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin of shape [B, T, 1, head_dim/2] for per-row positions [B, T], in float32 like nanochat, then cast.
+
+    Computed on the fly, so positions have no upper limit."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    return freqs.cos().to(dtype)[:, :, None, :], freqs.sin().to(dtype)[:, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """nanochat's rotation of the two channel halves (x: [B, T, H, D])."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+class MaglevAttention(nn.Module):
+    """nanochat attention (GQA, value embeddings, rotary, QK-norm) with optional memory injection."""
+
+    def __init__(self, config: MaglevConfig, layer_idx: int, with_memory: bool):
+        super().__init__()
+        self.config = config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        # config values read every step, kept as plain attributes (config attribute access is slow)
+        self.eps = config.rms_norm_eps
+        self.qk_norm_scale = config.qk_norm_scale
+        self.memory_gate_channels = config.memory_gate_channels
+        self.value_gate_channels = config.value_embedding_gate_channels
+        self.value_gate_scale = config.value_embedding_gate_scale
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.kv_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.kv_dim, bias=False)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.value_gate = (
+            nn.Linear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False)
+            if config.has_value_embedding(layer_idx) else None
+        )
+        self.with_memory = with_memory
+        if with_memory:
+            self.memory_k_proj = nn.Linear(config.hidden_size, config.kv_dim, bias=False)
+            self.memory_v_proj = nn.Linear(config.hidden_size, config.kv_dim, bias=False)
+            self.memory_gate = nn.Linear(config.memory_gate_channels, self.num_kv_heads, bias=False)
+
+    def forward(self, x, value_embedding, memory, rotary, window, store, ctx):
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        if memory is not None:
+            # Maglev: the previous token's memory enters keys (before rotary/QK-norm) and values.
+            gate = torch.sigmoid(self.memory_gate(x[..., : self.memory_gate_channels])).unsqueeze(-1)
+            k = k + gate * self.memory_k_proj(memory).view_as(k)
+            v = v + gate * self.memory_v_proj(memory).view_as(v)
+        if value_embedding is not None:
+            gate = self.value_gate_scale * torch.sigmoid(self.value_gate(x[..., : self.value_gate_channels]))
+            v = v + gate.unsqueeze(-1) * value_embedding.view_as(v)
+        # rotary and QK-norm act per head: queries and keys go through them together (fewer small ops per step)
+        qk = apply_rotary(torch.cat([q, k], dim=2), *rotary)
+        q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([self.num_heads, self.num_kv_heads], dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if store is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.chunk_mask(window), enable_gqa=True)
+        else:
+            y = store.attend(q, k, v, ctx)
+        return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MaglevMLP(nn.Module):
+    """nanochat MLP: relu^2 between two bias-free projections."""
+
+    def __init__(self, config: MaglevConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class MaglevBlock(GradientCheckpointingLayer):
+    """Pre-norm nanochat block (weightless norms)."""
+
+    def __init__(self, config: MaglevConfig, layer_idx: int, with_memory: bool):
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.self_attn = MaglevAttention(config, layer_idx, with_memory)
+        self.mlp = MaglevMLP(config)
+
+    def forward(self, hidden, value_embedding, memory, rotary, window, store, ctx):
+        hidden = hidden + self.self_attn(rms_norm(hidden, self.eps), value_embedding, memory, rotary, window,
+                                         store, ctx)
+        return hidden + self.mlp(rms_norm(hidden, self.eps))
+
+
+class MaglevPreTrainedModel(PreTrainedModel):
+    config_class = MaglevConfig
+    config: MaglevConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MaglevBlock"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Fresh weights in nanochat's spirit; Maglev's memory projections small and random, gates at zero."""
+        config = self.config
+        bound = math.sqrt(3.0 / config.hidden_size)
+        if isinstance(module, MaglevAttention):
+            for proj in (module.q_proj, module.k_proj, module.v_proj):
+                init.uniform_(proj.weight, -bound, bound)
+            init.zeros_(module.o_proj.weight)
+            if module.value_gate is not None:
+                init.zeros_(module.value_gate.weight)
+            if module.with_memory:
+                init.normal_(module.memory_k_proj.weight, std=config.memory_init_std)
+                init.normal_(module.memory_v_proj.weight, std=config.memory_init_std)
+                init.zeros_(module.memory_gate.weight)
+        elif isinstance(module, MaglevMLP):
+            init.uniform_(module.up_proj.weight, -bound, bound)
+            init.zeros_(module.down_proj.weight)
+        elif isinstance(module, MaglevModel):
+            init.normal_(module.embed_tokens.weight, std=1.0)
+            for table in module.value_embeddings.values():
+                init.uniform_(table.weight, -bound, bound)
+            for name in ("residual_lambdas", "prefiller_residual_lambdas"):
+                if getattr(module, name, None) is not None:
+                    init.ones_(getattr(module, name))
+            for name in ("x0_lambdas", "prefiller_x0_lambdas"):
+                if getattr(module, name, None) is not None:
+                    init.constant_(getattr(module, name), 0.1)
+            if module.smear_gate is not None:
+                init.zeros_(module.smear_gate.weight)
+                init.zeros_(module.smear_lambda)
+            if module.backout_lambda is not None:
+                init.constant_(module.backout_lambda, 0.2)
+            if module.memory_init is not None:
+                init.zeros_(module.memory_init)
+        elif isinstance(module, MaglevForCausalLM):
+            init.normal_(module.lm_head.weight, std=0.001)
+
+
+class MaglevModel(MaglevPreTrainedModel):
+    """Embeddings, the decoder P's blocks and (when kept) the prefiller Q; returns `m = rms_norm(h)`."""
+
+    def __init__(self, config: MaglevConfig):
+        config.validate_maglev()  # from_pretrained(..., field=value) sets fields after the config's checks
+        super().__init__(config)
+        rows = config.padded_vocab_size
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size)
+        self.value_embeddings = nn.ModuleDict({
+            str(i): nn.Embedding(rows, config.kv_dim)
+            for i in range(config.num_hidden_layers) if config.has_value_embedding(i)
+        })
+        layers = config.num_hidden_layers
+        self.layers = nn.ModuleList([MaglevBlock(config, i, config.use_memory) for i in range(layers)])
+        lambdas = config.use_layer_lambdas
+        self.residual_lambdas = nn.Parameter(torch.ones(layers)) if lambdas else None
+        self.x0_lambdas = nn.Parameter(torch.zeros(layers)) if lambdas else None
+        self.smear_gate = nn.Linear(config.smear_gate_channels, 1, bias=False) if config.use_smear else None
+        self.smear_lambda = nn.Parameter(torch.zeros(1)) if config.use_smear else None
+        self.backout_lambda = nn.Parameter(torch.zeros(1)) if config.use_backout else None
+        self.memory_init = nn.Parameter(torch.zeros(config.hidden_size)) if config.use_memory else None
+        separate_prefiller = config.use_memory and config.has_prefiller and not config.prefiller_shares_blocks
+        self.prefiller_layers = (
+            nn.ModuleList([MaglevBlock(config, i, with_memory=False) for i in range(layers)])
+            if separate_prefiller else None
+        )
+        prefiller_lambdas = separate_prefiller and lambdas
+        self.prefiller_residual_lambdas = nn.Parameter(torch.ones(layers)) if prefiller_lambdas else None
+        self.prefiller_x0_lambdas = nn.Parameter(torch.zeros(layers)) if prefiller_lambdas else None
+        self.gradient_checkpointing = False
+        self._inv_freq: torch.Tensor | None = None  # rotary frequencies, computed at first use on each device
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    # ----- pieces ----------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor, previous_embedding: torch.Tensor | None, valid: torch.Tensor | None):
+        """Normed token embeddings with nanochat's smear from each token's previous real token (the cached
+        one for a chunk's first; none at a row's start). Returns (x0, pre-smear embeddings)."""
+        raw = rms_norm(self.embed_tokens(input_ids).to(self.dtype), self.config.rms_norm_eps)
+        if self.smear_gate is None:
+            return raw, raw
+        if previous_embedding is None:
+            previous_embedding = raw.new_zeros(raw.shape[0], 1, raw.shape[2])  # zero: exactly no smear
+        if raw.shape[1] == 1:
+            predecessors = previous_embedding.to(raw.dtype)
+        elif valid is None:
+            predecessors = torch.cat([previous_embedding.to(raw.dtype), raw[:, :-1]], dim=1)
+        else:
+            predecessors = gather_columns(previous_embedding, raw, previous_real_index(valid))
+        channels = self.config.smear_gate_channels
+        gate = self.smear_lambda.to(raw.dtype) * torch.sigmoid(self.smear_gate(raw[..., :channels]))
+        return raw + gate * predecessors, raw
+
+    def rotary_for(self, ctx: StepContext, dtype: torch.dtype):
+        device = ctx.start.device
+        if self._inv_freq is None or self._inv_freq.device != device:
+            self._inv_freq = inverse_frequencies(self.config, device)
+        return rotary_tables(self._inv_freq, ctx.query_positions, dtype)
+
+    def value_embeddings_for(self, input_ids: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor | None]:
+        """Per layer, the value embeddings of the tokens (None where the layer has none)."""
+        tables = self.value_embeddings
+        return [tables[str(i)](input_ids).to(dtype) if str(i) in tables else None
+                for i in range(self.config.num_hidden_layers)]
+
+    def run_stack(self, x0, value_embeddings, memory, cache, ctx, rotary, prefiller=False, hidden_states=None):
+        """One parallel pass over a chunk through P's (or Q's) blocks; returns `h` (after backout)."""
+        config = self.config
+        if prefiller:
+            windows = config.prefiller_windows
+            blocks = self.layers if self.prefiller_layers is None else self.prefiller_layers
+            res_l = self.residual_lambdas if self.prefiller_layers is None else self.prefiller_residual_lambdas
+            x0_l = self.x0_lambdas if self.prefiller_layers is None else self.prefiller_x0_lambdas
+        else:
+            windows, blocks, res_l, x0_l = config.decoder_windows, self.layers, self.residual_lambdas, self.x0_lambdas
+        x, backout = x0, None
+        for i, block in enumerate(blocks):
+            if res_l is not None:
+                x = res_l[i] * x + x0_l[i] * x0
+            if hidden_states is not None:
+                hidden_states.append(x)
+            store = None if cache is None else cache.layer_stores[i]
+            x = block(x, value_embeddings[i], memory, rotary, windows[i], store, ctx)
+            if self.backout_lambda is not None and i == config.backout_layer:
+                backout = x
+        if backout is not None:
+            x = x - self.backout_lambda.to(x.dtype) * backout
+        return x
+
+    def decode_chunk(self, input_ids, memory, cache, ctx, hidden_states=None):
+        """P over a chunk in parallel with the given memory inputs; updates the cache. Returns m."""
+        previous = None if cache is None else cache.previous_embedding
+        x0, raw = self.embed(input_ids, previous, ctx.valid)
+        values = self.value_embeddings_for(input_ids, x0.dtype)
+        h = self.run_stack(x0, values, memory, cache, ctx, self.rotary_for(ctx, x0.dtype), hidden_states=hidden_states)
+        memories = rms_norm(h, self.config.rms_norm_eps)
+        if cache is not None:
+            cache.advance(ctx, raw, memories if memory is not None else None)
+        return memories
+
+    def prefiller_memories(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Q on a whole fresh sequence in parallel (no memory, Q's windows, padding skipped): m'."""
+        ctx = StepContext(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
+        x0, _ = self.embed(input_ids, None, valid)
+        values = self.value_embeddings_for(input_ids, x0.dtype)
+        h = self.run_stack(x0, values, None, None, ctx, self.rotary_for(ctx, x0.dtype), prefiller=True)
+        return rms_norm(h, self.config.rms_norm_eps)
+
+    def shifted_memories(self, memories: torch.Tensor, first: torch.Tensor | None,
+                         valid: torch.Tensor | None = None) -> torch.Tensor:
+        """mu_t = memory of the previous real token; a row's first gets `first` (the cached memory) or memory_init."""
+        if first is None:
+            first = self.memory_init.to(memories.dtype).expand(memories.shape[0], 1, -1)
+        if valid is None:
+            return torch.cat([first, memories[:, :-1]], dim=1)
+        return gather_columns(first, memories, previous_real_index(valid))
+
+    def recurrent(self, input_ids, cache, valid, hidden_states=None):
+        """The paper's inference: token after token through P, each fed its row's previous memory.
+
+        What does not depend on the memory - embeddings with smear, value embeddings, rotary tables -
+        is computed for the whole chunk at once; only the blocks run per token."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            raise NotImplementedError("gradient checkpointing would replay cache writes in the recurrent pass; "
+                                      "train with the prefiller (lifted training) or without checkpointing")
+        length = input_ids.shape[1]
+        x0, raw = self.embed(input_ids, cache.previous_embedding, valid)
+        values = self.value_embeddings_for(input_ids, x0.dtype)
+        whole = cache.step_context(valid, 1) if length == 1 else StepContext(cache.positions, valid, length)
+        rotary = self.rotary_for(whole, x0.dtype)
+        eps = self.config.rms_norm_eps
+        outputs, per_step = [], []
+        for t in range(length):
+            step = (lambda tensor: tensor) if length == 1 else (lambda tensor: tensor[:, t:t + 1])
+            ctx = whole if length == 1 else cache.step_context(None if valid is None else step(valid), 1)
+            step_states = None if hidden_states is None else []
+            step_values = [None if v is None else step(v) for v in values]
+            h = self.run_stack(step(x0), step_values, cache.last_memory, cache, ctx, tuple(map(step, rotary)),
+                               hidden_states=step_states)
+            memories = rms_norm(h, eps)
+            cache.advance(ctx, step(raw), memories)
+            outputs.append(memories)
+            per_step.append(step_states)
+        if hidden_states is not None:
+            hidden_states.extend(torch.cat(states, dim=1) for states in zip(*per_step))
+        return torch.cat(outputs, dim=1)
+
+    def consistency(self, memories, targets, valid):
+        """L_cons over real tokens: mean squared error over tokens and channels, or mean 1 - cosine."""
+        if self.config.consistency_detach_target:
+            targets = targets.detach()
+        memories, targets = memories.float(), targets.float()
+        if self.config.consistency_loss == "mse":
+            per_token = (memories - targets).square().mean(dim=-1)
+        else:
+            per_token = 1.0 - F.cosine_similarity(memories, targets, dim=-1)
+        if valid is None:
+            return per_token.mean()
+        weights = valid.to(per_token.dtype)
+        return (per_token * weights).sum() / weights.sum().clamp(min=1.0)
+
+    def uses_prefiller(self, lifted: bool, start: int, length: int) -> bool:
+        """Q reads a fresh sequence for lifted training, and in "prefiller" mode the prompt: the first forward
+        on an empty cache. Every later step - decoding, continuation, chunked prefill after the first
+        chunk, assisted verification - runs recurrently with P's own memory."""
+        if start > 0:
+            return False
+        if lifted:
+            return self.config.has_prefiller
+        return self.config.memory_prefill == "prefiller" and length > 1
+
+    # ----- forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: MaglevCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        lifted: bool | None = None,
+        memory_inputs: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MaglevModelOutput:
+        """`lifted` (default: in training mode) runs lifted parallel training when the prefiller is
+        kept; `memory_inputs` (tests, research) runs P in parallel on the given `mu`.
+
+        Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
+        and the model is strictly causal (right padding needs no mask)."""
+        cache = take_cache(past_key_values, kwargs)
+        config = self.config
+        check_input_ids(input_ids, inputs_embeds, config.vocab_size, cache)
+        if cache is not None:
+            if not isinstance(cache, MaglevCache):
+                raise TypeError(f"Maglev needs a MaglevCache, got {type(cache).__name__}")
+            cache.check_compatible(config)
+        use_cache = (config.use_cache and not self.training) if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if use_cache and cache is None:
+            cache = MaglevCache(config)
+        if not use_cache:
+            cache = None
+        batch, length = input_ids.shape
+        start = 0 if cache is None else cache.seen_tokens
+        valid = chunk_validity(attention_mask, input_ids, start)
+        memory_init = self.memory_init if config.use_memory else None
+        if cache is not None:
+            cache.prepare(batch, memories_like(self), memory_init)
+        if lifted is None:
+            lifted = self.training
+        hidden_states = [] if output_hidden_states else None
+        prefiller_memories = consistency_loss = None
+
+        def context():
+            if cache is not None:
+                return cache.step_context(valid, length)
+            return StepContext(input_ids.new_zeros(batch), valid, length)
+
+        if not config.use_memory:
+            memories = self.decode_chunk(input_ids, None, cache, context(), hidden_states)
+        elif memory_inputs is not None:
+            memories = self.decode_chunk(input_ids, memory_inputs.to(self.dtype), cache, context(), hidden_states)
+        elif self.uses_prefiller(lifted, start, length):
+            prefiller_memories = self.prefiller_memories(input_ids, valid)
+            mu = self.shifted_memories(prefiller_memories, None, valid)
+            memories = self.decode_chunk(input_ids, mu, cache, context(), hidden_states)
+            if lifted:
+                consistency_loss = self.consistency(memories, prefiller_memories, valid)
+        else:
+            recurrent_cache = cache
+            if recurrent_cache is None:
+                recurrent_cache = MaglevCache(config)
+                recurrent_cache.prepare(batch, memories_like(self), memory_init)
+            memories = self.recurrent(input_ids, recurrent_cache, valid, hidden_states)
+
+        if hidden_states is not None:
+            hidden_states.append(memories)
+        return MaglevModelOutput(
+            last_hidden_state=memories,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            memories=memories if config.use_memory else None,
+            prefiller_memories=prefiller_memories,
+            consistency_loss=consistency_loss,
+            **{CACHE_NAME: cache},
+        )
+
+
+def take_cache(past_key_values: MaglevCache | None, kwargs: dict) -> MaglevCache | None:
+    """The cache given as `past_key_values` or as `cache` (transformers >= 5.24); two different ones are refused."""
+    cache = kwargs.pop("cache", None)
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("pass the cache once, as `cache` or `past_key_values`, not both")
+    return past_key_values if past_key_values is not None else cache
+
+
+def memories_like(model: MaglevModel) -> torch.Tensor:
+    """An empty tensor with the model's device and dtype (what new cache rows are made like)."""
+    return model.embed_tokens.weight.new_empty(0, dtype=model.dtype)
+
+
+def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
+    """Clear errors for inputs the model cannot read. Token ids are range-checked on CPU always, and on
+    accelerators for prompts (a decoding step's ids come from the model's own logits; checking them
+    would stall the device every token)."""
+    if inputs_embeds is not None:
+        if input_ids is not None:
+            raise ValueError("pass either input_ids or inputs_embeds, not both (Maglev reads input_ids only)")
+        raise ValueError("Maglev needs input_ids (value embeddings and smear read token ids); "
+                         "inputs_embeds is not supported")
+    if input_ids is None:
+        raise ValueError("input_ids is required")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool \
+            or input_ids.is_complex():
+        raise TypeError(f"input_ids must be an integer tensor, got {getattr(input_ids, 'dtype', type(input_ids))}")
+    if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got shape {tuple(input_ids.shape)}")
+    prompt = cache is None or cache.get_seq_length() == 0 or input_ids.shape[1] > 1
+    if input_ids.device.type == "cpu" or prompt:
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"input_ids must be in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
+
+
+def chunk_validity(attention_mask: torch.Tensor | None, input_ids: torch.Tensor, start: int):
+    """[B, T] booleans for this chunk's real tokens (None: all real). The mask covers the chunk or, as
+    generate() passes it, the cached columns and the chunk; the cached part is already in the cache."""
+    if attention_mask is None:
+        return None
+    batch, length = input_ids.shape
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (length,
+                                                                                                     start + length):
+        expected = f"[{batch}, {length}]" + (f" or [{batch}, {start + length}]" if start else "")
+        raise ValueError(f"attention_mask must have shape {expected} (batch, cached + new tokens), "
+                         f"got {tuple(attention_mask.shape)}")
+    return attention_mask[:, -length:].to(device=input_ids.device) != 0
+
+
+class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
+    """Maglev with nanochat's untied, soft-capped language-model head."""
+
+    _tied_weights_keys = {}
+
+    def __init__(self, config: MaglevConfig):
+        super().__init__(config)
+        self.model = MaglevModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head, padded rows sliced away, float32, tanh soft-capping (nanochat)."""
+        logits = self.lm_head(hidden)[..., : self.config.vocab_size].float()
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: MaglevCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        memory_inputs: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MaglevCausalLMOutput:
+        """Training forward (labels given or training mode): lifted parallel training with the
+        consistency loss; otherwise inference with `config.memory_prefill`."""
+        cache = take_cache(past_key_values, kwargs)
+        for ignored in ("output_attentions", "return_dict", "cache_position", "position_ids"):
+            kwargs.pop(ignored, None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            lifted=self.training or labels is not None,
+            memory_inputs=memory_inputs,
+        )
+        hidden = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        else:
+            hidden = hidden[:, logits_to_keep]
+        logits = self.logits(hidden)
+        loss = lm_loss = None
+        if labels is not None:
+            lm_loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = lm_loss
+            if outputs.consistency_loss is not None:
+                loss = lm_loss + self.config.consistency_weight * self._accumulation_share(
+                    outputs.consistency_loss, labels, kwargs.get("num_items_in_batch")
+                )
+        return MaglevCausalLMOutput(
+            loss=loss,
+            lm_loss=lm_loss,
+            consistency_loss=outputs.consistency_loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
+        )
+
+    @staticmethod
+    def _accumulation_share(
+        consistency_loss: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None
+    ) -> torch.Tensor:
+        """The consistency mean weighted by this micro-batch's share of the supervised tokens.
+
+        Trainer adds the losses of accumulation steps (and processes) and the language-model loss
+        is already a sum divided by `num_items_in_batch`; weighting each micro-batch's mean by its
+        share keeps the total equal to one large batch's loss.
+        """
+        if num_items_in_batch is None:
+            return consistency_loss
+        supervised = (labels[..., 1:] != -100).sum()
+        return consistency_loss * supervised.to(consistency_loss.dtype) / num_items_in_batch
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() gets a MaglevCache (never a DynamicCache) unless the user passed one or disabled caching;
+        an assistant's cache records its steps so that rejected draft tokens can be cropped."""
+        if self.config.memory_prefill == "prefiller" and getattr(generation_config, "prefill_chunk_size", None):
+            raise ValueError("prefill_chunk_size cannot be used with memory_prefill='prefiller': the prefiller reads "
+                             "the whole prompt in one forward (later chunks would run recurrently)")
+        user_cache = model_kwargs.get(_GENERATE_CACHE_KWARG)
+        if user_cache is not None:
+            if not isinstance(user_cache, MaglevCache):
+                raise TypeError(f"Maglev needs a MaglevCache, got {type(user_cache).__name__}")
+            user_cache.check_compatible(self.config)
+            super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        elif generation_config.use_cache is False:
+            return
+        else:
+            model_kwargs[_GENERATE_CACHE_KWARG] = MaglevCache(self.config)
+        if getattr(generation_config, "is_assistant", False):
+            model_kwargs[_GENERATE_CACHE_KWARG].activate_past_recording()
+
+__all__ = ["MaglevCausalLMOutput", "MaglevForCausalLM", "MaglevModel", "MaglevModelOutput", "MaglevPreTrainedModel"]
