@@ -9,21 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORPUS = REPO_ROOT / "examples" / "data" / "tiny_corpus.txt"
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run fastest on one thread, and then do not fight other processes for the cores.
-    Test modules import this fixture to use it; the previous thread count comes back afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def corpus_lines() -> list[str]:

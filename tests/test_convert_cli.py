@@ -35,13 +35,6 @@ BF16_TOLERANCE = 0.25  # bf16 weights and activations against float32 reference 
 TEXT = "The key to long context is <|bos|> memory, 12345 and  spaces\n\tend"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def convert(*argv: str) -> int:
     return main(["convert", *map(str, argv)])

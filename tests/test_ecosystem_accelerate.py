@@ -11,7 +11,6 @@ from accelerate.utils import compute_module_sizes
 from transformers import AutoModelForCausalLM
 
 import ecosystem_support as support
-from ecosystem_support import one_torch_thread  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

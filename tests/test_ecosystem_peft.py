@@ -7,7 +7,6 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ecosystem_support as support
-from ecosystem_support import one_torch_thread  # noqa: F401  (autouse fixture)
 from kvm_maglev.training import lora_target_modules
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

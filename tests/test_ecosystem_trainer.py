@@ -8,7 +8,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, default_data_collator
 
 import ecosystem_support as support
-from ecosystem_support import one_torch_thread  # noqa: F401  (autouse fixture)
 from kvm_maglev.training import LossComponentsTrainer, group_texts_dataset, parameter_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

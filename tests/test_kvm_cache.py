@@ -37,13 +37,6 @@ VARIANTS = {
 LENGTH = 45
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def random_model(seed: int = 0, **overrides) -> KVMForCausalLM:
     """Tiny model whose every parameter matters (the default init zeroes some paths)."""

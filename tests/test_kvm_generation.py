@@ -33,13 +33,6 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 _MODELS: dict = {}
 

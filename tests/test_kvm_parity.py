@@ -20,14 +20,6 @@ FORMS = ("research_pt", "research_final")
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny matmuls run faster on one thread, especially on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def converted(data_dir, tmp_path_factory):

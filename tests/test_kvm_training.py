@@ -15,13 +15,6 @@ CONFIG = dict(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def random_model(**overrides) -> KVMForCausalLM:
     torch.manual_seed(0)

@@ -21,13 +21,6 @@ from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @pytest.fixture(scope="module")
 def fixture_dir(data_dir) -> Path:

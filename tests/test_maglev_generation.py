@@ -23,13 +23,6 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def left_padded(rows: list[torch.Tensor], pad: int = PAD):
     """Rows of different lengths, left-padded into one batch, and their mask."""

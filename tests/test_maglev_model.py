@@ -11,14 +11,6 @@ from kvm_maglev.models.maglev.modeling_maglev import CACHE_NAME, MaglevForCausal
 VOCAB = 97
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Single-token recurrent steps are tiny: one thread avoids contention on a busy 2-core runner."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def tiny_config(**overrides) -> MaglevConfig:
     fields = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,

@@ -49,14 +49,6 @@ LARGE = settings.get_profile("kvm_maglev_large")
 FAST = LARGE if os.environ.get("KVM_MAGLEV_PROPERTY_PROFILE") == "large" else settings.get_profile("kvm_maglev_fast")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """The models are tiny: one thread avoids contention on a busy 2-core runner."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # ----- inputs shared by both models ------------------------------------------------------------------------
 @dataclasses.dataclass
