@@ -22,7 +22,15 @@ from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalL
 from kvm_maglev.convert.cards import render_model_card
 from kvm_maglev.convert.export import write_model_folder
 from kvm_maglev.demo import TASK_FILE
-from kvm_maglev.recall import RecallTask, build_dataset, chance_level, collate, default_distances, evaluate_recall
+from kvm_maglev.recall import (
+    RecallTask,
+    build_dataset,
+    chance_level,
+    collate,
+    default_distances,
+    evaluate_recall,
+    plot_recall,
+)
 
 WIDTH, LAYERS, HEADS, WINDOW, CHUNK = 64, 2, 2, 16, 8
 # queries reach 8 windows past their fact: 1 + 2 * facts + 8 * WINDOW + room for the query
@@ -117,27 +125,6 @@ def save_recall_model(model, target: Path, name: str, distances: List[int], args
     )
 
 
-def plot(results: Dict[str, Dict[int, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, per_distance in results.items():
-        distances = sorted(per_distance)
-        ax.plot(distances, [100 * per_distance[d] for d in distances], marker="o", label=name)
-    ax.axhline(100 * chance_level(TASK), color="grey", linestyle=":", label="chance")
-    ax.axvline(WINDOW, color="grey", linestyle="--", label="attention window")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("query distance (tokens)")
-    ax.set_ylabel("exact-match recall (%)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: List[str] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
@@ -177,7 +164,7 @@ def write_results(results: Dict[str, Dict[int, float]], timings: Dict[str, float
         "recall": {name: {str(d): r for d, r in per.items()} for name, per in results.items()},
     }
     (args.out / "recall.json").write_text(json.dumps(summary, indent=1))
-    plot(results, args.out / "recall.png")
+    plot_recall(results, chance_level(TASK), WINDOW, args.out / "recall.png")
     print(f"wrote {args.out / 'recall.json'} and {args.out / 'recall.png'}", flush=True)
 
 

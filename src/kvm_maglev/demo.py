@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import torch
 
-from .recall import RecallTask, chance_level, evaluate_recall, make_example
+from .recall import RecallTask, chance_level, evaluate_recall, make_example, plot_recall
 
 RECALL_MODELS_DIR = Path(__file__).parent / "assets" / "recall_models"
 TASK_FILE = "recall_task.json"
@@ -61,27 +61,6 @@ def decode_cost(model, task: RecallTask, decode_tokens: int, seed: int) -> Dict[
     return {"cache_bytes": float(cache.nbytes()), "ms_per_token": 1e3 * max(total - prompt_only, 0.0) / decode_tokens}
 
 
-def _plot(rows: Dict[str, Dict], chance: float, window: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, row in rows.items():
-        distances = sorted(row["recall"])
-        ax.plot(distances, [100 * row["recall"][d] for d in distances], marker="o", label=name)
-    ax.axhline(100 * chance, color="grey", linestyle=":", label="chance")
-    ax.axvline(window, color="grey", linestyle="--", label="attention window")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("query distance (tokens)")
-    ax.set_ylabel("exact-match recall (%)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _table(rows: Dict[str, Dict], distances: List[int]) -> str:
     header = f"{'model':<14}" + "".join(f"{'d=' + str(d):>8}" for d in distances) + f"{'cache KiB':>11}{'ms/token':>10}"
     lines = [header, "-" * len(header)]
@@ -108,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     print(_table(rows, distances))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo.json").write_text(json.dumps(rows, indent=1))
-    _plot(rows, chance_level(task), spec["window"], args.out / "recall.png")
+    recall = {name: row["recall"] for name, row in rows.items()}
+    plot_recall(recall, chance_level(task), spec["window"], args.out / "recall.png")
     print(f"\nwrote {args.out / 'demo.json'} and {args.out / 'recall.png'}")
     return 0

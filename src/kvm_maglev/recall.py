@@ -181,6 +181,28 @@ def default_distances(window: int, max_multiple: int = 8) -> List[int]:
     return sorted({max(2, window // 2), window - 2, *(window * k for k in (2, 4) if k <= max_multiple), window * max_multiple})
 
 
+def plot_recall(results: Dict[str, Dict[int, float]], chance: float, window: int, path) -> None:
+    """Recall (%) against query distance per model, with chance and the attention window marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, per_distance in results.items():
+        distances = sorted(per_distance)
+        ax.plot(distances, [100 * per_distance[d] for d in distances], marker="o", label=name)
+    ax.axhline(100 * chance, color="grey", linestyle=":", label="chance")
+    ax.axvline(window, color="grey", linestyle="--", label="attention window")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("query distance (tokens)")
+    ax.set_ylabel("exact-match recall (%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def chance_level(task: RecallTask) -> float:
     return 1.0 / task.num_values
 
@@ -202,6 +224,7 @@ __all__ = [
     "evaluate_recall",
     "default_distances",
     "chance_level",
+    "plot_recall",
     "collate",
     "PAD_ID",
     "BOS_ID",
