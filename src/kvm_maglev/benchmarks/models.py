@@ -32,8 +32,9 @@ TINY = Shape(num_layers=2, hidden_size=64, num_heads=2, vocab_size=512, chunk_le
 SHAPES = {"default": Shape(), "tiny": TINY}
 
 
-def _llama(shape: Shape) -> torch.nn.Module:
-    config = LlamaConfig(
+def _baseline_fields(shape: Shape) -> dict:
+    """Config fields the Llama and Mistral baselines share (multi-head attention, SDPA)."""
+    return dict(
         vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.mlp_size,
@@ -43,22 +44,14 @@ def _llama(shape: Shape) -> torch.nn.Module:
         max_position_embeddings=1 << 20,
         attn_implementation="sdpa",
     )
-    return LlamaForCausalLM(config)
+
+
+def _llama(shape: Shape) -> torch.nn.Module:
+    return LlamaForCausalLM(LlamaConfig(**_baseline_fields(shape)))
 
 
 def _mistral(shape: Shape) -> torch.nn.Module:
-    config = MistralConfig(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.mlp_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_heads,
-        sliding_window=shape.window,
-        max_position_embeddings=1 << 20,
-        attn_implementation="sdpa",
-    )
-    return MistralForCausalLM(config)
+    return MistralForCausalLM(MistralConfig(sliding_window=shape.window, **_baseline_fields(shape)))
 
 
 def _kvm(shape: Shape, **budget) -> torch.nn.Module:
