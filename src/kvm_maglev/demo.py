@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import torch
 
-from .recall import RecallTask, chance_level, evaluate_recall, make_example, plot_recall
+from .recall import RecallTask, chance_level, evaluate_recall, make_example, memory_prefill, plot_recall, prompt_modes
 
 RECALL_MODELS_DIR = Path(__file__).parent / "assets" / "recall_models"
 TASK_FILE = "recall_task.json"
@@ -62,11 +62,11 @@ def decode_cost(model, task: RecallTask, decode_tokens: int, seed: int) -> Dict[
 
 
 def _table(rows: Dict[str, Dict], distances: List[int]) -> str:
-    header = f"{'model':<14}" + "".join(f"{'d=' + str(d):>8}" for d in distances) + f"{'cache KiB':>11}{'ms/token':>10}"
+    header = f"{'model':<24}" + "".join(f"{'d=' + str(d):>8}" for d in distances) + f"{'cache KiB':>11}{'ms/token':>10}"
     lines = [header, "-" * len(header)]
     for name, row in rows.items():
         cells = "".join(f"{100 * row['recall'][d]:>7.0f}%" for d in distances)
-        lines.append(f"{name:<14}{cells}{row['cache_bytes'] / 1024:>11.1f}{row['ms_per_token']:>10.2f}")
+        lines.append(f"{name:<24}{cells}{row['cache_bytes'] / 1024:>11.1f}{row['ms_per_token']:>10.2f}")
     return "\n".join(lines)
 
 
@@ -79,8 +79,12 @@ def run(args: argparse.Namespace) -> int:
         spec = load_task(folder)
         task = RecallTask(**spec["task"])
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-        recall = evaluate_recall(model, task, spec["distances"], args.examples, seed=args.seed)
-        rows[folder.name] = {"recall": recall, **decode_cost(model, task, args.decode_tokens, args.seed)}
+        cost = decode_cost(model, task, args.decode_tokens, args.seed)
+        for mode in prompt_modes(model):
+            label = folder.name if mode in ("", "recurrent") else f"{folder.name}_{mode}_fed"
+            with memory_prefill(model, mode):
+                recall = evaluate_recall(model, task, spec["distances"], args.examples, seed=args.seed)
+            rows[label] = {"recall": recall, **cost}
         print(f"{folder.name}: done", flush=True)
     distances = spec["distances"]
     print(f"\nRecall of a value stated d tokens earlier (attention window {spec['window']}, chance {100 * chance_level(task):.1f}%)")

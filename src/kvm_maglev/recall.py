@@ -9,6 +9,7 @@ Filler and values are random, so the only learnable targets are the answers: lab
 ``-100`` everywhere else.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
@@ -156,6 +157,28 @@ def evaluate_recall(
     return recall
 
 
+def prompt_modes(model) -> List[str]:
+    """Maglev prompt modes a model can be measured in: "recurrent" always, "prefiller" when the
+    prefiller was kept (MAGLEV.md asks for recall under both); other models have one way to run."""
+    config = model.config
+    if getattr(config, "model_type", None) != "maglev" or not config.use_memory:
+        return [""]
+    return ["recurrent", "prefiller"] if config.has_prefiller else ["recurrent"]
+
+
+@contextmanager
+def memory_prefill(model, mode: str):
+    """Run a Maglev model with ``config.memory_prefill = mode`` inside the block ("" leaves it alone)."""
+    before = getattr(model.config, "memory_prefill", None)
+    if mode:
+        model.config.memory_prefill = mode
+    try:
+        yield model
+    finally:
+        if mode:
+            model.config.memory_prefill = before
+
+
 def left_pad(rows: List[List[int]], device: torch.device = None):
     """Left-pad token rows with ``PAD_ID``; returns ``(input_ids, attention_mask)``."""
     width = max(len(row) for row in rows)
@@ -220,6 +243,8 @@ __all__ = [
     "RecallExample",
     "make_example",
     "left_pad",
+    "prompt_modes",
+    "memory_prefill",
     "build_dataset",
     "evaluate_recall",
     "default_distances",

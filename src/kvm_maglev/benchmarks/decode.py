@@ -78,6 +78,8 @@ def measure(
     ids, mask = _left_padded_batch(lengths, model.config.vocab_size, generator, device)
     use_mask = batch_size > 1
     cache = None
+    if getattr(model.config, "memory_prefill", None) == "prefiller":
+        prefill_chunk = ids.shape[1]  # the prefiller reads the prompt in one forward (later chunks run recurrently)
     _sync(device)
     start = time.perf_counter()
     out = None
@@ -113,6 +115,6 @@ def measure(
         decode_ms_max=ordered[-1],
         decode_tokens_per_s=batch_size * 1e3 / median,
         cache_bytes=cache_bytes(cache),
-        cache_bytes_closed_form=closed_form_cache_bytes(model, context + decode_steps, batch_size),
+        cache_bytes_closed_form=closed_form_cache_bytes(model, [length + decode_steps for length in lengths]),
         step_ms=step_ms,
     )

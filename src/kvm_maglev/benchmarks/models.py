@@ -1,7 +1,7 @@
 """Model shapes and builders for the benchmarks: our models and the baselines users would pick."""
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
@@ -69,7 +69,8 @@ def _kvm(shape: Shape, **budget) -> torch.nn.Module:
     return KVMForCausalLM(config)
 
 
-def _maglev(shape: Shape) -> torch.nn.Module:
+def _maglev(shape: Shape, memory_prefill: str) -> torch.nn.Module:
+    """Maglev with its prefiller kept, so the same weights serve both prompt modes."""
     from kvm_maglev import MaglevConfig, MaglevForCausalLM
 
     config = MaglevConfig(
@@ -80,6 +81,8 @@ def _maglev(shape: Shape) -> torch.nn.Module:
         num_key_value_heads=shape.num_heads,
         use_memory=True,
         sliding_window=shape.window,
+        has_prefiller=True,
+        memory_prefill=memory_prefill,
     )
     return MaglevForCausalLM(config)
 
@@ -97,7 +100,8 @@ MODEL_BUILDERS: Dict[str, Callable[[Shape], torch.nn.Module]] = {
         state_budget_min=shape.chunk_len,
         state_max_chunks=10000,
     ),
-    "maglev": _maglev,
+    "maglev": lambda shape: _maglev(shape, "recurrent"),
+    "maglev_prefiller": lambda shape: _maglev(shape, "prefiller"),
     "llama_full": _llama,
     "mistral_swa": _mistral,
 }
@@ -115,15 +119,20 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def closed_form_cache_bytes(model: torch.nn.Module, num_tokens: int, batch_size: int) -> Optional[int]:
-    """Cache size predicted from the config alone (KV heads x head dim x kept tokens)."""
+def closed_form_cache_bytes(model: torch.nn.Module, row_tokens: List[int]) -> Optional[int]:
+    """Cache size predicted from the config alone, for rows that read `row_tokens` real tokens each.
+
+    Our caches keep each row's own tokens (a padded row holds less, and a KVM row's window depends on
+    where it is in its chunk), so the prediction is summed per row; transformers' caches keep every
+    column of the padded batch (KV heads x head dim x kept columns).
+    """
     config = model.config
     dtype = next(model.parameters()).dtype
     if hasattr(config, "cache_bytes"):
-        return int(config.cache_bytes(num_tokens, batch_size=batch_size, dtype=dtype))
-    kept = num_tokens
+        return sum(int(config.cache_bytes(tokens, batch_size=1, dtype=dtype)) for tokens in row_tokens)
+    kept = max(row_tokens)
     if getattr(config, "sliding_window", None):
-        kept = min(num_tokens, config.sliding_window)
+        kept = min(kept, config.sliding_window - 1)  # the next query brings its own key: window - 1 are kept
     head_dim = config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
-    return per_token * kept * batch_size * torch.finfo(dtype).bits // 8
+    return per_token * kept * len(row_tokens) * torch.finfo(dtype).bits // 8

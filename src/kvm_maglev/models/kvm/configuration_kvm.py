@@ -14,7 +14,7 @@ section "KVM config fields" repeats it.
 | d_v_head / d_head | value_head_dim | default hidden_size // num_attention_heads |
 | ffn_expansion | intermediate_size | int(ffn_expansion * hidden_size) // 32 * 32 |
 | rope_theta | rope_theta | |
-| rope_partial_dim | rotary_dim | rotated channels of a head (KVM layers), zeroed in state keys; default: whole head |
+| rope_partial_dim | rotary_dim | rotated channels of a head (KVM layers), zeroed in state keys; default: half the head (research: 64 of 128) |
 | alt_rope_theta | sliding_window_rope_theta | |
 | alt_rope_partial_dim | sliding_window_rotary_dim | 0 = no rotary in sliding-window layers; default: whole head |
 | alt_layer_every | sliding_window_every | layers with index % n == 0 are sliding-window; 0 = none |
@@ -61,6 +61,9 @@ import math
 
 import torch
 from transformers import PretrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 STATE_BUDGET_MODES = ("fixed", "power_law", "kvm_saturation")
 VALUE_RESIDUAL_MODES = ("linear", "rwkv", "rwkv_post_tokenshift")
@@ -178,8 +181,9 @@ class KVMConfig(PretrainedConfig):
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         if self.hidden_size and self.num_attention_heads:
-            # None: rotate the whole head
-            self.rotary_dim = self.qk_head_dim if rotary_dim is None else rotary_dim
+            # None: rotate half the head, as the published models do (64 of 128). State keys keep only
+            # the unrotated channels, so a whole-head rotary would leave the state unaddressable.
+            self.rotary_dim = max(2, self.qk_head_dim // 4 * 2) if rotary_dim is None else rotary_dim
             self.sliding_window_rotary_dim = (
                 self.qk_head_dim if sliding_window_rotary_dim is None else sliding_window_rotary_dim
             )
@@ -244,6 +248,11 @@ class KVMConfig(PretrainedConfig):
         head = self.qk_head_dim
         if not isinstance(self.rotary_dim, int) or self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > head:
             fail("rotary_dim", f"an even integer in [2, head_dim={head}]")
+        if self.rotary_dim == head:
+            logger.warning_once(
+                f"rotary_dim equals head_dim ({head}): state keys zero the rotary channels, so every state slot "
+                "gets the same score and the state acts as a plain average. Use a smaller rotary_dim (default: half)."
+            )
         if (not isinstance(self.sliding_window_rotary_dim, int) or self.sliding_window_rotary_dim < 0
                 or self.sliding_window_rotary_dim % 2 or self.sliding_window_rotary_dim > head):
             fail("sliding_window_rotary_dim", f"an even integer in [0, head_dim={head}]")
