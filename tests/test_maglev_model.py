@@ -347,3 +347,61 @@ def test_save_and_from_pretrained_round_trip(tmp_path):
     ids = random_ids(1, 20)
     assert all(torch.equal(value, loaded.state_dict()[key]) for key, value in model.state_dict().items())
     assert torch.allclose(model(ids, use_cache=False).logits, loaded(ids, use_cache=False).logits, atol=1e-5)
+
+
+# ----- long chunks: blocked windowed attention -----------------------------------------------------------
+@pytest.mark.parametrize("padding", ["none", "left", "middle"])
+def test_query_blocks_equal_one_dense_attention(monkeypatch, padding):
+    """Long parallel chunks attend block by block of queries over the keys they can reach; the result is
+    the dense masked attention's (lifted training with its gradients, prefiller prompt with its cache)."""
+    from kvm_maglev.models.maglev import cache_maglev
+
+    model = tiny_model(prefiller_shares_blocks=False, memory_prefill="prefiller")
+    ids = random_ids(3, 70)
+    mask = torch.ones_like(ids)
+    if padding == "left":
+        mask[1, :13], mask[2, :40] = 0, 0
+    elif padding == "middle":
+        mask[1, 20:31], mask[2, 5:9] = 0, 0
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def run():
+        model.train()
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        model.eval()
+        with torch.no_grad():
+            prompt = model(ids[:, :60], attention_mask=mask[:, :60], use_cache=True)
+            cache = prompt.past_key_values if getattr(prompt, "past_key_values", None) is not None else prompt.cache
+            step = model(ids[:, 60:], attention_mask=mask, past_key_values=cache, use_cache=True)
+        return out.logits.detach(), grads, prompt.logits, step.logits
+
+    monkeypatch.setattr(cache_maglev, "QUERY_BLOCK", 10**9)
+    dense = run()
+    monkeypatch.setattr(cache_maglev, "QUERY_BLOCK", 8)
+    blocked = run()
+    real = mask.bool()
+    torch.testing.assert_close(blocked[0][real], dense[0][real], atol=1e-5, rtol=1e-5)
+    for name, grad in dense[1].items():
+        torch.testing.assert_close(blocked[1][name], grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(blocked[2][real[:, :60]], dense[2][real[:, :60]], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(blocked[3], dense[3], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("memory_prefill", ["recurrent", "prefiller"])
+def test_padding_positions_do_not_see_the_next_real_token(memory_prefill):
+    """A padding query carries the next real token's position; it must still not read that token, or a
+    left-padded row would leak the label of its first token in training."""
+    model = tiny_model(prefiller_shares_blocks=False, memory_prefill=memory_prefill)
+    ids = random_ids(2, 30)
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    changed = ids.clone()
+    changed[1, 10] = (ids[1, 10] + 1) % VOCAB
+    for lifted in (False, True):
+        before = model.model(ids, attention_mask=mask, use_cache=False, lifted=lifted).last_hidden_state
+        after = model.model(changed, attention_mask=mask, use_cache=False, lifted=lifted).last_hidden_state
+        torch.testing.assert_close(before[1, :10], after[1, :10])

@@ -17,7 +17,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_maglev import MaglevCache, StepContext, gather_columns, previous_real_index
+from .cache_maglev import MaglevCache, StepContext, gather_columns, previous_real_index, sdpa
 from .configuration_maglev import MaglevConfig
 
 # transformers 5.24 renamed the model keyword and output field `past_key_values` to `cache`.
@@ -117,7 +117,7 @@ class MaglevAttention(nn.Module):
         q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([self.num_heads, self.num_kv_heads], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if store is None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.chunk_mask(window), enable_gqa=True)
+            y = ctx.windowed_attention(q, k, v, window, sdpa)
         else:
             y = store.attend(q, k, v, ctx)
         return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
