@@ -53,7 +53,7 @@ def _kvm(**budget) -> torch.nn.Module:
     return KVMForCausalLM(config)
 
 
-def _maglev(use_memory: bool) -> torch.nn.Module:
+def _maglev(use_memory: bool, consistency_weight: float = 0.1, shares_blocks: bool = False) -> torch.nn.Module:
     config = MaglevConfig(
         vocab_size=TASK.vocab_size,
         hidden_size=WIDTH,
@@ -66,8 +66,8 @@ def _maglev(use_memory: bool) -> torch.nn.Module:
         use_memory=use_memory,
         has_prefiller=use_memory,
         prefiller_window_pattern="L",
-        prefiller_shares_blocks=False,
-        consistency_weight=0.1,
+        prefiller_shares_blocks=shares_blocks,
+        consistency_weight=consistency_weight,
     )
     return MaglevForCausalLM(config)
 
@@ -81,11 +81,17 @@ MODELS: Dict[str, Callable[[], torch.nn.Module]] = {
     "maglev": lambda: _maglev(use_memory=True),
     "swa_baseline": lambda: _maglev(use_memory=False),
 }
+# Maglev settings tried beside the default (not run unless named with --models)
+VARIANTS: Dict[str, Callable[[], torch.nn.Module]] = {
+    "maglev_consistency1": lambda: _maglev(use_memory=True, consistency_weight=1.0),
+    "maglev_consistency0.3": lambda: _maglev(use_memory=True, consistency_weight=0.3),
+    "maglev_shared_blocks": lambda: _maglev(use_memory=True, shares_blocks=True),
+}
 
 
 def train_one(name: str, args: argparse.Namespace, train_data) -> torch.nn.Module:
     set_seed(args.seed)
-    model = MODELS[name]()
+    model = {**MODELS, **VARIANTS}[name]()
     training_args = TrainingArguments(
         output_dir=str(args.out / "trainer" / name),
         max_steps=args.steps,
@@ -129,7 +135,7 @@ def save_recall_model(model, target: Path, name: str, distances: List[int], args
 
 def main(argv: List[str] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=sorted({**MODELS, **VARIANTS}), default=list(MODELS))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=6e-3)

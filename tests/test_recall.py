@@ -101,3 +101,14 @@ def test_kept_kvm_models_recall_far_past_their_window(demo_rows):
     for name in ("kvm_fixed", "kvm_sqrt"):
         assert rows[name]["recall"][four_windows] >= 0.9, rows[name]
     assert rows["swa_baseline"]["recall"][four_windows] <= 0.25
+
+
+def test_kept_folders_carry_the_current_model_code():
+    """The folders are what the Hub would get: their remote code must be the package's model code."""
+    package = demo.RECALL_MODELS_DIR.parent.parent / "models"
+    for folder in demo.find_model_folders(demo.RECALL_MODELS_DIR):
+        model_type = json.loads((folder / "config.json").read_text())["model_type"]
+        sources = sorted((package / model_type).glob("*_" + model_type + ".py"))
+        assert sources, model_type
+        for source in sources:
+            assert (folder / source.name).read_text() == source.read_text(), (folder.name, source.name)

@@ -61,6 +61,12 @@ def _returned_cache(output):
     return cache if cache is not None else output.past_key_values
 
 
+def _step(model, token_ids, mask, cache, use_mask: bool):
+    kwargs = {"attention_mask": mask} if use_mask else {}
+    out = model(input_ids=token_ids, use_cache=True, **{_CACHE_KEYWORD: cache}, **kwargs)
+    return out.logits[:, -1:].argmax(-1), _returned_cache(out)
+
+
 @torch.inference_mode()
 def measure(
     name: str,
@@ -71,38 +77,50 @@ def measure(
     prefill_chunk: int,
     seed: int = 0,
 ) -> Measurement:
-    """Prefill ``context`` tokens in chunks, then time ``decode_steps`` single-token steps."""
+    """Read ``context`` tokens, then time ``decode_steps`` single-token steps.
+
+    The prompt's first ``context - 1`` tokens are the timed prefill; its last token is read by one
+    untimed decoding step. Every model's first one-token step after a long prompt ran slow (one-row
+    kernels and allocations after the prompt's large ones), which is not what a decoding step costs;
+    the timed steps still start right at position ``context`` (a KVM chunk boundary when ``context``
+    is a multiple of the chunk).
+    """
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     lengths = _row_lengths(batch_size, context, generator)
     ids, mask = _left_padded_batch(lengths, model.config.vocab_size, generator, device)
     use_mask = batch_size > 1
-    cache = None
+    width = ids.shape[1]
+    prompt = max(1, width - 1)
     if getattr(model.config, "memory_prefill", None) == "prefiller":
-        prefill_chunk = ids.shape[1]  # the prefiller reads the prompt in one forward (later chunks run recurrently)
+        prefill_chunk = prompt  # the prefiller reads the prompt in one forward (later chunks run recurrently)
+    cache = None
     _sync(device)
     start = time.perf_counter()
     out = None
-    for begin in range(0, ids.shape[1], prefill_chunk):
-        end = min(begin + prefill_chunk, ids.shape[1])
+    for begin in range(0, prompt, prefill_chunk):
+        end = min(begin + prefill_chunk, prompt)
         kwargs = {"attention_mask": mask[:, :end]} if use_mask else {}
         out = model(input_ids=ids[:, begin:end], use_cache=True, logits_to_keep=1, **{_CACHE_KEYWORD: cache}, **kwargs)
         cache = _returned_cache(out)
     _sync(device)
     prefill_s = time.perf_counter() - start
-    next_ids = out.logits[:, -1:].argmax(-1)
+    generated = 0
+    if prompt < width:
+        next_ids, cache = _step(model, ids[:, prompt:], mask, cache, use_mask)
+    else:  # a one-token context: the untimed step reads a generated token
+        mask = torch.cat([mask, mask.new_ones(batch_size, 1)], dim=1)
+        next_ids, cache = _step(model, out.logits[:, -1:].argmax(-1), mask, cache, use_mask)
+        generated = 1
     step_ms = []
     # only the last position's logits are kept, so no large prefill tensor is freed inside a timed step
     for _ in range(decode_steps):
         mask = torch.cat([mask, mask.new_ones(batch_size, 1)], dim=1)
-        kwargs = {"attention_mask": mask} if use_mask else {}
         _sync(device)
         start = time.perf_counter()
-        out = model(input_ids=next_ids, use_cache=True, **{_CACHE_KEYWORD: cache}, **kwargs)
-        next_ids = out.logits[:, -1:].argmax(-1)
+        next_ids, cache = _step(model, next_ids, mask, cache, use_mask)
         _sync(device)
         step_ms.append((time.perf_counter() - start) * 1e3)
-        cache = _returned_cache(out)
     ordered = sorted(step_ms)
     median = statistics.median(step_ms)
     return Measurement(
@@ -115,6 +133,6 @@ def measure(
         decode_ms_max=ordered[-1],
         decode_tokens_per_s=batch_size * 1e3 / median,
         cache_bytes=cache_bytes(cache),
-        cache_bytes_closed_form=closed_form_cache_bytes(model, [length + decode_steps for length in lengths]),
+        cache_bytes_closed_form=closed_form_cache_bytes(model, [length + generated + decode_steps for length in lengths]),
         step_ms=step_ms,
     )

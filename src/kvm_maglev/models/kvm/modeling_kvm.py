@@ -405,6 +405,8 @@ class KVMAttention(KVMAttentionBase):
         if state is not None and not torch.is_grad_enabled():
             for cache in caches:
                 self.prepare_next_fold(cache, q.dtype, state_dtype_for(q.dtype), whole=x.shape[1] > 1)
+                if x.shape[1] > 1:  # decoding steps that follow then write the window in place
+                    cache.window.reserve(self.config.chunk_size)
         return self.output(y)
 
     def run_chunks(self, cache: KVMLayerCache, q, k, v, gate) -> torch.Tensor:
