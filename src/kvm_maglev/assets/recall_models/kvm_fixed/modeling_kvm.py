@@ -298,10 +298,11 @@ class KVMAttention(KVMAttentionBase):
             if n_append == chunk:
                 order = torch.arange(chunk, device=keys.device).expand(keys.shape[:2] + (chunk,))
             else:
-                with torch.no_grad():
-                    novelty = torch.matmul(keys, reference.transpose(-1, -2)).float().amax(dim=-1)
-                    order = torch.argsort(novelty, dim=-1)
-                yield
+                def novelty_of(part: torch.Tensor) -> torch.Tensor:
+                    with torch.no_grad():  # only an order comes out of it (never around a yield: grad mode is global)
+                        return torch.matmul(part, reference.transpose(-1, -2)).float().amax(dim=-1)
+                novelty = yield from self.per_token_pieces(keys, novelty_of, reference.shape[2])
+                order = torch.argsort(novelty, dim=-1)
             append_idx = order[..., :n_append].sort(dim=-1).values
             merge_idx = order[..., n_append:].sort(dim=-1).values
             new_keys, new_values = gather_tokens(keys_append, append_idx), gather_tokens(values_append, append_idx)
@@ -313,10 +314,12 @@ class KVMAttention(KVMAttentionBase):
         if keys_merge.shape[2] == 0:
             return state_keys, state_values, state_norms
         protected = min(config.sink_slots, state_keys.shape[2])
-        similarity = torch.matmul(keys_merge, reference.transpose(-1, -2))
-        similarity[..., :protected] = float("-inf")
-        winner = similarity.argmax(dim=-1, keepdim=True)  # [B, H, M, 1]
-        yield
+
+        def most_similar_slot(part: torch.Tensor) -> torch.Tensor:
+            similarity = torch.matmul(part, reference.transpose(-1, -2))
+            similarity[..., :protected] = float("-inf")
+            return similarity.argmax(dim=-1, keepdim=True)
+        winner = yield from self.per_token_pieces(keys_merge, most_similar_slot, reference.shape[2])  # [B, H, M, 1]
         state_keys = state_keys.scatter_add(2, winner.expand_as(keys_merge), keys_merge)
         state_values = state_values.scatter_add(2, winner.expand_as(values_merge), values_merge)
         if not config.state_value_norms:
@@ -324,6 +327,24 @@ class KVMAttention(KVMAttentionBase):
             # one to every slot's count (the published no-vlens ablation was trained that way).
             state_norms = state_norms + 1
         return state_keys, state_values, state_norms
+
+    def per_token_pieces(self, tokens: torch.Tensor, compute, slots: int):
+        """Generator: `compute` over the block's tokens [.., T, D] in pieces along T, pausing after each, so
+        that a fold computed ahead spreads its token-by-slot products over decoding steps. The pieces
+        hold about FOLD_PIECE_PRODUCTS token-slot pairs each, and a fold of all heads stays within
+        about half a chunk's steps. Returns the pieces joined along T."""
+        count = tokens.shape[2]
+        most = max(1, self.config.chunk_size // (4 * self.num_heads))
+        pieces = min(max(1, math.ceil(count * slots / FOLD_PIECE_PRODUCTS)), most, max(count, 1))
+        size = math.ceil(count / pieces)
+        parts = []
+        for begin in range(0, count, size):
+            parts.append(compute(tokens[:, :, begin:begin + size]))
+            yield
+        if not parts:
+            parts.append(compute(tokens))
+            yield
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def fold_ahead(self, cache: KVMLayerCache, pending: PendingFold, state_dtype: torch.dtype):
         """Generator doing a fold ahead of its boundary a slice at a time (a stage of one head per `next`),
@@ -405,6 +426,8 @@ class KVMAttention(KVMAttentionBase):
         if state is not None and not torch.is_grad_enabled():
             for cache in caches:
                 self.prepare_next_fold(cache, q.dtype, state_dtype_for(q.dtype), whole=x.shape[1] > 1)
+                if x.shape[1] > 1:  # decoding steps that follow then write the window in place
+                    cache.window.reserve(self.config.chunk_size)
         return self.output(y)
 
     def run_chunks(self, cache: KVMLayerCache, q, k, v, gate) -> torch.Tensor:
@@ -462,6 +485,10 @@ class PendingFold:
     @property
     def done(self) -> bool:
         return self.heads_done == self.num_heads
+
+
+# Token-slot products per stage of a fold computed ahead (256 x 256: a cheap fraction of a decoding step).
+FOLD_PIECE_PRODUCTS = 256 * 256
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -703,6 +730,18 @@ def real_tokens(attention_mask, batch: int, length: int, cached: int, device) ->
     return None if bool(valid.all()) else valid
 
 
+class KVMOutputHead(nn.Linear):
+    """The output head. On CPU in float32, a few rows (decoding) times the large vocabulary matrix
+    runs as ``W @ x^T``: MKL's ``x @ W^T`` with 2-64 rows is up to 6x slower than one row
+    (measured at vocab 50304 x 768), which made batched decoding scale poorly. Same math."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        if x.device.type == "cpu" and x.dtype == torch.float32 and 1 < rows <= 64 and self.bias is None:
+            return (self.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], -1)
+        return super().forward(x)
+
+
 class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
     """KVM model with a language-modelling head (optional logit soft-cap)."""
 
@@ -711,7 +750,7 @@ class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
     def __init__(self, config: KVMConfig):
         super().__init__(config)
         self.model = KVMModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = KVMOutputHead(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

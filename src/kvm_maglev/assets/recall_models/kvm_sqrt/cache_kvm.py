@@ -87,18 +87,27 @@ class TokenBuffer:
                             for s, t in zip(self.storage, tensors)]
             self.offset = 0
         else:
-            capacity = self.storage[0].shape[2]
-            if self.offset + live + n > capacity:
-                new_capacity = max(2 * (live + n), 16)
-                grown = []
-                for s, t in zip(self.storage, tensors):
-                    fresh = t.new_empty(t.shape[:2] + (new_capacity,) + t.shape[3:])
-                    fresh[:, :, :live] = s[:, :, self.offset : self.offset + live]
-                    grown.append(fresh)
-                self.storage, self.offset = grown, 0
+            self.reserve(n)
             for s, t in zip(self.storage, tensors):
                 s[:, :, self.offset + live : self.offset + live + n] = t
         self.end += n
+
+    def reserve(self, n: int) -> None:
+        """Make room to append `n` tokens in place: when the spare capacity is short, copy the live
+        tokens into a fresh buffer twice their size plus `n`. Called with a chunk's worth at the end
+        of a prefill, so the copy happens there and not in a decoding step."""
+        if self.storage is None or any(s.requires_grad for s in self.storage):
+            return
+        live = len(self)
+        if self.offset + live + n <= self.storage[0].shape[2]:
+            return
+        capacity = max(2 * (live + n), 16)
+        grown = []
+        for s in self.storage:
+            fresh = s.new_empty(s.shape[:2] + (capacity,) + s.shape[3:])
+            fresh[:, :, :live] = s[:, :, self.offset : self.offset + live]
+            grown.append(fresh)
+        self.storage, self.offset = grown, 0
 
     def view(self, start: int, stop: int) -> list[torch.Tensor]:
         """Views of absolute positions [start, stop)."""

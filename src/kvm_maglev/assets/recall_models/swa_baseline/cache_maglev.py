@@ -17,6 +17,8 @@ from transformers.cache_utils import Cache
 from .configuration_maglev import MaglevConfig, growing_capacity
 
 CACHE_FORMAT = "maglev-cache"
+# Queries per attention call when a long chunk runs in parallel (prefiller prompts, training).
+QUERY_BLOCK = 1024
 CACHE_FORMAT_VERSION = 1
 TENSORS_FILE = "maglev_cache.safetensors"
 META_FILE = "maglev_cache.json"
@@ -104,11 +106,53 @@ class StepContext:
         return self._masks[key]
 
     def chunk_mask(self, left: int) -> torch.Tensor:
-        """Mask of the chunk's queries over the chunk's own keys; each token always sees itself."""
+        """Mask of the chunk's queries over the chunk's own keys; each token always sees itself.
+
+        Columns stay causal too: a padding query has the position of the next real token and must
+        not see that token's key (it would leak the label of a left-padded row's first token)."""
+        return self.mask(("chunk", left), lambda: self.block_mask(left, (0, 0, self.length)))
+
+    def query_blocks(self, left: int) -> list[tuple[int, int, int]]:
+        """(first key column, first query column, end column) per block of QUERY_BLOCK queries: the key
+        columns any query of the block can see under a `left` window, so a long chunk costs
+        O(length * (QUERY_BLOCK + left)) instead of O(length^2). One block when the chunk is short."""
+        if self.length <= QUERY_BLOCK + left:
+            return [(0, 0, self.length)]
+
         def build():
-            eye = torch.eye(self.length, dtype=torch.bool, device=self.start.device)
-            return visible_keys(self.query_positions, self.key_positions, left) | eye
-        return self.mask(("chunk", left), build)
+            blocks = []
+            for begin in range(0, self.length, QUERY_BLOCK):
+                # per row, the first column whose key position is within reach of the block's first query
+                reach = self.key_positions[:, :begin + 1] >= self.query_positions[:, begin:begin + 1] - left
+                first = torch.where(reach.any(dim=1), reach.float().argmax(dim=1), begin)
+                blocks.append((int(first.min()), begin, min(begin + QUERY_BLOCK, self.length)))
+            return blocks
+        return self.mask(("blocks", left), build)
+
+    def block_mask(self, left: int, block: tuple[int, int, int]) -> torch.Tensor:
+        """`chunk_mask(left)` restricted to one block's queries and reachable keys."""
+        lo, begin, end = block
+
+        def build():
+            key_columns = torch.arange(lo, end, device=self.start.device)[None, :]
+            query_columns = torch.arange(begin, end, device=self.start.device)[:, None]
+            seen = visible_keys(self.query_positions[:, begin:end], self.key_positions[:, lo:end], left)
+            return (seen & (key_columns <= query_columns)) | (key_columns == query_columns)
+        return self.mask(("block", left, begin), build)
+
+    def windowed_attention(self, q, k, v, left: int, attend, prefix_mask=None, prefix=None) -> torch.Tensor:
+        """Attention of the chunk's queries over `prefix` keys/values (e.g. a ring, with `prefix_mask(begin,
+        end)`) and the chunk's own keys within `left`, block by block of queries."""
+        outputs = []
+        for block in self.query_blocks(left):
+            lo, begin, end = block
+            mask = self.chunk_mask(left) if block == (0, 0, self.length) else self.block_mask(left, block)
+            keys, values = k[:, :, lo:end], v[:, :, lo:end]
+            if prefix is not None:
+                mask = torch.cat([prefix_mask(begin, end), mask], dim=-1)
+                keys, values = torch.cat([prefix[0], keys], dim=2), torch.cat([prefix[1], values], dim=2)
+            outputs.append(attend(q[:, :, begin:end], keys, values, mask))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
 def _tracks_grad(*tensors: torch.Tensor) -> bool:
@@ -117,7 +161,8 @@ def _tracks_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _attention(q, keys, values, mask):
+def sdpa(q, keys, values, mask):
+    """Scaled dot-product attention with a boolean mask (grouped KV heads allowed)."""
     return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
 
@@ -140,10 +185,11 @@ class RingKeyValues:
             slots = torch.arange(self.capacity, device=k.device)
             last = ctx.start[:, None] - 1
             slot_positions = last - (last - slots) % self.capacity  # negative: never written
-            mask = ctx.mask(("ring", self.capacity), lambda: torch.cat(
-                [visible_keys(ctx.query_positions, slot_positions, self.capacity), ctx.chunk_mask(self.capacity)],
-                dim=-1))
-            y = _attention(q, torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2), mask)
+
+            def ring_mask(begin: int, end: int) -> torch.Tensor:
+                return ctx.mask(("ring", self.capacity, begin), lambda: visible_keys(
+                    ctx.query_positions[:, begin:end], slot_positions, self.capacity))
+            y = ctx.windowed_attention(q, k, v, self.capacity, sdpa, ring_mask, (self.keys, self.values))
         if ctx.records is None and ctx.length > 1:
             self._write_chunk(k, v, ctx)
         else:
@@ -256,10 +302,11 @@ class GrowingKeyValues:
         columns = torch.arange(end, device=k.device)
 
         def build():
-            own = columns[None, :] == (self.used + torch.arange(ctx.length, device=k.device))[:, None]
-            return visible_keys(ctx.query_positions, self.positions[:, :end], self.window) | own
+            query_columns = (self.used + torch.arange(ctx.length, device=k.device))[:, None]
+            seen = visible_keys(ctx.query_positions, self.positions[:, :end], self.window)
+            return (seen & (columns[None, :] <= query_columns)) | (columns[None, :] == query_columns)
         mask = ctx.mask(("all", self.window), build)
-        y = _attention(q, self.keys[:, :, :end], self.values[:, :, :end], mask)
+        y = sdpa(q, self.keys[:, :, :end], self.values[:, :, :end], mask)
         self.used = end
         if ctx.records is not None:
             for record in ctx.records:
