@@ -28,10 +28,8 @@ from kvm_maglev.recall import (
     chance_level,
     collate,
     default_distances,
-    evaluate_recall,
-    memory_prefill,
+    evaluate_recall_per_mode,
     plot_recall,
-    prompt_modes,
 )
 
 WIDTH, LAYERS, HEADS, WINDOW, CHUNK = 64, 2, 2, 16, 8
@@ -154,11 +152,10 @@ def main(argv: List[str] = None) -> None:
         start = time.time()
         model = train_one(name, args, train_data)
         timings[name] = time.time() - start
-        for mode in prompt_modes(model):
-            label = name if mode in ("", "recurrent") else f"{name}_{mode}_fed"
-            with memory_prefill(model, mode):
-                results[label] = evaluate_recall(model, TASK, eval_distances, args.eval_examples, seed=args.seed + 1)
-            print(label, f"{timings[name]:.0f}s", {d: round(100 * r, 1) for d, r in results[label].items()}, flush=True)
+        per_mode = evaluate_recall_per_mode(model, name, TASK, eval_distances, args.eval_examples, seed=args.seed + 1)
+        for label, recall in per_mode.items():
+            print(label, f"{timings[name]:.0f}s", {d: round(100 * r, 1) for d, r in recall.items()}, flush=True)
+        results.update(per_mode)
         if args.save_models is not None:
             args.save_models.mkdir(parents=True, exist_ok=True)
             save_recall_model(model, args.save_models / name, name, eval_distances, args)

@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import torch
 
-from .recall import RecallTask, chance_level, evaluate_recall, make_example, memory_prefill, plot_recall, prompt_modes
+from .recall import RecallTask, chance_level, evaluate_recall_per_mode, make_example, plot_recall
 
 RECALL_MODELS_DIR = Path(__file__).parent / "assets" / "recall_models"
 TASK_FILE = "recall_task.json"
@@ -80,11 +80,8 @@ def run(args: argparse.Namespace) -> int:
         task = RecallTask(**spec["task"])
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
         cost = decode_cost(model, task, args.decode_tokens, args.seed)
-        for mode in prompt_modes(model):
-            label = folder.name if mode in ("", "recurrent") else f"{folder.name}_{mode}_fed"
-            with memory_prefill(model, mode):
-                recall = evaluate_recall(model, task, spec["distances"], args.examples, seed=args.seed)
-            rows[label] = {"recall": recall, **cost}
+        per_mode = evaluate_recall_per_mode(model, folder.name, task, spec["distances"], args.examples, args.seed)
+        rows.update({label: {"recall": recall, **cost} for label, recall in per_mode.items()})
         print(f"{folder.name}: done", flush=True)
     distances = spec["distances"]
     print(f"\nRecall of a value stated d tokens earlier (attention window {spec['window']}, chance {100 * chance_level(task):.1f}%)")

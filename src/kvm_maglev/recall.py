@@ -179,6 +179,19 @@ def memory_prefill(model, mode: str):
             model.config.memory_prefill = before
 
 
+def evaluate_recall_per_mode(
+    model, name: str, task: RecallTask, distances: Sequence[int], num_examples: int, seed: int
+) -> Dict[str, Dict[int, float]]:
+    """`evaluate_recall` under each of the model's prompt modes, keyed `name` (the default mode) or
+    `name_<mode>_fed` (e.g. a Maglev prompt fed by its prefiller)."""
+    results = {}
+    for mode in prompt_modes(model):
+        label = name if mode in ("", "recurrent") else f"{name}_{mode}_fed"
+        with memory_prefill(model, mode):
+            results[label] = evaluate_recall(model, task, distances, num_examples, seed=seed)
+    return results
+
+
 def left_pad(rows: List[List[int]], device: torch.device = None):
     """Left-pad token rows with ``PAD_ID``; returns ``(input_ids, attention_mask)``."""
     width = max(len(row) for row in rows)
@@ -247,6 +260,7 @@ __all__ = [
     "memory_prefill",
     "build_dataset",
     "evaluate_recall",
+    "evaluate_recall_per_mode",
     "default_distances",
     "chance_level",
     "plot_recall",

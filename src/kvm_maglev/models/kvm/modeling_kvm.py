@@ -329,20 +329,17 @@ class KVMAttention(KVMAttentionBase):
         return state_keys, state_values, state_norms
 
     def per_token_pieces(self, tokens: torch.Tensor, compute, slots: int):
-        """Generator: `compute` over the block's tokens [.., T, D] in pieces along T, pausing after each, so
+        """Generator: `compute` over the block's tokens [.., T >= 1, D] in pieces along T, pausing after each, so
         that a fold computed ahead spreads its token-by-slot products over decoding steps. The pieces
         hold about FOLD_PIECE_PRODUCTS token-slot pairs each, and a fold of all heads stays within
         about half a chunk's steps. Returns the pieces joined along T."""
         count = tokens.shape[2]
         most = max(1, self.config.chunk_size // (4 * self.num_heads))
-        pieces = min(max(1, math.ceil(count * slots / FOLD_PIECE_PRODUCTS)), most, max(count, 1))
+        pieces = min(math.ceil(count * slots / FOLD_PIECE_PRODUCTS), most, count)
         size = math.ceil(count / pieces)
         parts = []
         for begin in range(0, count, size):
             parts.append(compute(tokens[:, :, begin:begin + size]))
-            yield
-        if not parts:
-            parts.append(compute(tokens))
             yield
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 

@@ -105,13 +105,6 @@ class StepContext:
             self._masks[key] = build()
         return self._masks[key]
 
-    def chunk_mask(self, left: int) -> torch.Tensor:
-        """Mask of the chunk's queries over the chunk's own keys; each token always sees itself.
-
-        Columns stay causal too: a padding query has the position of the next real token and must
-        not see that token's key (it would leak the label of a left-padded row's first token)."""
-        return self.mask(("chunk", left), lambda: self.block_mask(left, (0, 0, self.length)))
-
     def query_blocks(self, left: int) -> list[tuple[int, int, int]]:
         """(first key column, first query column, end column) per block of QUERY_BLOCK queries: the key
         columns any query of the block can see under a `left` window, so a long chunk costs
@@ -130,7 +123,10 @@ class StepContext:
         return self.mask(("blocks", left), build)
 
     def block_mask(self, left: int, block: tuple[int, int, int]) -> torch.Tensor:
-        """`chunk_mask(left)` restricted to one block's queries and reachable keys."""
+        """Mask of one block's queries over the chunk's key columns [lo, end): each token sees itself and
+        the real keys within `left` positions. Columns stay causal too: a padding query has the position
+        of the next real token and must not see that token's key (it would leak the label of a
+        left-padded row's first token)."""
         lo, begin, end = block
 
         def build():
@@ -146,7 +142,7 @@ class StepContext:
         outputs = []
         for block in self.query_blocks(left):
             lo, begin, end = block
-            mask = self.chunk_mask(left) if block == (0, 0, self.length) else self.block_mask(left, block)
+            mask = self.block_mask(left, block)
             keys, values = k[:, :, lo:end], v[:, :, lo:end]
             if prefix is not None:
                 mask = torch.cat([prefix_mask(begin, end), mask], dim=-1)
