@@ -8,6 +8,7 @@ from typing import Dict, List
 
 import torch
 
+from .compat import CACHE_KEYWORD, returned_cache
 from .recall import RecallTask, chance_level, evaluate_recall_per_mode, make_example, plot_recall
 
 RECALL_MODELS_DIR = Path(__file__).parent / "assets" / "recall_models"
@@ -39,26 +40,19 @@ def load_task(folder: Path) -> Dict:
 
 @torch.no_grad()
 def decode_cost(model, task: RecallTask, decode_tokens: int, seed: int) -> Dict[str, float]:
-    """Cache bytes after a full-length prompt, and greedy decode ms/token after it.
-
-    Decoding time is the time of ``decode_tokens + 1`` new tokens minus that of 1 (the prompt).
-    """
+    """Cache bytes after a full-length prompt, and greedy decode ms/token after it (each step timed
+    on the model's own cache, as generate() runs it)."""
     example = make_example(task, torch.Generator().manual_seed(seed), [])
-    prompt = torch.tensor([example.input_ids])
-
-    def timed_generate(new_tokens: int):
+    out = model(torch.tensor([example.input_ids]), use_cache=True)
+    cache = returned_cache(out)
+    token = out.logits[:, -1:].argmax(-1)
+    elapsed = 0.0
+    for _ in range(decode_tokens):
         start = time.perf_counter()
-        out = model.generate(
-            prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-            pad_token_id=0, return_dict_in_generate=True,
-        )
-        return time.perf_counter() - start, out
-
-    timed_generate(2)  # warm-up
-    prompt_only, _ = timed_generate(1)
-    total, out = timed_generate(decode_tokens + 1)
-    cache = out.past_key_values if getattr(out, "past_key_values", None) is not None else out.cache
-    return {"cache_bytes": float(cache.nbytes()), "ms_per_token": 1e3 * max(total - prompt_only, 0.0) / decode_tokens}
+        out = model(token, use_cache=True, **{CACHE_KEYWORD: cache})
+        elapsed += time.perf_counter() - start
+        cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
+    return {"cache_bytes": float(cache.nbytes()), "ms_per_token": 1e3 * elapsed / max(decode_tokens, 1)}
 
 
 def _table(rows: Dict[str, Dict], distances: List[int]) -> str:

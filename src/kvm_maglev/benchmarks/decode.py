@@ -6,12 +6,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
-import transformers
-from packaging import version
 
-# transformers 5.24 renamed the model keyword `past_key_values` to `cache`.
-_CACHE_KEYWORD = "cache" if version.parse(transformers.__version__) >= version.parse("5.24") else "past_key_values"
-
+from ..compat import CACHE_KEYWORD, returned_cache
 from .models import cache_bytes, closed_form_cache_bytes
 
 
@@ -55,16 +51,10 @@ def _left_padded_batch(lengths: List[int], vocab: int, generator: torch.Generato
     return ids.to(device), mask.to(device)
 
 
-def _returned_cache(output):
-    """The cache a forward returned (``cache`` on transformers >= 5.24, else ``past_key_values``)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
-
-
 def _step(model, token_ids, mask, cache, use_mask: bool):
     kwargs = {"attention_mask": mask} if use_mask else {}
-    out = model(input_ids=token_ids, use_cache=True, **{_CACHE_KEYWORD: cache}, **kwargs)
-    return out.logits[:, -1:].argmax(-1), _returned_cache(out)
+    out = model(input_ids=token_ids, use_cache=True, **{CACHE_KEYWORD: cache}, **kwargs)
+    return out.logits[:, -1:].argmax(-1), returned_cache(out)
 
 
 @torch.inference_mode()
@@ -101,8 +91,8 @@ def measure(
     for begin in range(0, prompt, prefill_chunk):
         end = min(begin + prefill_chunk, prompt)
         kwargs = {"attention_mask": mask[:, :end]} if use_mask else {}
-        out = model(input_ids=ids[:, begin:end], use_cache=True, logits_to_keep=1, **{_CACHE_KEYWORD: cache}, **kwargs)
-        cache = _returned_cache(out)
+        out = model(input_ids=ids[:, begin:end], use_cache=True, logits_to_keep=1, **{CACHE_KEYWORD: cache}, **kwargs)
+        cache = returned_cache(out)
     _sync(device)
     prefill_s = time.perf_counter() - start
     generated = 0

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..compat import returned_cache
 from .models import MODEL_BUILDERS, SHAPES
 
 MODELS = ("kvm_fixed", "kvm_sqrt16", "maglev")
@@ -53,11 +54,6 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
             else:
                 param.add_(0.1 * noise)
     return model
-
-
-def cache_of(output):
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
 
 
 class NonFiniteWatch:
@@ -122,7 +118,7 @@ def float32_logits(reference: torch.nn.Module, sequence: torch.Tensor, last: int
     cache, kept = None, []
     for start in range(0, sequence.shape[1], piece):
         output = reference(sequence[:, start:start + piece], past_key_values=cache, use_cache=True)
-        cache = cache_of(output)
+        cache = returned_cache(output)
         if start + piece > sequence.shape[1] - last:
             kept.append(output.logits[0].float())
     return torch.cat(kept, dim=0)[-last:]
@@ -142,7 +138,7 @@ def long_run(reference: torch.nn.Module, dtype_name: str, tokens: int, prompt_to
     watch = NonFiniteWatch(model)
     started = time.perf_counter()
     output = model(sequence.to(device), use_cache=True)
-    cache = cache_of(output)
+    cache = returned_cache(output)
     logits = output.logits[:, -1].float()
     kept = [output.logits[0].float()]
     recent = deque(output.logits[0].float(), maxlen=compare_tokens)
