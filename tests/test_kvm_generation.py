@@ -90,7 +90,8 @@ def row_state(cache: KVMCache, row: int) -> list[torch.Tensor]:
     raise AssertionError(f"row {row} not in the cache")
 
 
-def assert_same_rows(a: KVMCache, b: KVMCache, rows_a=None, rows_b=None, atol=1e-5):
+def assert_same_rows(a: KVMCache, b: KVMCache, rows_a=None, rows_b=None, atol=5e-5):
+    # oneDNN's linears block by row count, so states built from different chunkings differ by rounding
     rows_a = range(a.rows) if rows_a is None else rows_a
     rows_b = range(b.rows) if rows_b is None else rows_b
     for ra, rb in zip(rows_a, rows_b, strict=True):

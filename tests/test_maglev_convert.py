@@ -272,7 +272,8 @@ base = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
 assert type(base).__name__ == "MaglevModel" and AutoConfig.from_pretrained(folder, trust_remote_code=True).model_type == "maglev"
 with torch.no_grad():
     hidden = base(reference["input_ids"][:, :8], use_cache=False).last_hidden_state
-assert torch.allclose(hidden, model.model(reference["input_ids"][:, :8], use_cache=False).last_hidden_state)
+# outside no_grad the linears take nn.Linear's kernel, not oneDNN: equal up to rounding
+assert torch.allclose(hidden, model.model(reference["input_ids"][:, :8], use_cache=False).last_hidden_state, atol=1e-5)
 print(json.dumps({"error": error, "new": generated[0, 80:].tolist(), "module": type(model).__module__}))
 """
 
