@@ -79,18 +79,21 @@ def run_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch
     return out
 
 
-def one_query_attention(q, window_q, keys, values, state_keys, state_values, scale: float) -> torch.Tensor:
-    """`attend_state_and_window` for one query per row (a decoding step) on CPU in float32: the same softmax, with
-    logits as keys @ q and the output as a probability-weighted sum of values. A step reads every state
-    and window key and value once; these forms read them about twice as fast as q @ keys^T and
-    probs @ values (one-column products), which set the speed of long-context batched decoding. (In half
-    precision the products would be rounded before the sum, so those dtypes keep the matmuls.)"""
-    state_logits = torch.matmul(state_keys, q.transpose(-1, -2)).float()  # [B, H, slots, 1]
-    window_logits = torch.matmul(keys, window_q.transpose(-1, -2)).float()
-    probs = torch.softmax(torch.cat([state_logits, window_logits], dim=2) * scale, dim=2).to(values.dtype)
+def one_query_attention(q, window_q, keys, values, state_keys, state_value_columns, scale: float) -> torch.Tensor:
+    """`attend_state_and_window` for one query per row (a decoding step) on CPU in float32: the same softmax,
+    with logits as keys @ q, the state's output as value columns @ probs and the window's as a
+    probability-weighted sum of its values. A step reads every state and window key and value once;
+    these forms read them about twice as fast as q @ keys^T and probs @ values (one-row products), which
+    set the speed of long-context batched decoding. (In half precision the weighted sum would round its
+    products before adding them, so those dtypes keep the matmuls.)"""
+    # Vectors enter the products as transposed contiguous rows: as contiguous columns they take a kernel
+    # up to 10x slower. `cat` of the transposed logits gives one contiguous row of probabilities per head.
+    state_logits = torch.matmul(state_keys, q.contiguous().transpose(-1, -2)).transpose(-1, -2)  # [B, H, 1, slots]
+    window_logits = torch.matmul(keys, window_q.contiguous().transpose(-1, -2)).transpose(-1, -2)
+    probs = torch.softmax(torch.cat([state_logits, window_logits], dim=-1).float() * scale, dim=-1).to(values.dtype)
     slots = state_keys.shape[2]
-    state_part = (probs[:, :, :slots] * state_values).sum(dim=2, keepdim=True)
-    return state_part + (probs[:, :, slots:] * values).sum(dim=2, keepdim=True)
+    state_part = torch.matmul(state_value_columns, probs[..., :slots].transpose(-1, -2)).transpose(-1, -2)
+    return state_part + (probs[..., slots:].transpose(-1, -2) * values).sum(dim=2, keepdim=True)
 
 
 # torch's oneDNN linear (what torch.compile emits for CPU linears); None where torch is built without oneDNN
@@ -249,7 +252,8 @@ class KVMAttention(KVMAttentionBase):
         return getattr(self, name).view(1, self.num_heads, 1, 1)
 
     def read_state(self, cache: KVMLayerCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """State keys/values as attention reads them; recomputed only when the state changed."""
+        """State keys [B, H, slots, D] and value columns [B, H, Dv, slots] as attention reads them;
+        recomputed only when the state changed."""
         if cache.read_cache is None:
             normed = self.normalize_state_keys(cache.state_keys)
             cache.normed_keys = (cache.state_keys, normed)  # the next fold compares against the same keys
@@ -258,7 +262,9 @@ class KVMAttention(KVMAttentionBase):
 
     def readable_state(self, state: tuple, heads: slice, dtype: torch.dtype,
                        normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer-normed, temperature-scaled keys and renormalised values of a state (heads `heads`)."""
+        """Layer-normed, temperature-scaled keys and renormalised values of a state (heads `heads`), the
+        values stored transposed ([.., Dv, slots]): a decoding step then reads them as `columns @ probs`,
+        on CPU about 1.5x faster than any product or sum over [slots, Dv] rows."""
         state_keys, state_values, state_norms = state
         temperature = self.temperature("state_temperature")
         if isinstance(temperature, torch.Tensor):
@@ -268,7 +274,7 @@ class KVMAttention(KVMAttentionBase):
             values = F.normalize(state_values.float(), dim=-1) * state_norms
         else:
             values = state_values / state_norms
-        return keys.to(dtype), values.to(dtype)
+        return keys.to(dtype), values.to(dtype).transpose(-1, -2).contiguous()
 
     def add_initial_tokens(self, cache: KVMLayerCache, k, v, gate, state_dtype) -> None:
         """Tokens of the first chunk enter the state directly, one slot each."""
@@ -430,7 +436,7 @@ class KVMAttention(KVMAttentionBase):
         mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device) if q.shape[2] > 1 else None
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
-    def attend_state_and_window(self, q, keys, values, state_keys, state_values) -> torch.Tensor:
+    def attend_state_and_window(self, q, keys, values, state_keys, state_value_columns) -> torch.Tensor:
         """One softmax over state slots and window keys, without concatenating keys/values.
 
         The per-head window temperature scales the queries of the window logits rather than
@@ -439,7 +445,7 @@ class KVMAttention(KVMAttentionBase):
         scale = 1.0 / math.sqrt(q.shape[-1])
         window_q = q * self.temperature("window_temperature")
         if q.shape[2] == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
-            return one_query_attention(q, window_q, keys, values, state_keys, state_values, scale)
+            return one_query_attention(q, window_q, keys, values, state_keys, state_value_columns, scale)
         state_logits = torch.matmul(q, state_keys.transpose(-1, -2)).float()
         window_logits = torch.matmul(window_q, keys.transpose(-1, -2)).float()
         if q.shape[2] > 1:
@@ -447,7 +453,8 @@ class KVMAttention(KVMAttentionBase):
             window_logits = window_logits.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(torch.cat([state_logits, window_logits], dim=-1) * scale, dim=-1).to(values.dtype)
         slots = state_keys.shape[2]
-        return torch.matmul(probs[..., :slots], state_values) + torch.matmul(probs[..., slots:], values)
+        state_part = torch.matmul(probs[..., :slots], state_value_columns.transpose(-1, -2))
+        return state_part + torch.matmul(probs[..., slots:], values)
 
     def forward(self, x, v_first, rotary, plan: StepPlan, state) -> torch.Tensor:
         carries, caches = state if state is not None else (None, [KVMLayerCache() for _ in plan.segments])

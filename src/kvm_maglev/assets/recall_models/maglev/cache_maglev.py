@@ -206,7 +206,10 @@ class RingKeyValues:
         grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
         written = ctx.mask(("ring1", self.capacity), lambda: (
             torch.arange(self.capacity, device=q.device) < ctx.start[:, None])[:, None, None, :])
-        ring_scores = (grouped @ self.keys.transpose(-1, -2)).masked_fill(~written, float("-inf"))
+        # keys @ q (not q @ keys^T), q contiguous and then transposed: on CPU that one-column product reads
+        # the ring about three times as fast (a contiguous column vector takes a slower kernel)
+        column = grouped.contiguous().transpose(-1, -2)
+        ring_scores = (self.keys @ column).transpose(-1, -2).masked_fill(~written, float("-inf"))
         own_score = (grouped * k).sum(dim=-1, keepdim=True)
         weights = (torch.cat([ring_scores, own_score], dim=-1).float() * dim ** -0.5).softmax(dim=-1).to(q.dtype)
         y = weights[..., :-1] @ self.values + weights[..., -1:] * v
