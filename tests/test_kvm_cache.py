@@ -171,6 +171,27 @@ def test_past_key_values_keyword_and_attention_mask_of_ones():
         assert torch.allclose(step, model(ids, use_cache=False).logits[:, 7:], atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [2, 4])
+def test_fold_ahead_is_done_before_its_boundary(heads):
+    """The fold's pieces are sized so that all its stages fit in 7/8 of a chunk: the boundary step only
+    swaps the result in. Every boundary of a long decode finds its fold done."""
+    chunk = 64
+    model = random_model(num_attention_heads=heads, hidden_size=64, rotary_dim=8, chunk_size=chunk)
+    ids = torch.randint(0, 97, (1, 5 * chunk), generator=torch.Generator().manual_seed(7))
+    checked = 0
+    with torch.no_grad():
+        cache = KVMCache(model.config)
+        model(ids[:, :3], cache=cache)
+        for pos in range(3, ids.shape[1]):
+            model(ids[:, pos : pos + 1], cache=cache)
+            if pos % chunk == chunk - 1 and pos >= 2 * chunk:  # the step before a boundary that folds a block
+                for layer in cache.groups[0].layers:
+                    if hasattr(layer, "pending_fold"):
+                        assert layer.pending_fold is not None and layer.pending_fold.done, pos
+                        checked += 1
+    assert checked > 0
+
+
 def test_folds_computed_ahead_are_bitwise_identical(monkeypatch):
     """Decoding folds the next block head by head during the chunk before its boundary; the boundary
     step swaps the result in. Logits and state equal folding at the boundary bit for bit."""

@@ -342,7 +342,7 @@ class KVMAttention(KVMAttentionBase):
                 def novelty_of(part: torch.Tensor) -> torch.Tensor:
                     with torch.no_grad():  # only an order comes out of it (never around a yield: grad mode is global)
                         return torch.matmul(part, reference.transpose(-1, -2)).float().amax(dim=-1)
-                novelty = yield from self.per_token_pieces(keys, novelty_of, reference.shape[2])
+                novelty = yield from self.per_token_pieces(keys, novelty_of)
                 order = torch.argsort(novelty, dim=-1)
             append_idx = order[..., :n_append].sort(dim=-1).values
             merge_idx = order[..., n_append:].sort(dim=-1).values
@@ -360,7 +360,7 @@ class KVMAttention(KVMAttentionBase):
             similarity = torch.matmul(part, reference.transpose(-1, -2))
             similarity[..., :protected] = float("-inf")
             return similarity.argmax(dim=-1, keepdim=True)
-        winner = yield from self.per_token_pieces(keys_merge, most_similar_slot, reference.shape[2])  # [B, H, M, 1]
+        winner = yield from self.per_token_pieces(keys_merge, most_similar_slot)  # [B, H, M, 1]
         state_keys = state_keys.scatter_add(2, winner.expand_as(keys_merge), keys_merge)
         state_values = state_values.scatter_add(2, winner.expand_as(values_merge), values_merge)
         if not config.state_value_norms:
@@ -369,14 +369,16 @@ class KVMAttention(KVMAttentionBase):
             state_norms = state_norms + 1
         return state_keys, state_values, state_norms
 
-    def per_token_pieces(self, tokens: torch.Tensor, compute, slots: int):
+    def per_token_pieces(self, tokens: torch.Tensor, compute):
         """Generator: `compute` over the block's tokens [.., T >= 1, D] in pieces along T, pausing after each, so
-        that a fold computed ahead spreads its token-by-slot products over decoding steps. The pieces
-        hold about FOLD_PIECE_PRODUCTS token-slot pairs each, and a fold of all heads stays within
-        about half a chunk's steps. Returns the pieces joined along T."""
+        that a fold computed ahead spreads its token-by-slot products over decoding steps: as many pieces as
+        keep a fold of all heads (two piece loops and two more stages per head) within 7/8 of a chunk's
+        steps, so each step carries a small share and the fold is done before its boundary. In a batch of
+        rows at different phases of their chunks, a thin even share keeps steps alike. Returns the pieces
+        joined along T."""
         count = tokens.shape[2]
-        most = max(1, self.config.chunk_size // (4 * self.num_heads))
-        pieces = min(math.ceil(count * slots / FOLD_PIECE_PRODUCTS), most, count)
+        most = max(1, (self.config.chunk_size * 7 // 8) // (2 * self.num_heads) - 1)
+        pieces = min(most, count)
         size = math.ceil(count / pieces)
         parts = []
         for begin in range(0, count, size):
@@ -528,8 +530,6 @@ class PendingFold:
         return self.heads_done == self.num_heads
 
 
-# Token-slot products per stage of a fold computed ahead (256 x 256: a cheap fraction of a decoding step).
-FOLD_PIECE_PRODUCTS = 256 * 256
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
