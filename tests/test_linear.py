@@ -16,8 +16,8 @@ SHAPES = [(1, 1), (2, 1), (8, 1), (1, 7), (3, 20), (70, 1), (0, 3)]
 @pytest.mark.parametrize("bias", [False, True])
 def test_inference_matches_linear(linear_class, shape, bias):
     torch.manual_seed(0)
-    layer = linear_class(24, 301, bias=bias)
-    x = torch.randn(*shape, 24)
+    layer = linear_class(512, 601, bias=bias)  # above ONEDNN_MIN_WEIGHTS: the oneDNN path
+    x = torch.randn(*shape, 512)
     with torch.no_grad():
         out = layer(x)
         expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
@@ -27,25 +27,28 @@ def test_inference_matches_linear(linear_class, shape, bias):
 
 @pytest.mark.parametrize("linear_class", [KVMLinear, MaglevLinear])
 def test_non_contiguous_input(linear_class):
-    layer = linear_class(16, 9, bias=False)
-    x = torch.randn(4, 32)[:, ::2]
+    layer = linear_class(512, 601, bias=False)
+    x = torch.randn(4, 1024)[:, ::2]
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("linear_class", [KVMLinear, MaglevLinear])
-def test_training_bfloat16_and_no_onednn_take_nn_linear(linear_class, monkeypatch):
+def test_training_bfloat16_small_layers_and_no_onednn_take_nn_linear(linear_class, monkeypatch):
     torch.manual_seed(0)
-    layer = linear_class(16, 40, bias=False)
-    x = torch.randn(3, 16, requires_grad=True)
+    layer = linear_class(512, 601, bias=False)
+    x = torch.randn(3, 512, requires_grad=True)
     out = layer(x)
     assert torch.equal(out, torch.nn.functional.linear(x, layer.weight))
     grads = torch.autograd.grad(out.sum(), (x, layer.weight))
     assert all(g is not None for g in grads)
-    half = linear_class(16, 40, bias=False).to(torch.bfloat16)
-    xb = torch.randn(4, 16, dtype=torch.bfloat16)
+    half = linear_class(512, 601, bias=False).to(torch.bfloat16)
+    xb = torch.randn(4, 512, dtype=torch.bfloat16)
+    small = linear_class(16, 40, bias=False)
+    xs = torch.randn(4, 16)
     with torch.no_grad():
         assert torch.equal(half(xb), torch.nn.functional.linear(xb, half.weight))
+        assert torch.equal(small(xs), torch.nn.functional.linear(xs, small.weight))
     module = modeling_kvm if linear_class is KVMLinear else modeling_maglev
     monkeypatch.setattr(module, "ONEDNN_LINEAR", None)
     with torch.no_grad():

@@ -30,6 +30,8 @@ _GENERATE_CACHE_KWARG = (
 
 # torch's oneDNN linear (what torch.compile emits for CPU linears); None where torch is built without oneDNN
 ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+# below ~1 MiB of float32 weights oneDNN's ~18 us fixed cost per call outweighs what it saves (2 cores)
+ONEDNN_MIN_WEIGHTS = 1 << 18
 
 
 class MaglevLinear(nn.Linear):
@@ -37,16 +39,18 @@ class MaglevLinear(nn.Linear):
 
     Decoding reads every weight once per step; on CPU, MKL's one-row product read them at about half
     the memory bandwidth oneDNN reaches (vocabulary head, 2 cores: 11.6 vs 4.7 ms one row, 24 vs 9 ms
-    eight rows), and oneDNN was no slower at any row count measured. Same math; training, other
-    devices and dtypes take nn.Linear's path.
+    eight rows), and oneDNN was no slower at any row count measured. Same math; small layers, training,
+    other devices and dtypes take nn.Linear's path.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (ONEDNN_LINEAR is None or torch.is_grad_enabled() or x.device.type != "cpu"
-                or x.dtype != torch.float32 or self.weight.dtype != torch.float32 or not self.weight.is_contiguous()):
+        weight = self.weight
+        if (ONEDNN_LINEAR is None or weight.numel() < ONEDNN_MIN_WEIGHTS or torch.is_grad_enabled()
+                or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+                or not weight.is_contiguous()):
             return super().forward(x)
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        return ONEDNN_LINEAR(rows, self.weight, self.bias, "none", [], "").view(*x.shape[:-1], self.out_features)
+        return ONEDNN_LINEAR(rows, weight, self.bias, "none", [], "").view(*x.shape[:-1], self.out_features)
 
 
 @dataclass
