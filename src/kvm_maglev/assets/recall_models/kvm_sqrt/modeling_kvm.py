@@ -534,8 +534,6 @@ class PendingFold:
         return self.heads_done == self.num_heads
 
 
-
-
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
 
