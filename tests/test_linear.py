@@ -61,3 +61,91 @@ def test_onednn_is_used_on_this_machine():
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     assert modeling_kvm.ONEDNN_LINEAR is not None and modeling_maglev.ONEDNN_LINEAR is not None
+
+
+def packing_module(linear_class):
+    return modeling_kvm if linear_class is KVMLinear else modeling_maglev
+
+
+@pytest.mark.parametrize("linear_class", [KVMLinear, MaglevLinear])
+@pytest.mark.parametrize("rows", [1, 2, 8, 64, 65])
+def test_blocked_copy_matches_linear(linear_class, rows):
+    """Inside a packing block, 2-64 row products read a blocked copy of the weight and still compute F.linear."""
+    if packing_module(linear_class).ONEDNN_PACK is None:
+        pytest.skip("torch without oneDNN's weight reordering")
+    torch.manual_seed(0)
+    layer = linear_class(512, 601, bias=True)
+    x = torch.randn(rows, 512)
+    layer.packing = 1
+    with torch.inference_mode():
+        out = layer(x)
+    assert (layer.packed is not None) == (1 < rows <= 64)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("linear_class", [KVMLinear, MaglevLinear])
+def test_blocked_copy_follows_in_place_writes(linear_class):
+    if packing_module(linear_class).ONEDNN_PACK is None:
+        pytest.skip("torch without oneDNN's weight reordering")
+    torch.manual_seed(0)
+    layer = linear_class(512, 601, bias=False)
+    x = torch.randn(8, 512)
+    layer.packing = 1
+    with torch.no_grad():
+        layer(x)
+        layer.weight.mul_(-2.0)
+        out = layer(x)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def big_head_models():
+    """A tiny KVM and a tiny Maglev whose vocabulary heads are large enough (2^18 weights) to be packed."""
+    from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
+    from kvm_maglev.models.maglev import MaglevConfig, MaglevForCausalLM
+
+    torch.manual_seed(0)
+    kvm = KVMForCausalLM(KVMConfig(vocab_size=8192, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   rotary_dim=8, chunk_size=4, window_chunks=2, state_budget_min=4))
+    maglev = MaglevForCausalLM(MaglevConfig(vocab_size=4096, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                            window_pattern="SL", prefiller_window_pattern="SL"))
+    for model in (kvm, maglev):
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.3 * torch.randn_like(param))
+    return {"kvm": kvm.eval(), "maglev": maglev.eval()}
+
+
+@pytest.mark.parametrize("name", ["kvm", "maglev"])
+def test_batched_generate_reads_blocked_copies_and_agrees(name, monkeypatch):
+    """generate() on a batch packs the head once, frees it after, and scores as the unpacked path does."""
+    model = big_head_models()[name]
+    module = modeling_kvm if name == "kvm" else modeling_maglev
+    if module.ONEDNN_PACK is None:
+        pytest.skip("torch without oneDNN's weight reordering")
+    ids = torch.randint(1, 4096, (3, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    settings = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_scores=True,
+                    return_dict_in_generate=True, pad_token_id=0)
+    packs = []
+    real_pack = module.ONEDNN_PACK
+    monkeypatch.setattr(module, "ONEDNN_PACK", lambda weight, rows: packs.append(rows) or real_pack(weight, rows))
+    packed = model.generate(ids, **settings)
+    assert packs == [3]  # the head only (the other layers are small), once for the whole generation
+    assert model.lm_head.packed is None and model.lm_head.packing == 0
+    monkeypatch.setattr(module, "ONEDNN_PACK", None)
+    plain = model.generate(ids, **settings)
+    assert torch.equal(packed.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(packed.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-4)
+
+
+def test_nested_packing_blocks_free_the_copy_at_the_outermost_end():
+    model = big_head_models()["kvm"]
+    if modeling_kvm.ONEDNN_PACK is None:
+        pytest.skip("torch without oneDNN's weight reordering")
+    with torch.no_grad(), model.packed_linear_weights():
+        with model.packed_linear_weights():
+            model.lm_head(torch.randn(4, 32))
+        assert model.lm_head.packed is not None
+    assert model.lm_head.packed is None and model.lm_head.packing == 0

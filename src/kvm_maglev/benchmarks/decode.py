@@ -1,5 +1,6 @@
 """Benchmark decode speed, prefill time and cache size against full and sliding-window attention."""
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -73,8 +74,13 @@ def measure(
     untimed decoding step. Every model's first one-token step after a long prompt ran slow (one-row
     kernels and allocations after the prompt's large ones), which is not what a decoding step costs;
     the timed steps still start right at position ``context`` (a KVM chunk boundary when ``context``
-    is a multiple of the chunk).
+    is a multiple of the chunk). Our models run inside `packed_linear_weights()`, as in `generate()`.
     """
+    with getattr(model, "packed_linear_weights", contextlib.nullcontext)():
+        return _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed)
+
+
+def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed) -> Measurement:
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     lengths = _row_lengths(batch_size, context, generator)

@@ -10,8 +10,10 @@ The full forward and cached decoding run the same chunk loop, so they agree.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,10 @@ def one_query_attention(q, window_q, keys, values, state_keys, state_value_colum
 ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 # below ~1 MiB of float32 weights oneDNN's ~18 us fixed cost per call outweighs what it saves (2 cores)
 ONEDNN_MIN_WEIGHTS = 1 << 18
+# torch's reordering of a linear weight into oneDNN's blocked layout for a given row count
+ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if ONEDNN_LINEAR is not None else None
+# rows per product up to which the blocked copy is used (a decoding batch); at prefill sizes it gains ~3%
+PACKED_MAX_ROWS = 64
 
 
 class KVMLinear(nn.Linear):
@@ -108,8 +114,12 @@ class KVMLinear(nn.Linear):
     Decoding reads every weight once per step; on CPU, MKL's one-row product read them at about half
     the memory bandwidth oneDNN reaches (vocabulary head, 2 cores: 11.6 vs 4.7 ms one row, 24 vs 9 ms
     eight rows), and oneDNN was no slower at any row count measured. Same math; small layers, training,
-    other devices and dtypes take nn.Linear's path.
+    other devices and dtypes take nn.Linear's path. Inside `packed_linear_weights()` products of 2-64 rows
+    read a copy of the weight in oneDNN's blocked layout instead (eight rows: vocabulary head 9.7 -> 5.7 ms).
     """
+
+    packing = 0  # how many `packed_linear_weights()` blocks are open around this layer
+    packed = None  # (weight's identity, its blocked copy) while they are
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -118,7 +128,17 @@ class KVMLinear(nn.Linear):
                 or not weight.is_contiguous()):
             return super().forward(x)
         rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if self.packing and ONEDNN_PACK is not None and 1 < rows.shape[0] <= PACKED_MAX_ROWS:
+            weight = self.blocked_weight(rows.shape[0])
         return ONEDNN_LINEAR(rows, weight, self.bias, "none", [], "").view(*x.shape[:-1], self.out_features)
+
+    def blocked_weight(self, rows: int) -> torch.Tensor:
+        """The weight in oneDNN's blocked layout for `rows`-row products, made once per packing block
+        (again if the weight was replaced or written in place since)."""
+        identity = (self.weight.data_ptr(), self.weight._version)
+        if self.packed is None or self.packed[0] != identity:
+            self.packed = (identity, ONEDNN_PACK(self.weight, rows))
+        return self.packed[1]
 
 
 # ---- attention -----------------------------------------------------------------------------
@@ -591,6 +611,24 @@ class KVMPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["KVMDecoderLayer"]
     _supports_sdpa = True
 
+    @contextlib.contextmanager
+    def packed_linear_weights(self) -> Iterator["KVMPreTrainedModel"]:
+        """A block in which batched float32 CPU inference (2-64 rows per product, e.g. decoding a batch)
+        reads the large linear weights from copies in oneDNN's blocked layout: eight-row products about
+        1.5-2x faster, for the memory of one more copy of those weights, made on first use and freed
+        when the outermost block ends. The weights must not change inside it (writes through `.data`
+        go unseen). `generate()` runs inside one."""
+        linears = [module for module in self.modules() if isinstance(module, KVMLinear)]
+        for linear in linears:
+            linear.packing += 1
+        try:
+            yield self
+        finally:
+            for linear in linears:
+                linear.packing -= 1
+                if not linear.packing:
+                    linear.packed = None
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Fresh-model init after the research code's scheme (small embeddings, zeroed outputs)."""
@@ -783,6 +821,12 @@ class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
         self.model = KVMModel(config)
         self.lm_head = KVMLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def generate(self, *args, **kwargs):
+        """transformers' generate(), with batched CPU decoding reading blocked weight copies
+        (`packed_linear_weights`)."""
+        with self.packed_linear_weights():
+            return super().generate(*args, **kwargs)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

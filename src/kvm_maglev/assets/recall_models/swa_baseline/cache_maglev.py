@@ -17,8 +17,10 @@ from transformers.cache_utils import Cache
 from .configuration_maglev import MaglevConfig, growing_capacity
 
 CACHE_FORMAT = "maglev-cache"
-# Queries per attention call when a long chunk runs in parallel (prefiller prompts, training).
-QUERY_BLOCK = 1024
+# Queries per attention call when a long chunk runs in parallel (prefiller prompts, training). Each call
+# computes its block's queries against QUERY_BLOCK + window keys, masked, so smaller blocks waste less:
+# a 4096-token prefiller prompt (window 512, 2 cores) took 4.15 s with 1024, 3.48 s with 256, 3.49 with 128.
+QUERY_BLOCK = 256
 CACHE_FORMAT_VERSION = 1
 TENSORS_FILE = "maglev_cache.safetensors"
 META_FILE = "maglev_cache.json"
