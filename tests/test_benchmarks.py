@@ -45,10 +45,12 @@ def test_maglev_prompt_modes_share_weights_and_cache_size(tiny_results):
     assert recurrent == prefiller
 
 
-def test_run_writes_json_with_targets_and_plot(tmp_path, capsys):
+def test_run_writes_json_with_targets_and_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     args = bench_args(tmp_path, models=["kvm_fixed", "llama_full"], batch_sizes=[1], contexts=[40])
     assert cli.run(args) == 0
     payload = json.loads((tmp_path / "bench.json").read_text())
+    assert payload["machine"]["runtime_env"]["OMP_WAIT_POLICY"] == "ACTIVE"  # settings that move step times
     assert {r["model"] for r in payload["results"]} == {"kvm_fixed", "llama_full"}
     assert any("kvm_fixed prefill / llama_full prefill" in t["target"] for t in payload["targets"])
     assert (tmp_path / "bench.png").stat().st_size > 0
@@ -72,3 +74,45 @@ def test_targets_pass_and_fail_on_the_ratios():
     assert not checks["kvm_sqrt16 b1 ctx 32768: slowest step / median <= 1.5"].met
     assert checks["kvm_fixed ctx 1024: batch 8 tokens/s / batch 1 >= 4"].value == pytest.approx(80 / 19)
     assert not checks["maglev recurrent prompt / prefiller prompt at 4096 >= 10"].met
+
+
+def test_our_models_are_measured_inside_packed_linear_weights(monkeypatch):
+    """Batched decoding in the bench reads the blocked weight copies that generate() would use; they are
+    freed when the measurement ends."""
+    from kvm_maglev.benchmarks.decode import measure
+    from kvm_maglev.benchmarks.models import SHAPES
+    from kvm_maglev.models.kvm import modeling_kvm
+
+    if modeling_kvm.ONEDNN_PACK is None:
+        pytest.skip("torch without oneDNN's weight reordering")
+    monkeypatch.setattr(modeling_kvm, "ONEDNN_MIN_WEIGHTS", 0)  # the tiny shape's layers are below the threshold
+    packs = []
+    real_pack = modeling_kvm.ONEDNN_PACK
+    monkeypatch.setattr(modeling_kvm, "ONEDNN_PACK", lambda weight, rows: packs.append(rows) or real_pack(weight, rows))
+    model = MODEL_BUILDERS["kvm_fixed"](SHAPES["tiny"]).eval()
+    measure("kvm_fixed", model, 70, 3, 3, 32)
+    assert 3 in packs
+    linears = [m for m in model.modules() if isinstance(m, modeling_kvm.KVMLinear)]
+    assert linears and all(m.packed is None and m.packing == 0 for m in linears)
+
+
+def test_steps_the_host_stole_from_are_told_apart():
+    """A step the hypervisor took CPU time from keeps counting in the plain check; a second check reads
+    the slowest step without host steal."""
+    row = _measurement("kvm_fixed", 8, 1024, median=10.0, worst=30.0)
+    row.step_ms, row.step_steal_ms = [10.0, 11.0, 30.0, 10.0], [0.0, 0.0, 20.0, 0.0]
+    checks = {c.target: c for c in check_targets([row])}
+    assert not checks["kvm_fixed b8 ctx 1024: slowest step / median <= 1.5"].met
+    unstolen = checks["kvm_fixed b8 ctx 1024: slowest step the host took no CPU from / median <= 1.5"]
+    assert unstolen.met and unstolen.value == pytest.approx(1.1)
+    row.step_steal_ms = None  # no steal counts (not Linux): only the plain check
+    assert sum("host" in c.target for c in check_targets([row])) == 0
+
+
+def test_steal_is_recorded_per_step_on_linux(tiny_results):
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc/stat is Linux's")
+    assert all(r.step_steal_ms is not None and len(r.step_steal_ms) == len(r.step_ms) for r in tiny_results)
+    assert all(ms >= 0 for r in tiny_results for ms in r.step_steal_ms)

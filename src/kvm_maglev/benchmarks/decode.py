@@ -1,6 +1,7 @@
 """Benchmark decode speed, prefill time and cache size against full and sliding-window attention."""
 
 import contextlib
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -27,11 +28,35 @@ class Measurement:
     cache_bytes: int
     cache_bytes_closed_form: Optional[int]
     step_ms: List[float] = field(default_factory=list)
+    # CPU time the hypervisor took from this machine's CPUs during each step (None: not on Linux)
+    step_steal_ms: Optional[List[float]] = None
+
+    @property
+    def decode_ms_max_unstolen(self) -> Optional[float]:
+        """Slowest step during which the host took no CPU time (None without steal counts)."""
+        if self.step_steal_ms is None:
+            return None
+        kept = [ms for ms, stolen in zip(self.step_ms, self.step_steal_ms) if stolen == 0]
+        return max(kept) if kept else None
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _host_steal_ms() -> Optional[float]:
+    """CPU time stolen by the hypervisor so far, summed over CPUs (/proc/stat); None where unavailable.
+
+    On a virtual machine a step can stall because the host ran something else on its CPU (on this
+    project's machines: after a long prompt freed memory that the guest then reported back to the host);
+    the bench records it per step so such steps are told apart from the model's own slow steps."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) * 1000.0 / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _row_lengths(batch_size: int, context: int, generator: torch.Generator) -> List[int]:
@@ -108,15 +133,18 @@ def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed
         mask = torch.cat([mask, mask.new_ones(batch_size, 1)], dim=1)
         next_ids, cache = _step(model, out.logits[:, -1:].argmax(-1), mask, cache, use_mask)
         generated = 1
-    step_ms = []
+    step_ms, steal_ms = [], []
     # only the last position's logits are kept, so no large prefill tensor is freed inside a timed step
     for _ in range(decode_steps):
         mask = torch.cat([mask, mask.new_ones(batch_size, 1)], dim=1)
         _sync(device)
+        stolen = _host_steal_ms()
         start = time.perf_counter()
         next_ids, cache = _step(model, next_ids, mask, cache, use_mask)
         _sync(device)
         step_ms.append((time.perf_counter() - start) * 1e3)
+        after = _host_steal_ms()
+        steal_ms.append(None if stolen is None or after is None else after - stolen)
     ordered = sorted(step_ms)
     median = statistics.median(step_ms)
     return Measurement(
@@ -131,4 +159,5 @@ def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed
         cache_bytes=cache_bytes(cache),
         cache_bytes_closed_form=closed_form_cache_bytes(model, [length + generated + decode_steps for length in lengths]),
         step_ms=step_ms,
+        step_steal_ms=None if None in steal_ms else steal_ms,
     )

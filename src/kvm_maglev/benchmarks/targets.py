@@ -58,6 +58,11 @@ def check_targets(results: List[Measurement]) -> List[TargetCheck]:
         if r.model in KVM_MODELS and r.context > 1:
             checks.append(TargetCheck(f"{r.model} b{r.batch_size} ctx {r.context}: slowest step / median <= 1.5",
                                       r.decode_ms_max / r.decode_ms_median, 1.5, True))
+            unstolen = r.decode_ms_max_unstolen
+            if unstolen is not None and unstolen < r.decode_ms_max:
+                checks.append(TargetCheck(
+                    f"{r.model} b{r.batch_size} ctx {r.context}: slowest step the host took no CPU from / median <= 1.5",
+                    unstolen / r.decode_ms_median, 1.5, True))
     batched = sorted({r.batch_size for r in results if r.batch_size > 1})
     for model in BATCHED_MODELS:
         for batch in batched:

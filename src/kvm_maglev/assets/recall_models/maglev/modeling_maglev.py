@@ -177,7 +177,11 @@ class MaglevMLP(nn.Module):
         self.down_proj = MaglevLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+        hidden = self.up_proj(x)
+        if torch.is_grad_enabled():
+            return self.down_proj(F.relu(hidden).square())
+        # without autograd in place: a long prompt's [tokens, 4 x hidden] activations are not allocated twice more
+        return self.down_proj(hidden.relu_().square_())
 
 
 class MaglevBlock(GradientCheckpointingLayer):
