@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -822,7 +823,7 @@ class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
         self.lm_head = KVMLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' generate(), with batched CPU decoding reading blocked weight copies
         (`packed_linear_weights`)."""
         with self.packed_linear_weights():

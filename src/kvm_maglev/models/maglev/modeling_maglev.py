@@ -9,6 +9,7 @@ import contextlib
 import inspect
 import math
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -582,7 +583,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
         self.lm_head = MaglevLinear(config.hidden_size, config.padded_vocab_size, bias=False)
         self.post_init()
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' generate(), with batched CPU decoding reading blocked weight copies
         (`packed_linear_weights`)."""
         with self.packed_linear_weights():
