@@ -9,8 +9,8 @@ import contextlib
 import inspect
 import math
 from collections.abc import Iterator
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
