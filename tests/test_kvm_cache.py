@@ -171,11 +171,10 @@ def test_past_key_values_keyword_and_attention_mask_of_ones():
         assert torch.allclose(step, model(ids, use_cache=False).logits[:, 7:], atol=1e-5)
 
 
-@pytest.mark.parametrize("heads", [2, 4])
-def test_fold_ahead_is_done_before_its_boundary(heads):
-    """The fold's pieces are sized so that all its stages fit in 7/8 of a chunk: the boundary step only
-    swaps the result in. Every boundary of a long decode finds its fold done."""
-    chunk = 64
+@pytest.mark.parametrize("heads,chunk", [(1, 64), (2, 64), (4, 64), (2, 256)])
+def test_fold_ahead_is_done_before_its_boundary(heads, chunk):
+    """The fold's stages are paced to fit in 7/8 of a chunk: the boundary step only swaps the result in.
+    Every boundary of a long decode finds its fold done."""
     model = random_model(num_attention_heads=heads, hidden_size=64, rotary_dim=8, chunk_size=chunk)
     ids = torch.randint(0, 97, (1, 5 * chunk), generator=torch.Generator().manual_seed(7))
     checked = 0

@@ -107,6 +107,10 @@ ONEDNN_MIN_WEIGHTS = 1 << 18
 ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if ONEDNN_LINEAR is not None else None
 # rows per product up to which the blocked copy is used (a decoding batch); at prefill sizes it gains ~3%
 PACKED_MAX_ROWS = 64
+# block tokens per piece of a fold computed ahead: each product reads the head's whole state, and in a decoding
+# step it does so cold (the weights passed through the caches since), so pieces of 16 tokens took twice the
+# time per fold that pieces of 64 do (2 cores, 1024 slots)
+FOLD_PIECE_TOKENS = 64
 
 
 class KVMLinear(nn.Linear):
@@ -395,21 +399,24 @@ class KVMAttention(KVMAttentionBase):
         return state_keys, state_values, state_norms
 
     def per_token_pieces(self, tokens: torch.Tensor, compute):
-        """Generator: `compute` over the block's tokens [.., T >= 1, D] in pieces along T, pausing after each, so
-        that a fold computed ahead spreads its token-by-slot products over decoding steps: as many pieces as
-        keep a fold of all heads (two piece loops and two more stages per head) within 7/8 of a chunk's
-        steps, so each step carries a small share and the fold is done before its boundary. In a batch of
-        rows at different phases of their chunks, a thin even share keeps steps alike. Returns the pieces
-        joined along T."""
+        """Generator: `compute` over the block's tokens [.., T >= 1, D] in pieces of about FOLD_PIECE_TOKENS
+        along T, pausing after each, so that a fold computed ahead spreads its token-by-slot products over
+        decoding steps. Returns the pieces joined along T."""
         count = tokens.shape[2]
-        most = max(1, (self.config.chunk_size * 7 // 8) // (2 * self.num_heads) - 1)
-        pieces = min(most, count)
-        size = math.ceil(count / pieces)
+        size = math.ceil(count / max(1, count // FOLD_PIECE_TOKENS))
         parts = []
         for begin in range(0, count, size):
             parts.append(compute(tokens[:, :, begin:begin + size]))
             yield
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    def fold_step_stride(self) -> int:
+        """Decoding steps per stage of a fold computed ahead: a fold takes at most two stages per piece and two
+        more per head, spread evenly over 7/8 of a chunk's steps (one stride more for where it starts) so
+        that it is done before its boundary."""
+        chunk = self.config.chunk_size
+        stages = self.num_heads * (2 * max(1, chunk // FOLD_PIECE_TOKENS) + 2)
+        return max(1, (chunk * 7 // 8) // (stages + 1))
 
     def fold_ahead(self, cache: KVMLayerCache, pending: PendingFold, state_dtype: torch.dtype):
         """Generator doing a fold ahead of its boundary a slice at a time (a stage of one head per `next`),
@@ -435,9 +442,9 @@ class KVMAttention(KVMAttentionBase):
     def prepare_next_fold(self, cache: KVMLayerCache, dtype: torch.dtype, state_dtype: torch.dtype,
                           whole: bool = False) -> None:
         """Fold the block that leaves the window at the next chunk boundary ahead of time: one stage of one
-        head per decoding step, or all at the end of a multi-token forward (`whole`, e.g. a prefill). The block is
-        complete and the state final a whole chunk before (window_chunks >= 2), so the boundary step only
-        swaps the result in and costs what any step costs."""
+        head every `fold_step_stride()` decoding steps, or all at the end of a multi-token forward (`whole`, e.g.
+        a prefill). The block is complete and the state final a whole chunk before (window_chunks >= 2), so the
+        boundary step only swaps the result in and costs what any step costs."""
         chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
         if window_chunks < 2 or cache.seen == 0:
             return
@@ -449,10 +456,11 @@ class KVMAttention(KVMAttentionBase):
         if pending is None or pending.block != block or pending.source is not cache.state_keys:
             pending = cache.pending_fold = PendingFold(block, cache.state_keys, self.num_heads, dtype)
             pending.work = self.fold_ahead(cache, pending, state_dtype)
-        while not pending.done:
+        if whole:
+            while not pending.done:
+                next(pending.work, None)
+        elif not pending.done and cache.seen % self.fold_step_stride() == 0:
             next(pending.work, None)
-            if not whole:
-                break
 
     # -- attention --
     def attend_window(self, q, keys, values) -> torch.Tensor:
