@@ -149,3 +149,14 @@ def test_nested_packing_blocks_free_the_copy_at_the_outermost_end():
             model.lm_head(torch.randn(4, 32))
         assert model.lm_head.packed is not None
     assert model.lm_head.packed is None and model.lm_head.packing == 0
+
+
+@pytest.mark.parametrize("linear_class", [KVMLinear, MaglevLinear])
+def test_torch_compile_leaves_the_product_to_inductor(linear_class):
+    """Inductor cannot lower a oneDNN call on a weight it does not own; compiled, the layer is nn.Linear."""
+    torch.manual_seed(0)
+    layer = linear_class(512, 601)
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(layer)(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                   rtol=1e-5, atol=1e-5)

@@ -128,7 +128,9 @@ class KVMLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        # under torch.compile inductor chooses the kernel (it cannot lower a oneDNN call on a weight it does not own)
         if (ONEDNN_LINEAR is None or weight.numel() < ONEDNN_MIN_WEIGHTS or torch.is_grad_enabled()
+                or torch.compiler.is_compiling()
                 or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
                 or not weight.is_contiguous()):
             return super().forward(x)
