@@ -116,3 +116,36 @@ def test_steal_is_recorded_per_step_on_linux(tiny_results):
         pytest.skip("/proc/stat is Linux's")
     assert all(r.step_steal_ms is not None and len(r.step_steal_ms) == len(r.step_ms) for r in tiny_results)
     assert all(ms >= 0 for r in tiny_results for ms in r.step_steal_ms)
+
+
+def test_compile_flag_runs_the_decoding_steps_through_torch_compile(monkeypatch):
+    """`--compile`: torch.compile wraps the model for the decoding steps only (the prefill stays eager),
+    and the row says so. A recording stand-in for torch.compile keeps this test fast."""
+    import torch
+
+    from kvm_maglev.benchmarks.decode import measure
+    from kvm_maglev.benchmarks.models import SHAPES
+
+    model = MODEL_BUILDERS["maglev"](SHAPES["tiny"]).eval()
+    calls = {"forward": 0, "step": 0}
+
+    def fake_compile(module):
+        assert module is model
+
+        def step(**kwargs):
+            calls["step"] += 1
+            return module(**kwargs)
+        return step
+
+    real_forward = model.forward
+
+    def counted_forward(*args, **kwargs):
+        calls["forward"] += 1
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted_forward)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    row = measure("maglev", model, 70, 1, 4, 32, compile_decode=True)
+    assert row.compiled and calls["step"] == 1 + 4  # the untimed step and the timed ones
+    assert calls["forward"] == 3 + 1 + 4  # 69 prompt tokens in chunks of 32, then the steps through the wrapper
+    assert not measure("maglev", model, 70, 1, 2, 32).compiled

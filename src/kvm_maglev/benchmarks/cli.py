@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true",
+                        help="run every model's decoding steps through torch.compile (prefill stays eager)")
 
 
 def _progress(total: int):
@@ -56,7 +58,8 @@ def run_benchmarks(args: argparse.Namespace) -> List[Measurement]:
         if bar is not None:
             bar.set_description(f"{name} b{batch_size} ctx{context}")
         results.append(
-            measure(name, models[name], context, batch_size, args.decode_steps, args.prefill_chunk, seed=args.seed)
+            measure(name, models[name], context, batch_size, args.decode_steps, args.prefill_chunk, seed=args.seed,
+                    compile_decode=args.compile)
         )
         if bar is not None:
             bar.update(1)

@@ -30,6 +30,8 @@ class Measurement:
     step_ms: List[float] = field(default_factory=list)
     # CPU time the hypervisor took from this machine's CPUs during each step (None: not on Linux)
     step_steal_ms: Optional[List[float]] = None
+    # decoding steps ran through torch.compile (the untimed first step compiled them)
+    compiled: bool = False
 
     @property
     def decode_ms_max_unstolen(self) -> Optional[float]:
@@ -92,6 +94,7 @@ def measure(
     decode_steps: int,
     prefill_chunk: int,
     seed: int = 0,
+    compile_decode: bool = False,
 ) -> Measurement:
     """Read ``context`` tokens, then time ``decode_steps`` single-token steps.
 
@@ -100,12 +103,14 @@ def measure(
     kernels and allocations after the prompt's large ones), which is not what a decoding step costs;
     the timed steps still start right at position ``context`` (a KVM chunk boundary when ``context``
     is a multiple of the chunk). Our models run inside `packed_linear_weights()`, as in `generate()`.
+    With ``compile_decode`` the decoding steps (not the prefill) go through `torch.compile(model)`; the
+    untimed step compiles them, and a recompilation in a timed step (new shapes or code paths) is timed.
     """
     with getattr(model, "packed_linear_weights", contextlib.nullcontext)():
-        return _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed)
+        return _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed, compile_decode)
 
 
-def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed) -> Measurement:
+def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed, compile_decode) -> Measurement:
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     lengths = _row_lengths(batch_size, context, generator)
@@ -127,11 +132,12 @@ def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed
     _sync(device)
     prefill_s = time.perf_counter() - start
     generated = 0
+    stepper = torch.compile(model) if compile_decode else model
     if prompt < width:
-        next_ids, cache = _step(model, ids[:, prompt:], mask, cache, use_mask)
+        next_ids, cache = _step(stepper, ids[:, prompt:], mask, cache, use_mask)
     else:  # a one-token context: the untimed step reads a generated token
         mask = torch.cat([mask, mask.new_ones(batch_size, 1)], dim=1)
-        next_ids, cache = _step(model, out.logits[:, -1:].argmax(-1), mask, cache, use_mask)
+        next_ids, cache = _step(stepper, out.logits[:, -1:].argmax(-1), mask, cache, use_mask)
         generated = 1
     step_ms, steal_ms = [], []
     # only the last position's logits are kept, so no large prefill tensor is freed inside a timed step
@@ -140,7 +146,7 @@ def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed
         _sync(device)
         stolen = _host_steal_ms()
         start = time.perf_counter()
-        next_ids, cache = _step(model, next_ids, mask, cache, use_mask)
+        next_ids, cache = _step(stepper, next_ids, mask, cache, use_mask)
         _sync(device)
         step_ms.append((time.perf_counter() - start) * 1e3)
         after = _host_steal_ms()
@@ -160,4 +166,5 @@ def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed
         cache_bytes_closed_form=closed_form_cache_bytes(model, [length + generated + decode_steps for length in lengths]),
         step_ms=step_ms,
         step_steal_ms=None if None in steal_ms else steal_ms,
+        compiled=compile_decode,
     )
