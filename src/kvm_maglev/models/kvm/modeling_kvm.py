@@ -107,10 +107,11 @@ ONEDNN_MIN_WEIGHTS = 1 << 18
 ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if ONEDNN_LINEAR is not None else None
 # rows per product up to which the blocked copy is used (a decoding batch); at prefill sizes it gains ~3%
 PACKED_MAX_ROWS = 64
-# block tokens per piece of a fold computed ahead: each product reads the head's whole state, and in a decoding
-# step it does so cold (the weights passed through the caches since), so pieces of 16 tokens took twice the
-# time per fold that pieces of 64 do (2 cores, 1024 slots)
-FOLD_PIECE_TOKENS = 64
+# block tokens x state slots per piece of a fold computed ahead (64 tokens at 1024 slots): each product reads
+# the head's whole state, and in a decoding step it does so cold (the weights passed through the caches since),
+# so pieces of 16 tokens took twice the time per fold that pieces of 64 do (2 cores, 1024 slots); larger states
+# take thinner pieces, so that no step carries much more than another
+FOLD_PIECE_PRODUCT = 64 * 1024
 
 
 class KVMLinear(nn.Linear):
@@ -373,7 +374,7 @@ class KVMAttention(KVMAttentionBase):
                 def novelty_of(part: torch.Tensor) -> torch.Tensor:
                     with torch.no_grad():  # only an order comes out of it (never around a yield: grad mode is global)
                         return torch.matmul(part, reference.transpose(-1, -2)).float().amax(dim=-1)
-                novelty = yield from self.per_token_pieces(keys, novelty_of)
+                novelty = yield from self.per_token_pieces(keys, novelty_of, reference.shape[2])
                 order = torch.argsort(novelty, dim=-1)
             append_idx = order[..., :n_append].sort(dim=-1).values
             merge_idx = order[..., n_append:].sort(dim=-1).values
@@ -383,6 +384,7 @@ class KVMAttention(KVMAttentionBase):
             state_norms = torch.cat([state_norms, self.slot_norms(new_values)], dim=2)
             reference = torch.cat([reference, self.normalize_state_keys(new_keys)], dim=2)
             keys_merge, values_merge = gather_tokens(keys_gated, merge_idx), gather_tokens(values_gated, merge_idx)
+            yield
         if keys_merge.shape[2] == 0:
             return state_keys, state_values, state_norms
         protected = min(config.sink_slots, state_keys.shape[2])
@@ -391,7 +393,7 @@ class KVMAttention(KVMAttentionBase):
             similarity = torch.matmul(part, reference.transpose(-1, -2))
             similarity[..., :protected] = float("-inf")
             return similarity.argmax(dim=-1, keepdim=True)
-        winner = yield from self.per_token_pieces(keys_merge, most_similar_slot)  # [B, H, M, 1]
+        winner = yield from self.per_token_pieces(keys_merge, most_similar_slot, reference.shape[2])  # [B, H, M, 1]
         state_keys = state_keys.scatter_add(2, winner.expand_as(keys_merge), keys_merge)
         state_values = state_values.scatter_add(2, winner.expand_as(values_merge), values_merge)
         if not config.state_value_norms:
@@ -400,24 +402,28 @@ class KVMAttention(KVMAttentionBase):
             state_norms = state_norms + 1
         return state_keys, state_values, state_norms
 
-    def per_token_pieces(self, tokens: torch.Tensor, compute):
-        """Generator: `compute` over the block's tokens [.., T >= 1, D] in pieces of about FOLD_PIECE_TOKENS
-        along T, pausing after each, so that a fold computed ahead spreads its token-by-slot products over
+    def per_token_pieces(self, tokens: torch.Tensor, compute, slots: int):
+        """Generator: `compute` over the block's tokens [.., T >= 1, D] in pieces along T (`fold_piece_tokens`
+        each), pausing after each, so that a fold computed ahead spreads its token-by-slot products over
         decoding steps. Returns the pieces joined along T."""
         count = tokens.shape[2]
-        size = math.ceil(count / max(1, count // FOLD_PIECE_TOKENS))
+        size = min(count, self.fold_piece_tokens(slots))
         parts = []
         for begin in range(0, count, size):
             parts.append(compute(tokens[:, :, begin:begin + size]))
             yield
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
-    def fold_step_stride(self) -> int:
-        """Decoding steps per stage of a fold computed ahead: a fold takes at most two stages per piece and two
-        more per head, spread evenly over 7/8 of a chunk's steps (one stride more for where it starts) so
-        that it is done before its boundary."""
+    def fold_piece_tokens(self, slots: int) -> int:
+        return max(1, min(self.config.chunk_size, FOLD_PIECE_PRODUCT // max(1, slots)))
+
+    def fold_step_stride(self, slots: int) -> int:
+        """Decoding steps per stage of a fold computed ahead: a fold of a `slots`-slot state takes at most two
+        stages per piece and three more per head, spread evenly over 7/8 of a chunk's steps (one stride more
+        for where it starts) so that it is done before its boundary."""
         chunk = self.config.chunk_size
-        stages = self.num_heads * (2 * max(1, chunk // FOLD_PIECE_TOKENS) + 2)
+        pieces = math.ceil(chunk / self.fold_piece_tokens(slots))
+        stages = self.num_heads * (2 * pieces + 3)
         return max(1, (chunk * 7 // 8) // (stages + 1))
 
     def fold_ahead(self, cache: KVMLayerCache, pending: PendingFold, state_dtype: torch.dtype):
@@ -444,7 +450,7 @@ class KVMAttention(KVMAttentionBase):
     def prepare_next_fold(self, cache: KVMLayerCache, dtype: torch.dtype, state_dtype: torch.dtype,
                           whole: bool = False) -> None:
         """Fold the block that leaves the window at the next chunk boundary ahead of time: one stage of one
-        head every `fold_step_stride()` decoding steps, or all at the end of a multi-token forward (`whole`, e.g.
+        head every `fold_step_stride` decoding steps, or all at the end of a multi-token forward (`whole`, e.g.
         a prefill). The block is complete and the state final a whole chunk before (window_chunks >= 2), so the
         boundary step only swaps the result in and costs what any step costs."""
         chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
@@ -461,7 +467,7 @@ class KVMAttention(KVMAttentionBase):
         if whole:
             while not pending.done:
                 next(pending.work, None)
-        elif not pending.done and cache.seen % self.fold_step_stride() == 0:
+        elif not pending.done and cache.seen % self.fold_step_stride(cache.state_len) == 0:
             next(pending.work, None)
 
     # -- attention --
