@@ -384,7 +384,7 @@ class KVMAttention(KVMAttentionBase):
             state_norms = torch.cat([state_norms, self.slot_norms(new_values)], dim=2)
             reference = torch.cat([reference, self.normalize_state_keys(new_keys)], dim=2)
             keys_merge, values_merge = gather_tokens(keys_gated, merge_idx), gather_tokens(values_gated, merge_idx)
-            yield
+            yield  # the appends copy the head's state: a stage of their own, not one with the next piece
         if keys_merge.shape[2] == 0:
             return state_keys, state_values, state_norms
         protected = min(config.sink_slots, state_keys.shape[2])
@@ -415,6 +415,7 @@ class KVMAttention(KVMAttentionBase):
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def fold_piece_tokens(self, slots: int) -> int:
+        """Block tokens per piece against a `slots`-slot state (FOLD_PIECE_PRODUCT)."""
         return max(1, min(self.config.chunk_size, FOLD_PIECE_PRODUCT // max(1, slots)))
 
     def fold_step_stride(self, slots: int) -> int:
