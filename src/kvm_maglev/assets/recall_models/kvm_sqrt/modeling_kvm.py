@@ -464,11 +464,12 @@ class KVMAttention(KVMAttentionBase):
         pending = cache.pending_fold
         if pending is None or pending.block != block or pending.source is not cache.state_keys:
             pending = cache.pending_fold = PendingFold(block, cache.state_keys, self.num_heads, dtype)
+            pending.stride = self.fold_step_stride(cache.state_len)
             pending.work = self.fold_ahead(cache, pending, state_dtype)
         if whole:
             while not pending.done:
                 next(pending.work, None)
-        elif not pending.done and cache.seen % self.fold_step_stride(cache.state_len) == 0:
+        elif not pending.done and cache.seen % pending.stride == 0:
             next(pending.work, None)
 
     # -- attention --
@@ -566,6 +567,7 @@ class PendingFold:
         self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
         self.read: list[torch.Tensor] | None = None  # their attention-ready form
         self.work = None  # the generator that fills them (KVMAttention.fold_ahead)
+        self.stride = 1  # decoding steps per stage of `work` (KVMAttention.fold_step_stride of its state)
 
     @property
     def done(self) -> bool:
