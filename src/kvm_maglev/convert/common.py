@@ -1,7 +1,7 @@
 """What both converters share: safe reading of research files, the output options, and the command-line run.
 
 A converter reads its research checkpoint, builds and checks the model, then hands it to
-`export_model`, which renders the model card and writes the folder through `write_model_folder`.
+`export_model`, which renders the model card and writes the folder through `build_hub_folder`.
 `run_conversion` turns every expected failure into one `error: ...` line on stderr and exit code 2.
 """
 
@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from kvm_maglev import hub
 from kvm_maglev.convert.cards import Provenance, file_sha256, render_model_card
-from kvm_maglev.convert.export import DTYPES, WRITE_STAGES, Stages, write_model_folder
+from kvm_maglev.convert.export import DTYPES, WRITE_STAGES, Stages, build_hub_folder
 
 # Failures a user can cause with their inputs; anything else is a bug and keeps its traceback.
 CONVERSION_ERRORS = (ValueError, TypeError, OSError)
@@ -189,7 +189,7 @@ def export_model(model, out: str | Path, *, architecture: str, tokenizer, genera
             setattr(model.config, key, value[0] if isinstance(value, list) else value)
     if not options.dry_run:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-    return write_model_folder(
+    return build_hub_folder(
         model, out, tokenizer=tokenizer, card_text=card, dtype=options.dtype, max_shard_size=options.max_shard_size,
         overwrite=options.overwrite, dry_run=options.dry_run, generation_fields=generation_fields, progress=stages,
     )

@@ -1,7 +1,11 @@
-"""Write a converted model as a complete Hub model folder, checked first and moved into place only when whole.
+"""Build a complete Hub model folder, checked first and moved into place only when whole.
 
-Everything is written to a temporary folder beside OUT and renamed at the end, so a failure at
-any stage (a bad tensor, a full disk, an interrupt) never leaves a half-written OUT behind.
+`build_hub_folder` is the one place a Hub folder is made (converters, `kvm-maglev push`, the demo):
+weights and config come from a model or a saved folder, and our architectures' code files are
+copied from the package's own model folders with `auto_map` set, so a folder always carries the
+package's current code. Everything is written to a temporary folder beside OUT and renamed at the
+end, so a failure at any stage (a bad tensor, a full disk, an interrupt) never leaves a
+half-written OUT behind.
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 WRITE_STAGES = ["cast", "check logits", "weights", "tokenizer", "card", "verify", "move into place"]
+FOLDER_STAGES = ["copy files", "tokenizer", "card", "verify", "move into place"]
+# The package's model folders: their modules are the remote code every Hub folder gets.
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+_CLASS_PREFIXES = {"kvm": "KVM", "maglev": "Maglev"}
+# Large files are hard-linked into the staging folder when possible; small ones are copied, so
+# editing them there (config.json's auto_map) never touches the source folder.
+_LINKED_SUFFIXES = (".safetensors", ".bin")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -91,9 +102,63 @@ class Stages:
             self.bar = None
 
 
+def is_package_architecture(model_type: str | None) -> bool:
+    """True for the architectures whose code this package ships (their folders get our code files)."""
+    return model_type in _CLASS_PREFIXES
+
+
+def package_code_files(model_type: str) -> list[Path]:
+    """The modules of the package's model folder for `model_type`: the remote code a Hub folder carries."""
+    if not is_package_architecture(model_type):
+        raise ValueError(f"no model code in this package for model_type {model_type!r}; expected one of "
+                         f"{sorted(_CLASS_PREFIXES)}")
+    files = sorted(path for path in (MODELS_DIR / model_type).glob("*.py") if path.name != "__init__.py")
+    if not files:
+        raise ValueError(f"the package's model folder {MODELS_DIR / model_type} holds no code files")
+    return files
+
+
+def package_auto_map(model_type: str) -> dict[str, str]:
+    """config.json's auto_map for one of our architectures: Auto classes -> `module.Class` in the code files."""
+    prefix = _CLASS_PREFIXES[model_type]
+    return {
+        "AutoConfig": f"configuration_{model_type}.{prefix}Config",
+        "AutoModel": f"modeling_{model_type}.{prefix}Model",
+        "AutoModelForCausalLM": f"modeling_{model_type}.{prefix}ForCausalLM",
+    }
+
+
+def lacks_package_code(folder: str | os.PathLike) -> bool:
+    """True when `folder` holds one of our architectures without the code files it needs to load."""
+    model_type = _read_config(Path(folder)).get("model_type")
+    if not is_package_architecture(model_type):
+        return False
+    return any(not (Path(folder) / source.name).is_file() for source in package_code_files(model_type))
+
+
+def _read_config(folder: Path) -> dict:
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _add_package_code(folder: Path, model_type: str) -> None:
+    """Copy the package's code files into `folder` and point config.json's auto_map at them."""
+    for source in package_code_files(model_type):
+        shutil.copyfile(source, folder / source.name)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["auto_map"] = {**(config.get("auto_map") or {}), **package_auto_map(model_type)}
+    config_file.unlink()  # a fresh file: never write through a link to the source folder
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def _check_auto_map(model) -> None:
-    """Custom models must have register_for_auto_class called so config.json gets an auto_map."""
-    if type(model).__module__.startswith("transformers."):
+    """Custom models must have register_for_auto_class called so config.json gets an auto_map
+    (our own architectures get theirs from the package)."""
+    if type(model).__module__.startswith("transformers.") or is_package_architecture(model.config.model_type):
         return
     missing = [
         name for name, cls in (("model", type(model)), ("config", type(model.config)))
@@ -151,11 +216,25 @@ def _parameter_bytes(model, dtype: torch.dtype | None) -> int:
 def _planned_files(model, tokenizer, card_text, dtype, max_shard_size, extra_files) -> list[str]:
     weights_bytes = _parameter_bytes(model, dtype)
     sharding = f", sharded at {max_shard_size} with {_SAFETENSORS_INDEX}" if max_shard_size else ""
+    custom = getattr(type(model), "_auto_class", None) or is_package_architecture(model.config.model_type)
     files = [
-        "config.json" + (" (+ the model's code files from auto_map)" if getattr(type(model), "_auto_class", None) else ""),
+        "config.json" + (" (+ the model's code files from auto_map)" if custom else ""),
         f"model.safetensors: about {weights_bytes / 2**20:.2f} MiB in {dtype or 'the source dtype'}{sharding}",
         "generation_config.json",
     ]
+    return files + _planned_extras(tokenizer, card_text, extra_files)
+
+
+def _planned_folder_files(source: Path, tokenizer, card_text, extra_files) -> list[str]:
+    model_type = _read_config(source).get("model_type")
+    files = [f"{path.name} (from {source})" for path in sorted(source.iterdir()) if path.is_file()]
+    if is_package_architecture(model_type):
+        files.append(f"{', '.join(path.name for path in package_code_files(model_type))} (the package's code)")
+    return files + _planned_extras(tokenizer, card_text, extra_files)
+
+
+def _planned_extras(tokenizer, card_text, extra_files) -> list[str]:
+    files = []
     if tokenizer is not None:
         files.append(f"tokenizer files ({type(tokenizer).__name__}: tokenizer.json, tokenizer_config.json, ...)")
     if card_text is not None:
@@ -180,9 +259,9 @@ def _write_extra_files(folder: Path, extra_files: Mapping) -> None:
             raise TypeError(f"extra file {name!r}: expected str, bytes or a path, got {type(content).__name__}")
 
 
-def _check_written(folder: Path, needs_tokenizer: bool, custom_code: bool) -> None:
+def _check_written(folder: Path, needs_tokenizer: bool, custom_code: bool, needs_generation_config: bool = True) -> None:
     """The folder holds a config (with auto_map for custom code), every weight shard its index names,
-    a generation config and the tokenizer."""
+    a generation config (when written from a model) and the tokenizer."""
     if not (folder / "config.json").is_file():
         raise ValueError("save_pretrained wrote no config.json")
     auto_map = json.loads((folder / "config.json").read_text()).get("auto_map", {})
@@ -196,7 +275,7 @@ def _check_written(folder: Path, needs_tokenizer: bool, custom_code: bool) -> No
             raise ValueError(f"weight shards named in {_SAFETENSORS_INDEX} were not written: {absent}")
     elif not (folder / "model.safetensors").is_file():
         raise ValueError("save_pretrained wrote no model.safetensors")
-    if not (folder / "generation_config.json").is_file():
+    if needs_generation_config and not (folder / "generation_config.json").is_file():
         raise ValueError("no generation_config.json was written")
     if needs_tokenizer and not (folder / "tokenizer_config.json").is_file():
         raise ValueError("the tokenizer wrote no tokenizer_config.json")
@@ -220,8 +299,44 @@ def _move_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
     shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-def write_model_folder(
-    model,
+def _check_source_folder(source: Path, **model_only) -> Path:
+    """A saved folder to build from: config.json and safetensors weights; model-only options refused."""
+    given = sorted(name for name, value in model_only.items() if value is not None)
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to a model, not to a saved folder ({source})")
+    if not (source / "config.json").is_file():
+        raise ValueError(f"{source} has no config.json: not a saved model folder")
+    if not any(source.glob("*.safetensors")):
+        raise ValueError(f"{source} holds no safetensors weights")
+    return source
+
+
+def _copy_folder(source: Path, staging: Path) -> None:
+    """The source folder's files (not subfolders); weights hard-linked when the file system allows."""
+    for path in sorted(source.iterdir()):
+        if not path.is_file():
+            continue
+        if path.name.endswith(_LINKED_SUFFIXES):
+            try:
+                os.link(path, staging / path.name)
+                continue
+            except OSError:
+                pass  # another file system, or links not allowed: copy instead
+        shutil.copyfile(path, staging / path.name)
+
+
+def _save_model(model, staging: Path, tokenizer, generation_fields, max_shard_size) -> None:
+    """Config, generation config and safetensors weights of `model`, as save_pretrained writes them."""
+    for key, value in _generation_fields(tokenizer, generation_fields).items():
+        setattr(model.generation_config, key, value)
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(staging, **save_kwargs)
+    if not (staging / "generation_config.json").is_file():
+        model.generation_config.save_pretrained(staging)
+
+
+def build_hub_folder(
+    source,
     out_dir: str | os.PathLike,
     *,
     tokenizer=None,
@@ -234,48 +349,60 @@ def write_model_folder(
     generation_fields: Mapping | None = None,
     progress: bool | Stages = True,
 ) -> Path:
-    """Check `model` and write it with its tokenizer, generation config and card as a Hub folder at OUT.
+    """Write a checked Hub folder at OUT: code files, config, weights, tokenizer, card and extra files.
 
-    The model is cast to `dtype` in place (None keeps its dtype), must give finite logits on a few
-    tokens, and is saved as safetensors (sharded when `max_shard_size` is given). `generation_fields`
-    (e.g. eos lists, suppress_tokens) go into generation_config.json on top of the tokenizer's
-    bos/eos/pad ids. With `dry_run` the checks run and the plan is printed; nothing is written.
-    `progress` shows the stages (a converter passes its own Stages to continue its display).
+    `source` is a model, or a saved folder (config.json + safetensors, copied as it is). Our
+    architectures get the package's code files and auto_map, so the folder loads with
+    trust_remote_code. A model is cast to `dtype` in place (None keeps its dtype), must give finite
+    logits on a few tokens, and is saved as safetensors (sharded when `max_shard_size` is given);
+    `generation_fields` (e.g. eos lists, suppress_tokens) go into generation_config.json on top of
+    the tokenizer's bos/eos/pad ids. With `dry_run` the checks run and the plan is printed; nothing
+    is written. `progress` shows the stages (a converter passes its own Stages to continue its display).
     """
     out_dir = Path(out_dir)
-    target_dtype = resolve_dtype(dtype)
+    from_folder = isinstance(source, (str, os.PathLike))
+    target_dtype = None if from_folder else resolve_dtype(dtype)
     if out_dir.exists() and not overwrite:
         raise ValueError(f"{out_dir} already exists; pass overwrite=True (--overwrite) to replace it")
     if not dry_run and not out_dir.parent.is_dir():
         raise ValueError(f"the parent folder of {out_dir} does not exist")
-    _check_auto_map(model)
+    if from_folder:
+        source = _check_source_folder(Path(source), dtype=dtype, max_shard_size=max_shard_size,
+                                      generation_fields=generation_fields)
+    else:
+        _check_auto_map(source)
     if isinstance(progress, Stages):
         stages = progress  # a converter's display, already counting its reading stages
     else:
-        stages = Stages(WRITE_STAGES, enabled=progress and not dry_run)
+        stages = Stages(FOLDER_STAGES if from_folder else WRITE_STAGES, enabled=progress and not dry_run)
     try:
         if dry_run:
-            check_finite_logits(model, tokenizer)
-            lines = _planned_files(model, tokenizer, card_text, target_dtype, max_shard_size, extra_files)
+            if from_folder:
+                lines = _planned_folder_files(source, tokenizer, card_text, extra_files)
+            else:
+                check_finite_logits(source, tokenizer)
+                lines = _planned_files(source, tokenizer, card_text, target_dtype, max_shard_size, extra_files)
             print(f"dry run: would write {out_dir}" + (" (replacing it)" if out_dir.exists() else "") + ":")
             for line in lines:
                 print(f"  {line}")
             return out_dir
-        stages.start("cast")
-        if target_dtype is not None:
-            model.to(target_dtype)
-        stages.start("check logits")
-        check_finite_logits(model, tokenizer)
+        if not from_folder:
+            stages.start("cast")
+            if target_dtype is not None:
+                source.to(target_dtype)
+            stages.start("check logits")
+            check_finite_logits(source, tokenizer)
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
-            stages.start("weights")
-            fields = _generation_fields(tokenizer, generation_fields)
-            for key, value in fields.items():
-                setattr(model.generation_config, key, value)
-            save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-            model.save_pretrained(staging, **save_kwargs)
-            if not (staging / "generation_config.json").is_file():
-                model.generation_config.save_pretrained(staging)
+            if from_folder:
+                stages.start("copy files")
+                _copy_folder(source, staging)
+            else:
+                stages.start("weights")
+                _save_model(source, staging, tokenizer, generation_fields, max_shard_size)
+            model_type = _read_config(staging).get("model_type")
+            if is_package_architecture(model_type):
+                _add_package_code(staging, model_type)
             stages.start("tokenizer")
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
@@ -284,7 +411,9 @@ def write_model_folder(
                 (staging / "README.md").write_text(card_text, encoding="utf-8")
             _write_extra_files(staging, extra_files or {})
             stages.start("verify")
-            _check_written(staging, tokenizer is not None, not type(model).__module__.startswith("transformers."))
+            custom_code = is_package_architecture(model_type) or (
+                not from_folder and not type(source).__module__.startswith("transformers."))
+            _check_written(staging, tokenizer is not None, custom_code, needs_generation_config=not from_folder)
             stages.start("move into place")
             _move_into_place(staging, out_dir, overwrite)
         except BaseException:
@@ -293,3 +422,7 @@ def write_model_folder(
     finally:
         stages.close()
     return out_dir
+
+
+# The name the writer had before build_hub_folder also took saved folders; kept for existing callers.
+write_model_folder = build_hub_folder

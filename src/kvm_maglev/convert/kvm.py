@@ -31,7 +31,7 @@ from kvm_maglev.convert.common import (
     source_provenance,
 )
 from kvm_maglev.convert.export import check_state_dict, expected_shapes
-from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM, KVMModel
+from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.tokenization.gpt2 import generation_token_fields, load_research_tokenizer
 
 # research fields that must have exactly these values (or be absent) for our model to be exact
@@ -310,7 +310,6 @@ def convert(source: str | Path, out: str | Path, config_path: str | Path | None 
         stages.start("tokenizer")
         tokenizer_object = load_research_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
         fields = generation_token_fields(tokenizer_object, config.vocab_size) if tokenizer_object is not None else {}
-        _register_auto_classes(model)
         shown = checkpoint.weights_files[0] if len(checkpoint.weights_files) == 1 else Path(source)
         provenance = source_provenance(checkpoint.weights_files, shown, checkpoint.step)
         dtype = options.dtype or source_dtype(checkpoint.state)
@@ -318,14 +317,6 @@ def convert(source: str | Path, out: str | Path, config_path: str | Path | None 
                             provenance=provenance, options=replace(options, dtype=dtype), stages=stages)
     finally:
         stages.close()
-
-
-def _register_auto_classes(model: KVMForCausalLM) -> None:
-    """config.json's auto_map names our code files, so the folder loads with trust_remote_code anywhere."""
-    type(model.config).register_for_auto_class()
-    type(model).register_for_auto_class("AutoModelForCausalLM")
-    model.config.auto_map = {**(getattr(model.config, "auto_map", None) or {}),
-                             "AutoModel": f"modeling_kvm.{KVMModel.__name__}"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

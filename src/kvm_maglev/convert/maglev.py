@@ -26,7 +26,7 @@ from kvm_maglev.convert.common import (
 )
 from kvm_maglev.convert.export import check_state_dict, expected_shapes
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
-from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM, MaglevModel
+from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
 from kvm_maglev.tokenization.gpt2 import padded_token_ids
 from kvm_maglev.tokenization.nanochat import (
     find_nanochat_tokenizer,
@@ -60,6 +60,8 @@ DEFAULT_KEY_MAP = {
     "smear_lambda": "model.smear_lambda",
     "backout_lambda": "model.backout_lambda",
     "memory_init": "model.memory_init",
+    "memory_proj.weight": "model.memory_proj.weight",
+    "memory_residual_proj.weight": "model.memory_residual_proj.weight",
     "prefiller_resid_lambdas": "model.prefiller_residual_lambdas",
     "prefiller_x0_lambdas": "model.prefiller_x0_lambdas",
     **{f"transformer.h.{{i}}.{k}": f"model.layers.{{i}}.{v}" for k, v in BLOCK_KEY_MAP.items()},
@@ -68,7 +70,11 @@ DEFAULT_KEY_MAP = {
 PREFILLER_KEYS = re.compile(r"^(prefiller\.h\.|prefiller_resid_lambdas$|prefiller_x0_lambdas$)")
 MAGLEV_META_FIELDS = ("sliding_window", "memory_gate_channels", "prefiller_window_pattern",
                       "prefiller_shares_blocks", "consistency_weight", "consistency_loss",
-                      "consistency_detach_target")
+                      "consistency_detach_target", "memory_source_layer", "memory_projection",
+                      "memory_residual_injection", "memory_self_feed_steps", "memory_self_feed_detach",
+                      "memory_self_feed_mix", "memory_self_feed_mix_ramp_steps", "memory_noise_std",
+                      "consistency_weight_final", "consistency_weight_ramp_steps",
+                      "consistency_detach_target_after", "consistency_weight_after_detach")
 
 
 # ----- reading ---------------------------------------------------------------------------------
@@ -172,6 +178,8 @@ def build_config(meta: dict, state: dict[str, torch.Tensor], keep_prefiller: boo
         unknown = set(maglev) - set(MAGLEV_META_FIELDS)
         if unknown:
             raise ValueError(f"unknown fields in meta json 'maglev': {sorted(unknown)}")
+        fields["memory_projection"] = "memory_proj.weight" in state
+        fields["memory_residual_injection"] = "memory_residual_proj.weight" in state
         fields.update(maglev)
         fields["has_prefiller"] = keep_prefiller
     elif keep_prefiller:
@@ -255,14 +263,6 @@ def generation_fields(tokenizer, config: MaglevConfig) -> dict:
     return fields
 
 
-def register_auto_classes(model: MaglevForCausalLM) -> None:
-    """config.json's auto_map names our code files (AutoConfig, AutoModel, AutoModelForCausalLM)."""
-    type(model.config).register_for_auto_class()
-    type(model).register_for_auto_class("AutoModelForCausalLM")
-    model.config.auto_map = {**(getattr(model.config, "auto_map", None) or {}),
-                             "AutoModel": f"modeling_maglev.{MaglevModel.__name__}"}
-
-
 def convert(source: str | Path, out: str | Path, step: int | None = None, keep_prefiller: bool = False,
             key_map: dict[str, str] | None = None, overwrite: bool = False, *, tokenizer: str | Path | None = None,
             require_tokenizer: bool = False, options: ExportOptions | None = None) -> Path:
@@ -295,7 +295,6 @@ def convert(source: str | Path, out: str | Path, step: int | None = None, keep_p
         if tokenizer_path is not None:
             tokenizer_object = load_nanochat_tokenizer(tokenizer_path, model_max_length=config.max_position_embeddings)
             fields = generation_fields(tokenizer_object, config)
-        register_auto_classes(model)
         provenance = source_provenance([checkpoint.weights_file], checkpoint.weights_file, checkpoint.step)
         dtype = options.dtype or source_dtype(checkpoint.state)
         return export_model(model, out, architecture="maglev", tokenizer=tokenizer_object,
