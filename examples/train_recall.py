@@ -19,9 +19,7 @@ import torch
 from transformers import Trainer, TrainingArguments, set_seed
 
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
-from kvm_maglev.convert.cards import render_model_card
-from kvm_maglev.convert.export import write_model_folder
-from kvm_maglev.demo import TASK_FILE
+from kvm_maglev.demo import save_demo_model
 from kvm_maglev.recall import (
     RecallTask,
     build_dataset,
@@ -111,24 +109,9 @@ def train_one(name: str, args: argparse.Namespace, train_data) -> torch.nn.Modul
 
 
 def save_recall_model(model, target: Path, name: str, distances: List[int], args: argparse.Namespace) -> None:
-    """Write a Hub-ready folder (weights, code, card) plus the task it learned, for ``kvm-maglev demo``."""
-    type(model).register_for_auto_class("AutoModelForCausalLM")
-    model.config.register_for_auto_class()
-    card = render_model_card(
-        model.config,
-        num_parameters=model.num_parameters(),
-        license="apache-2.0",
-        title=f"Tiny {name} trained on synthetic long-range recall",
-    )
+    """Keep config, weights and the task it learned; ``kvm-maglev demo`` adds the package's code and a card."""
     task_spec = {"task": TASK.__dict__, "window": WINDOW, "distances": distances, "steps": args.steps, "seed": args.seed}
-    write_model_folder(
-        model,
-        target,
-        card_text=card,
-        overwrite=True,
-        extra_files={TASK_FILE: json.dumps(task_spec, indent=1)},
-        progress=False,
-    )
+    save_demo_model(model, target, task_spec)
 
 
 def main(argv: List[str] = None) -> None:

@@ -441,6 +441,29 @@ def test_push_refuses_a_bad_folder(tmp_path, breakage, message):
     assert SECRET not in str(error.value)
 
 
+def test_push_builds_the_hub_folder_of_a_folder_without_code(tmp_path):
+    """A kept demo model (config, weights, task) is pushed with the package's code; the folder is untouched."""
+    import shutil
+
+    from kvm_maglev import demo
+    from kvm_maglev.convert.export import build_hub_folder, package_auto_map, package_code_files
+    from kvm_maglev.hub import _with_package_code
+
+    kept = shutil.copytree(demo.RECALL_MODELS_DIR / "kvm_fixed", tmp_path / "kvm_fixed")
+    before = {p.name: p.read_bytes() for p in kept.iterdir()}
+    with _with_package_code(kept) as upload:
+        assert upload != kept
+        for source in package_code_files("kvm"):
+            assert (upload / source.name).read_bytes() == source.read_bytes()
+        assert json.loads((upload / "config.json").read_text())["auto_map"] == package_auto_map("kvm")
+        assert (upload / "model.safetensors").read_bytes() == before["model.safetensors"]
+    assert not upload.exists() and [p.name for p in tmp_path.iterdir()] == ["kvm_fixed"]
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == before
+    complete = build_hub_folder(kept, tmp_path / "complete", progress=False)
+    with _with_package_code(complete) as upload:
+        assert upload == complete  # a folder with its code is pushed as it is
+
+
 def test_push_refuses_a_missing_folder(tmp_path):
     from kvm_maglev.hub import push_folder
 

@@ -2,7 +2,10 @@
 on the trained models kept in the package."""
 
 import argparse
+import inspect
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +83,8 @@ def demo_rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
-    args = parser.parse_args(["--examples", "32", "--decode-tokens", "4", "--out", str(out)])
+    args = parser.parse_args(["--examples", "32", "--decode-tokens", "4", "--out", str(out),
+                              "--cache-dir", str(out / "cache")])
     assert demo.run(args) == 0
     assert (out / "recall.png").stat().st_size > 0
     return json.loads((out / "demo.json").read_text()), demo.load_task(demo.find_model_folders(demo.RECALL_MODELS_DIR)[0])
@@ -103,12 +107,48 @@ def test_kept_kvm_models_recall_far_past_their_window(demo_rows):
     assert rows["swa_baseline"]["recall"][four_windows] <= 0.25
 
 
-def test_kept_folders_carry_the_current_model_code():
-    """The folders are what the Hub would get: their remote code must be the package's model code."""
-    package = demo.RECALL_MODELS_DIR.parent.parent / "models"
+def test_kept_folders_hold_weights_config_and_task_only():
+    """Code and card are never copied into the package: the demo adds them from the package when it builds."""
     for folder in demo.find_model_folders(demo.RECALL_MODELS_DIR):
-        model_type = json.loads((folder / "config.json").read_text())["model_type"]
-        sources = sorted((package / model_type).glob("*_" + model_type + ".py"))
-        assert sources, model_type
-        for source in sources:
-            assert (folder / source.name).read_text() == source.read_text(), (folder.name, source.name)
+        assert sorted(p.name for p in folder.iterdir()) == sorted(demo.KEPT_FILES), folder.name
+
+
+def test_demo_loads_the_package_code_as_it_is_now(tmp_path, monkeypatch):
+    """The demo's Hub folder carries the package's model files byte for byte, is reused while they
+    are unchanged, and is rebuilt as soon as one changes."""
+    from kvm_maglev.convert import export
+
+    kept = demo.RECALL_MODELS_DIR / "maglev"
+    built = demo.build_demo_folder(kept, tmp_path / "cache")
+    sources = export.package_code_files("maglev")
+    for source in sources:
+        assert (built / source.name).read_bytes() == source.read_bytes(), source.name
+    config = json.loads((built / "config.json").read_text())
+    assert config["auto_map"] == export.package_auto_map("maglev")
+    assert "custom_code" in (built / "README.md").read_text()
+    model = demo.load_demo_model(kept, tmp_path / "cache")
+    loaded_from = Path(inspect.getfile(type(model)))
+    assert loaded_from.read_bytes() == (export.MODELS_DIR / "maglev" / loaded_from.name).read_bytes()
+    assert demo.build_demo_folder(kept, tmp_path / "cache") == built  # unchanged code: the same folder
+
+    changed = tmp_path / "models"
+    shutil.copytree(export.MODELS_DIR / "maglev", changed / "maglev")
+    with open(changed / "maglev" / "modeling_maglev.py", "a") as handle:
+        handle.write("\n# a change to the package's model code\n")
+    monkeypatch.setattr(export, "MODELS_DIR", changed)
+    rebuilt = demo.build_demo_folder(kept, tmp_path / "cache")
+    assert rebuilt != built
+    assert (rebuilt / "modeling_maglev.py").read_bytes() == (changed / "maglev" / "modeling_maglev.py").read_bytes()
+
+
+def test_saved_demo_model_round_trips_through_the_build(tmp_path):
+    model = _tiny_models()["kvm"]
+    task = {"task": TASK.__dict__, "window": 8, "distances": [6, 30], "steps": 1, "seed": 0}
+    folder = demo.save_demo_model(model, tmp_path / "tiny_kvm", task)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(demo.KEPT_FILES)
+    assert demo.load_task(folder) == json.loads(json.dumps(task))
+    loaded = demo.load_demo_model(folder, tmp_path / "cache")
+    ids = torch.tensor([make_example(TASK, torch.Generator().manual_seed(1), []).input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+

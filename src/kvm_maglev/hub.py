@@ -4,13 +4,17 @@
 branch) when missing and commits the folder's files in one commit. Re-running with an
 unchanged folder makes no new commit. The token comes from HF_TOKEN or the file written by
 `hf auth login` (or `token=` in Python); it is never printed, and a folder that contains it
-is refused.
+is refused. A folder of our architectures without its code files (a kept demo model: config,
+weights, task) is pushed as the Hub folder `build_hub_folder` makes of it, code and auto_map added.
 """
 
 import argparse
+import contextlib
 import json
 import re
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional, Union
 
@@ -59,22 +63,41 @@ def push_folder(
         )
     _refuse_files_containing(folder, token)
 
+    commit_message = commit_message or default_commit_message(folder)
+
     api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    if private and not api.repo_info(repo_id, repo_type="model").private:
-        # asked for private but the repo already existed as public: never publish by surprise
-        api.update_repo_settings(repo_id, private=True, repo_type="model")
-    if revision is not None and revision != "main":
-        api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
-    commit = api.upload_folder(
-        repo_id=repo_id,
-        folder_path=str(folder),
-        revision=revision,
-        commit_message=commit_message or default_commit_message(folder),
-        ignore_patterns=_IGNORED_PATTERNS,
-        delete_patterns=_MIRRORED_PATTERNS,
-    )
+    with _with_package_code(folder) as upload:  # built before anything is sent
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if private and not api.repo_info(repo_id, repo_type="model").private:
+            # asked for private but the repo already existed as public: never publish by surprise
+            api.update_repo_settings(repo_id, private=True, repo_type="model")
+        if revision is not None and revision != "main":
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(upload),
+            revision=revision,
+            commit_message=commit_message,
+            ignore_patterns=_IGNORED_PATTERNS,
+            delete_patterns=_MIRRORED_PATTERNS,
+        )
     return commit.oid
+
+
+@contextlib.contextmanager
+def _with_package_code(folder: Path) -> Iterator[Path]:
+    """`folder` itself, or where it lacks our architecture's code files, the Hub folder built from it."""
+    from kvm_maglev.convert.export import build_hub_folder, lacks_package_code
+
+    if not lacks_package_code(folder):
+        yield folder
+        return
+    try:  # beside the folder, so the weights are hard-linked rather than copied
+        work = tempfile.TemporaryDirectory(prefix=f".{folder.name}.push-", dir=folder.resolve().parent)
+    except OSError:
+        work = tempfile.TemporaryDirectory(prefix=f"{folder.name}.push-")
+    with work as path:
+        yield build_hub_folder(folder, Path(path) / folder.name, progress=False)
 
 
 def default_commit_message(folder: Union[str, Path]) -> str:

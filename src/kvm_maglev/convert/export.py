@@ -281,7 +281,7 @@ def _check_written(folder: Path, needs_tokenizer: bool, custom_code: bool, needs
         raise ValueError("the tokenizer wrote no tokenizer_config.json")
 
 
-def _move_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
+def move_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
     """Rename the finished folder to OUT; an old OUT (overwrite) is set aside first and removed last."""
     if not out_dir.exists():
         staging.rename(out_dir)
@@ -415,7 +415,7 @@ def build_hub_folder(
                 not from_folder and not type(source).__module__.startswith("transformers."))
             _check_written(staging, tokenizer is not None, custom_code, needs_generation_config=not from_folder)
             stages.start("move into place")
-            _move_into_place(staging, out_dir, overwrite)
+            move_into_place(staging, out_dir, overwrite)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
