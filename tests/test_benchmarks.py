@@ -5,6 +5,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from kvm_maglev.benchmarks import cli
 from kvm_maglev.benchmarks.decode import Measurement
@@ -76,24 +77,24 @@ def test_targets_pass_and_fail_on_the_ratios():
     assert not checks["maglev recurrent prompt / prefiller prompt at 4096 >= 10"].met
 
 
-def test_our_models_are_measured_inside_packed_linear_weights(monkeypatch):
+def test_our_models_are_measured_inside_runtime_speedups(monkeypatch):
     """Batched decoding in the bench reads the blocked weight copies that generate() would use; they are
-    freed when the measurement ends."""
+    freed, and the model is plain again, when the measurement ends."""
     from kvm_maglev.benchmarks.decode import measure
     from kvm_maglev.benchmarks.models import SHAPES
-    from kvm_maglev.models.kvm import modeling_kvm
+    from kvm_maglev.models.kvm import onednn_linear
 
-    if modeling_kvm.ONEDNN_PACK is None:
+    if onednn_linear.ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")
-    monkeypatch.setattr(modeling_kvm, "ONEDNN_MIN_WEIGHTS", 0)  # the tiny shape's layers are below the threshold
+    monkeypatch.setattr(onednn_linear, "ONEDNN_MIN_WEIGHTS", 0)  # the tiny shape's layers are below the threshold
     packs = []
-    real_pack = modeling_kvm.ONEDNN_PACK
-    monkeypatch.setattr(modeling_kvm, "ONEDNN_PACK", lambda weight, rows: packs.append(rows) or real_pack(weight, rows))
+    real_pack = onednn_linear.ONEDNN_PACK
+    monkeypatch.setattr(onednn_linear, "ONEDNN_PACK", lambda weight, rows: packs.append(rows) or real_pack(weight, rows))
     model = MODEL_BUILDERS["kvm_fixed"](SHAPES["tiny"]).eval()
     measure("kvm_fixed", model, 70, 3, 3, 32)
     assert 3 in packs
-    linears = [m for m in model.modules() if isinstance(m, modeling_kvm.KVMLinear)]
-    assert linears and all(m.packed is None and m.packing == 0 for m in linears)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is torch.nn.Linear and "packed" not in vars(m) for m in linears)
 
 
 def test_steps_the_host_stole_from_are_told_apart():

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from kvm_maglev.models.kvm import modeling_kvm
-from kvm_maglev.models.kvm.modeling_kvm import KVMLinear
+from kvm_maglev.models.kvm import onednn_linear
+from kvm_maglev.models.kvm.onednn_linear import OneDNNLinear
 from kvm_maglev.models.maglev import modeling_maglev
 from kvm_maglev.models.maglev.modeling_maglev import MaglevLinear
 
 SHAPES = [(1, 1), (2, 1), (8, 1), (1, 7), (3, 20), (70, 1), (0, 3)]
 
 
-@pytest.mark.parametrize("linear_class", [KVMLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_inference_matches_linear(linear_class, shape, bias):
@@ -25,7 +25,7 @@ def test_inference_matches_linear(linear_class, shape, bias):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("linear_class", [KVMLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
 def test_non_contiguous_input(linear_class):
     layer = linear_class(512, 601, bias=False)
     x = torch.randn(4, 1024)[:, ::2]
@@ -33,7 +33,7 @@ def test_non_contiguous_input(linear_class):
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("linear_class", [KVMLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
 def test_training_bfloat16_small_layers_and_no_onednn_take_nn_linear(linear_class, monkeypatch):
     torch.manual_seed(0)
     layer = linear_class(512, 601, bias=False)
@@ -49,7 +49,7 @@ def test_training_bfloat16_small_layers_and_no_onednn_take_nn_linear(linear_clas
     with torch.no_grad():
         assert torch.equal(half(xb), torch.nn.functional.linear(xb, half.weight))
         assert torch.equal(small(xs), torch.nn.functional.linear(xs, small.weight))
-    module = modeling_kvm if linear_class is KVMLinear else modeling_maglev
+    module = onednn_linear if linear_class is OneDNNLinear else modeling_maglev
     monkeypatch.setattr(module, "ONEDNN_LINEAR", None)
     with torch.no_grad():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
@@ -60,14 +60,14 @@ def test_onednn_is_used_on_this_machine():
     summation order only at float rounding."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
-    assert modeling_kvm.ONEDNN_LINEAR is not None and modeling_maglev.ONEDNN_LINEAR is not None
+    assert onednn_linear.ONEDNN_LINEAR is not None and modeling_maglev.ONEDNN_LINEAR is not None
 
 
 def packing_module(linear_class):
-    return modeling_kvm if linear_class is KVMLinear else modeling_maglev
+    return onednn_linear if linear_class is OneDNNLinear else modeling_maglev
 
 
-@pytest.mark.parametrize("linear_class", [KVMLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
 @pytest.mark.parametrize("rows", [1, 2, 8, 64, 65])
 def test_blocked_copy_matches_linear(linear_class, rows):
     """Inside a packing block, 2-64 row products read a blocked copy of the weight and still compute F.linear."""
@@ -83,7 +83,7 @@ def test_blocked_copy_matches_linear(linear_class, rows):
     torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("linear_class", [KVMLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
 def test_blocked_copy_follows_in_place_writes(linear_class):
     if packing_module(linear_class).ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")
@@ -120,7 +120,7 @@ def big_head_models():
 def test_batched_generate_reads_blocked_copies_and_agrees(name, monkeypatch):
     """generate() on a batch packs the head once, frees it after, and scores as the unpacked path does."""
     model = big_head_models()[name]
-    module = modeling_kvm if name == "kvm" else modeling_maglev
+    module = onednn_linear if name == "kvm" else modeling_maglev
     if module.ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")
     ids = torch.randint(1, 4096, (3, 11), generator=torch.Generator().manual_seed(1))
@@ -133,7 +133,7 @@ def test_batched_generate_reads_blocked_copies_and_agrees(name, monkeypatch):
     monkeypatch.setattr(module, "ONEDNN_PACK", lambda weight, rows: packs.append(rows) or real_pack(weight, rows))
     packed = model.generate(ids, **settings)
     assert packs == [3]  # the head only (the other layers are small), once for the whole generation
-    assert model.lm_head.packed is None and model.lm_head.packing == 0
+    assert getattr(model.lm_head, "packed", None) is None and getattr(model.lm_head, "packing", 0) == 0
     monkeypatch.setattr(module, "ONEDNN_PACK", None)
     plain = model.generate(ids, **settings)
     assert torch.equal(packed.sequences, plain.sequences)
@@ -142,16 +142,16 @@ def test_batched_generate_reads_blocked_copies_and_agrees(name, monkeypatch):
 
 def test_nested_packing_blocks_free_the_copy_at_the_outermost_end():
     model = big_head_models()["kvm"]
-    if modeling_kvm.ONEDNN_PACK is None:
+    if onednn_linear.ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")
-    with torch.no_grad(), model.packed_linear_weights():
-        with model.packed_linear_weights():
+    with torch.no_grad(), model.runtime_speedups():
+        with model.runtime_speedups():
             model.lm_head(torch.randn(4, 32))
         assert model.lm_head.packed is not None
-    assert model.lm_head.packed is None and model.lm_head.packing == 0
+    assert type(model.lm_head) is torch.nn.Linear and "packed" not in vars(model.lm_head)
 
 
-@pytest.mark.parametrize("linear_class", [KVMLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
 def test_torch_compile_leaves_the_product_to_inductor(linear_class):
     """Inductor cannot lower a oneDNN call on a weight it does not own; compiled, the layer is nn.Linear."""
     torch.manual_seed(0)

@@ -102,12 +102,20 @@ def measure(
     untimed decoding step. Every model's first one-token step after a long prompt ran slow (one-row
     kernels and allocations after the prompt's large ones), which is not what a decoding step costs;
     the timed steps still start right at position ``context`` (a KVM chunk boundary when ``context``
-    is a multiple of the chunk). Our models run inside `packed_linear_weights()`, as in `generate()`.
+    is a multiple of the chunk). Our models run inside their runtime speed-ups, as in `generate()`.
     With ``compile_decode`` the decoding steps (not the prefill) go through `torch.compile(model)`; the
     untimed step compiles them, and a recompilation in a timed step (new shapes or code paths) is timed.
     """
-    with getattr(model, "packed_linear_weights", contextlib.nullcontext)():
+    with _speedups(model):
         return _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed, compile_decode)
+
+
+def _speedups(model) -> contextlib.AbstractContextManager:
+    """The block generate() decodes in: `runtime_speedups()` (KVM), `packed_linear_weights()` (Maglev), or none."""
+    for name in ("runtime_speedups", "packed_linear_weights"):
+        if hasattr(model, name):
+            return getattr(model, name)()
+    return contextlib.nullcontext()
 
 
 def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed, compile_decode) -> Measurement:

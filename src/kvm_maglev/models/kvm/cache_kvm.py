@@ -201,7 +201,7 @@ class KVMLayerCache:
         self.merged_blocks = 0  # blocks j >= 1 already folded into the state
         self.seen = 0
         self.journal: dict | None = None  # what the current forward did, while recording
-        self.pending_fold = None  # the next fold, computed ahead during decoding (modeling_kvm.PendingFold)
+        self.pending_fold = None  # the next fold, computed ahead inside runtime_speedups (runtime_kvm.PacedFold)
 
     @property
     def state_len(self) -> int:
@@ -213,6 +213,7 @@ class KVMLayerCache:
     def set_state(self, keys: torch.Tensor, values: torch.Tensor, norms: torch.Tensor) -> None:
         self.state_keys, self.state_values, self.state_norms = keys, values, norms
         self.read_cache = None
+        self.pending_fold = None  # it started from the state just replaced
 
     def state(self) -> tuple:
         return (self.state_keys, self.state_values, self.state_norms)
@@ -500,6 +501,11 @@ class KVMCache(Cache):
 
     def finish(self, plan: StepPlan) -> None:
         self.columns += plan.length
+        if plan.length > 1 and not torch.is_grad_enabled():  # decoding steps that follow write windows in place
+            for group in self.groups:
+                for layer in group.layers:
+                    if not layer.is_sliding:
+                        layer.window.reserve(self.config.chunk_size)
         record = self.history[-1] if self.recording and self.history else None
         if record is not None and record.journals is not None and len(self.groups) == 1:
             layers = self.groups[0].layers

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +25,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .cache_kvm import KVMCache, KVMLayerCache, RowGroup, SlidingWindowLayerCache, StepPlan, new_layer_cache
 from .configuration_kvm import KVMConfig, state_dtype_for
+from .runtime_kvm import runtime_speedups
+from .state_kvm import Overflow, fold_overflow, readable_state, slot_norms, state_keys
 
 # transformers 5.24 renamed the output/cache keyword `past_key_values` to `cache`.
 CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
@@ -82,73 +83,6 @@ def run_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch
     return out
 
 
-def one_query_attention(q, window_q, keys, values, state_keys, state_value_columns, scale: float) -> torch.Tensor:
-    """`attend_state_and_window` for one query per row (a decoding step) on CPU in float32: the same softmax,
-    with logits as keys @ q, the state's output as value columns @ probs and the window's as a
-    probability-weighted sum of its values. A step reads every state and window key and value once;
-    these forms read them about twice as fast as q @ keys^T and probs @ values (one-row products), which
-    set the speed of long-context batched decoding. (In half precision the weighted sum would round its
-    products before adding them, so those dtypes keep the matmuls.)"""
-    # Vectors enter the products as transposed contiguous rows: as contiguous columns they take a kernel
-    # up to 10x slower. `cat` of the transposed logits gives one contiguous row of probabilities per head.
-    state_logits = torch.matmul(state_keys, q.contiguous().transpose(-1, -2)).transpose(-1, -2)  # [B, H, 1, slots]
-    window_logits = torch.matmul(keys, window_q.contiguous().transpose(-1, -2)).transpose(-1, -2)
-    probs = torch.softmax(torch.cat([state_logits, window_logits], dim=-1).float() * scale, dim=-1).to(values.dtype)
-    slots = state_keys.shape[2]
-    state_part = torch.matmul(state_value_columns, probs[..., :slots].transpose(-1, -2)).transpose(-1, -2)
-    return state_part + (probs[..., slots:].transpose(-1, -2) * values).sum(dim=2, keepdim=True)
-
-
-# torch's oneDNN linear (what torch.compile emits for CPU linears); None where torch is built without oneDNN
-ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-# below ~1 MiB of float32 weights oneDNN's ~18 us fixed cost per call outweighs what it saves (2 cores)
-ONEDNN_MIN_WEIGHTS = 1 << 18
-# torch's reordering of a linear weight into oneDNN's blocked layout for a given row count
-ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if ONEDNN_LINEAR is not None else None
-# rows per product up to which the blocked copy is used (a decoding batch); at prefill sizes it gains ~3%
-PACKED_MAX_ROWS = 64
-# block tokens x state slots per piece of a fold computed ahead (64 tokens at 1024 slots): each product reads
-# the head's whole state, and in a decoding step it does so cold (the weights passed through the caches since),
-# so pieces of 16 tokens took twice the time per fold that pieces of 64 do (2 cores, 1024 slots); larger states
-# take thinner pieces, so that no step carries much more than another
-FOLD_PIECE_PRODUCT = 64 * 1024
-
-
-class KVMLinear(nn.Linear):
-    """nn.Linear whose float32 CPU products without autograd (generation, evaluation) run on oneDNN.
-
-    Decoding reads every weight once per step; on CPU, MKL's one-row product read them at about half
-    the memory bandwidth oneDNN reaches (vocabulary head, 2 cores: 11.6 vs 4.7 ms one row, 24 vs 9 ms
-    eight rows), and oneDNN was no slower at any row count measured. Same math; small layers, training,
-    other devices and dtypes take nn.Linear's path. Inside `packed_linear_weights()` products of 2-64 rows
-    read a copy of the weight in oneDNN's blocked layout instead (eight rows: vocabulary head 9.7 -> 5.7 ms).
-    """
-
-    packing = 0  # how many `packed_linear_weights()` blocks are open around this layer
-    packed = None  # (weight's identity, its blocked copy) while they are
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        # under torch.compile inductor chooses the kernel (it cannot lower a oneDNN call on a weight it does not own)
-        if (ONEDNN_LINEAR is None or weight.numel() < ONEDNN_MIN_WEIGHTS or torch.is_grad_enabled()
-                or torch.compiler.is_compiling()
-                or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-                or not weight.is_contiguous()):
-            return super().forward(x)
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        if self.packing and ONEDNN_PACK is not None and 1 < rows.shape[0] <= PACKED_MAX_ROWS:
-            weight = self.blocked_weight(rows.shape[0])
-        return ONEDNN_LINEAR(rows, weight, self.bias, "none", [], "").view(*x.shape[:-1], self.out_features)
-
-    def blocked_weight(self, rows: int) -> torch.Tensor:
-        """The weight in oneDNN's blocked layout for `rows`-row products, made once per packing block
-        (again if the weight was replaced or written in place since)."""
-        identity = (self.weight.data_ptr(), self.weight._version)
-        if self.packed is None or self.packed[0] != identity:
-            self.packed = (identity, ONEDNN_PACK(self.weight, rows))
-        return self.packed[1]
-
-
 # ---- attention -----------------------------------------------------------------------------
 class KVMAttentionBase(nn.Module):
     """q/k/v projections with per-head layer norm, optional token shift and value residual."""
@@ -161,10 +95,10 @@ class KVMAttentionBase(nn.Module):
         self.head_dim = config.qk_head_dim
         self.value_head_dim = config.v_head_dim
         qk, vv = self.num_heads * self.head_dim, self.num_heads * self.value_head_dim
-        self.q_proj = KVMLinear(config.hidden_size, qk, bias=False)
-        self.k_proj = KVMLinear(config.hidden_size, qk, bias=False)
-        self.v_proj = KVMLinear(config.hidden_size, vv, bias=False)
-        self.o_proj = KVMLinear(vv, config.hidden_size, bias=False)
+        self.q_proj = nn.Linear(config.hidden_size, qk, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, qk, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, vv, bias=False)
+        self.o_proj = nn.Linear(vv, config.hidden_size, bias=False)
         self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.token_shift_on = token_shift_on
@@ -180,8 +114,8 @@ class KVMAttentionBase(nn.Module):
         elif self.value_residual_mode != "none":
             rank = value_residual_rank(config.hidden_size)
             self.value_gate_bias = nn.Parameter(torch.zeros(1, 1, vv))
-            self.value_gate_down = KVMLinear(config.hidden_size, rank, bias=False)
-            self.value_gate_up = KVMLinear(rank, vv, bias=False)
+            self.value_gate_down = nn.Linear(config.hidden_size, rank, bias=False)
+            self.value_gate_up = nn.Linear(rank, vv, bias=False)
 
     def value_gate(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.value_gate_bias + self.value_gate_up(self.value_gate_down(x)))
@@ -257,249 +191,10 @@ class KVMAttention(KVMAttentionBase):
         self.state_key_norm = KVMStateKeyNorm(self.head_dim, eps=config.layer_norm_eps)
         self.gated = config.merge_gate_keys or config.merge_gate_values
         if self.gated:
-            self.merge_gate_proj = KVMLinear(config.hidden_size, self.num_heads, bias=False)
+            self.merge_gate_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
         if config.head_temperatures:
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
-
-    # -- state helpers --
-    def normalize_state_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        return self.state_key_norm(keys)
-
-    def state_keys_from(self, k: torch.Tensor, state_dtype: torch.dtype) -> torch.Tensor:
-        """Keys as they enter the state: rotary channels zeroed, then layer-normed."""
-        rotary = self.config.rotary_dim
-        k = torch.cat([torch.zeros_like(k[..., :rotary]), k[..., rotary:]], dim=-1).to(state_dtype)
-        return self.normalize_state_keys(k)
-
-    def slot_norms(self, values: torch.Tensor) -> torch.Tensor:
-        """float32 value norm of a new slot (or a count of 1 when value norms are off)."""
-        if self.config.state_value_norms:
-            return torch.linalg.vector_norm(values.float(), dim=-1, keepdim=True)
-        return values.new_ones(values.shape[:-1] + (1,), dtype=torch.float32)
-
-    def temperature(self, name: str) -> torch.Tensor | float:
-        if not self.config.head_temperatures:
-            return 1.0
-        return getattr(self, name).view(1, self.num_heads, 1, 1)
-
-    def read_state(self, cache: KVMLayerCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """State keys [B, H, slots, D] and value columns [B, H, Dv, slots] as attention reads them;
-        recomputed only when the state changed."""
-        if cache.read_cache is None:
-            normed = self.normalize_state_keys(cache.state_keys)
-            cache.normed_keys = (cache.state_keys, normed)  # the next fold compares against the same keys
-            cache.read_cache = self.readable_state(cache.state(), slice(None), dtype, normed)
-        return cache.read_cache
-
-    def readable_state(self, state: tuple, heads: slice, dtype: torch.dtype,
-                       normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer-normed, temperature-scaled keys and renormalised values of a state (heads `heads`), the
-        values stored transposed ([.., Dv, slots]): a decoding step then reads them as `columns @ probs`,
-        on CPU about 1.5x faster than any product or sum over [slots, Dv] rows."""
-        state_keys, state_values, state_norms = state
-        temperature = self.temperature("state_temperature")
-        if isinstance(temperature, torch.Tensor):
-            temperature = temperature[:, heads]
-        keys = (self.normalize_state_keys(state_keys) if normed is None else normed) * temperature
-        if self.config.state_value_norms:
-            values = F.normalize(state_values.float(), dim=-1) * state_norms
-        else:
-            values = state_values / state_norms
-        return keys.to(dtype), values.to(dtype).transpose(-1, -2).contiguous()
-
-    def add_initial_tokens(self, cache: KVMLayerCache, k, v, gate, state_dtype) -> None:
-        """Tokens of the first chunk enter the state directly, one slot each."""
-        keys, values = self.state_keys_from(k, state_dtype), v.to(state_dtype)
-        if self.config.merge_gate_initial_state and gate is not None:
-            keys, values = keys * gate.to(state_dtype), values * gate.to(state_dtype)
-        norms = self.slot_norms(v)
-        if cache.state_keys is not None:
-            keys = torch.cat([cache.state_keys, keys], dim=2)
-            values = torch.cat([cache.state_values, values], dim=2)
-            norms = torch.cat([cache.state_norms, norms], dim=2)
-        cache.set_state(keys, values, norms)
-
-    def fold_block(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> None:
-        """Fold window block `block` (>= 1) into the state, using the share computed ahead if there is one."""
-        pending = cache.pending_fold
-        cache.pending_fold = None
-        if pending is not None and pending.block == block and pending.source is cache.state_keys:
-            while not pending.done:
-                next(pending.work, None)
-            cache.set_state(*pending.state)
-            cache.read_cache = tuple(pending.read)
-            return
-        cache.set_state(*self.folded_state(cache, block, slice(None), state_dtype))
-
-    def folded_state(self, cache: KVMLayerCache, block: int, heads: slice, state_dtype: torch.dtype) -> tuple:
-        """The state (keys, values, norms) of heads `heads` after folding window block `block` (>= 1)."""
-        stages = self.fold_stages(cache, block, heads, state_dtype)
-        while True:
-            try:
-                next(stages)
-            except StopIteration as finished:
-                return finished.value
-
-    def fold_stages(self, cache: KVMLayerCache, block: int, heads: slice, state_dtype: torch.dtype):
-        """Generator computing `folded_state` in stages (it pauses after the novelty ranking and after the
-        merge similarities; its return value is the state): the most novel tokens are appended while the
-        state is below its budget, the rest merged winner-take-all into their most similar slot (sink
-        slots protected). Heads are independent."""
-        config, chunk = self.config, self.config.chunk_size
-        begin = block * chunk
-        tensors = [t[:, heads] for t in cache.window.view(begin, begin + chunk)]
-        state_keys, state_values, state_norms = (t[:, heads] for t in cache.state())
-        k_block, v_block = tensors[0], tensors[1].to(state_dtype)
-        gate = tensors[2].to(state_dtype) if self.gated else None
-        keys = self.state_keys_from(k_block, state_dtype)
-        keys_gated = keys * gate if config.merge_gate_keys else keys
-        values_gated = v_block * gate if config.merge_gate_values else v_block
-        keys_append, values_append = (keys_gated, values_gated) if config.merge_gate_appends else (keys, v_block)
-
-        current = state_keys.shape[2]
-        context_len = (block + config.window_chunks) * chunk
-        desired = max(min(config.state_budget(context_len), (block + 1) * chunk), current)
-        n_append = min(desired - current, chunk)
-        keys_merge, values_merge = keys_gated, values_gated
-        normed = cache.normed_keys
-        if normed is not None and normed[0] is cache.state_keys:  # already normed to be read
-            reference = normed[1][:, heads]
-        else:
-            reference = self.normalize_state_keys(state_keys)
-        if n_append > 0:
-            if n_append == chunk:
-                order = torch.arange(chunk, device=keys.device).expand(keys.shape[:2] + (chunk,))
-            else:
-                def novelty_of(part: torch.Tensor) -> torch.Tensor:
-                    with torch.no_grad():  # only an order comes out of it (never around a yield: grad mode is global)
-                        return torch.matmul(part, reference.transpose(-1, -2)).float().amax(dim=-1)
-                novelty = yield from self.per_token_pieces(keys, novelty_of, reference.shape[2])
-                order = torch.argsort(novelty, dim=-1)
-            append_idx = order[..., :n_append].sort(dim=-1).values
-            merge_idx = order[..., n_append:].sort(dim=-1).values
-            new_keys, new_values = gather_tokens(keys_append, append_idx), gather_tokens(values_append, append_idx)
-            state_keys = torch.cat([state_keys, new_keys], dim=2)
-            state_values = torch.cat([state_values, new_values], dim=2)
-            state_norms = torch.cat([state_norms, self.slot_norms(new_values)], dim=2)
-            reference = torch.cat([reference, self.normalize_state_keys(new_keys)], dim=2)
-            keys_merge, values_merge = gather_tokens(keys_gated, merge_idx), gather_tokens(values_gated, merge_idx)
-            yield  # the appends copy the head's state: a stage of their own, not one with the next piece
-        if keys_merge.shape[2] == 0:
-            return state_keys, state_values, state_norms
-        protected = min(config.sink_slots, state_keys.shape[2])
-
-        def most_similar_slot(part: torch.Tensor) -> torch.Tensor:
-            similarity = torch.matmul(part, reference.transpose(-1, -2))
-            similarity[..., :protected] = float("-inf")
-            return similarity.argmax(dim=-1, keepdim=True)
-        winner = yield from self.per_token_pieces(keys_merge, most_similar_slot, reference.shape[2])  # [B, H, M, 1]
-        state_keys = state_keys.scatter_add(2, winner.expand_as(keys_merge), keys_merge)
-        state_values = state_values.scatter_add(2, winner.expand_as(values_merge), values_merge)
-        if not config.state_value_norms:
-            # The research code sums its one-hot merge matrix over slots, so each merged block adds
-            # one to every slot's count (the published no-vlens ablation was trained that way).
-            state_norms = state_norms + 1
-        return state_keys, state_values, state_norms
-
-    def per_token_pieces(self, tokens: torch.Tensor, compute, slots: int):
-        """Generator: `compute` over the block's tokens [.., T >= 1, D] in pieces along T (`fold_piece_tokens`
-        each), pausing after each, so that a fold computed ahead spreads its token-by-slot products over
-        decoding steps. Returns the pieces joined along T."""
-        count = tokens.shape[2]
-        size = min(count, self.fold_piece_tokens(slots))
-        parts = []
-        for begin in range(0, count, size):
-            parts.append(compute(tokens[:, :, begin:begin + size]))
-            yield
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-
-    def fold_piece_tokens(self, slots: int) -> int:
-        """Block tokens per piece against a `slots`-slot state (FOLD_PIECE_PRODUCT)."""
-        return max(1, min(self.config.chunk_size, FOLD_PIECE_PRODUCT // max(1, slots)))
-
-    def fold_step_stride(self, slots: int) -> int:
-        """Decoding steps per stage of a fold computed ahead: a fold of a `slots`-slot state takes at most two
-        stages per piece and three more per head, spread evenly over 7/8 of a chunk's steps (one stride more
-        for where it starts) so that it is done before its boundary."""
-        chunk = self.config.chunk_size
-        pieces = math.ceil(chunk / self.fold_piece_tokens(slots))
-        stages = self.num_heads * (2 * pieces + 3)
-        return max(1, (chunk * 7 // 8) // (stages + 1))
-
-    def fold_ahead(self, cache: KVMLayerCache, pending: PendingFold, state_dtype: torch.dtype):
-        """Generator doing a fold ahead of its boundary a slice at a time (a stage of one head per `next`),
-        written in place into the new state and its read form, so that the boundary step swaps them in."""
-        for head in range(self.num_heads):
-            heads = slice(head, head + 1)
-            state = yield from self.fold_stages(cache, pending.block, heads, state_dtype)
-            if pending.state is None:
-                pending.state = [t.new_empty(t.shape[:1] + (self.num_heads,) + t.shape[2:]) for t in state]
-            for full, part in zip(pending.state, state):
-                full[:, heads] = part
-            yield
-            read = self.readable_state(state, heads, pending.dtype)
-            if pending.read is None:
-                pending.read = [t.new_empty(t.shape[:1] + (self.num_heads,) + t.shape[2:]) for t in read]
-            for full, part in zip(pending.read, read):
-                full[:, heads] = part
-            pending.heads_done += 1
-            if pending.done:
-                return
-            yield
-
-    def prepare_next_fold(self, cache: KVMLayerCache, dtype: torch.dtype, state_dtype: torch.dtype,
-                          whole: bool = False) -> None:
-        """Fold the block that leaves the window at the next chunk boundary ahead of time: one stage of one
-        head every `fold_step_stride` decoding steps, or all at the end of a multi-token forward (`whole`, e.g.
-        a prefill). The block is complete and the state final a whole chunk before (window_chunks >= 2), so the
-        boundary step only swaps the result in and costs what any step costs."""
-        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
-        if window_chunks < 2 or cache.seen == 0:
-            return
-        current_chunk = (cache.seen - 1) // chunk
-        block = current_chunk + 1 - window_chunks
-        if block < 1 or cache.merged_blocks != block - 1:
-            return
-        pending = cache.pending_fold
-        if pending is None or pending.block != block or pending.source is not cache.state_keys:
-            pending = cache.pending_fold = PendingFold(block, cache.state_keys, self.num_heads, dtype)
-            pending.stride = self.fold_step_stride(cache.state_len)
-            pending.work = self.fold_ahead(cache, pending, state_dtype)
-        if whole:
-            while not pending.done:
-                next(pending.work, None)
-        elif not pending.done and cache.seen % pending.stride == 0:
-            next(pending.work, None)
-
-    # -- attention --
-    def attend_window(self, q, keys, values) -> torch.Tensor:
-        """Causal attention inside the front window (no state yet); temperature on the queries."""
-        q = q * self.temperature("window_temperature")
-        if q.shape[2] == keys.shape[2]:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
-        mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device) if q.shape[2] > 1 else None
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-
-    def attend_state_and_window(self, q, keys, values, state_keys, state_value_columns) -> torch.Tensor:
-        """One softmax over state slots and window keys, without concatenating keys/values.
-
-        The per-head window temperature scales the queries of the window logits rather than
-        the window keys: the same logits without rewriting the window every step.
-        """
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        window_q = q * self.temperature("window_temperature")
-        if q.shape[2] == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
-            return one_query_attention(q, window_q, keys, values, state_keys, state_value_columns, scale)
-        state_logits = torch.matmul(q, state_keys.transpose(-1, -2)).float()
-        window_logits = torch.matmul(window_q, keys.transpose(-1, -2)).float()
-        if q.shape[2] > 1:
-            mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device)
-            window_logits = window_logits.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(torch.cat([state_logits, window_logits], dim=-1) * scale, dim=-1).to(values.dtype)
-        slots = state_keys.shape[2]
-        state_part = torch.matmul(probs[..., :slots], state_value_columns.transpose(-1, -2))
-        return state_part + torch.matmul(probs[..., slots:], values)
 
     def forward(self, x, v_first, rotary, plan: StepPlan, state) -> torch.Tensor:
         carries, caches = state if state is not None else (None, [KVMLayerCache() for _ in plan.segments])
@@ -508,13 +203,7 @@ class KVMAttention(KVMAttentionBase):
         gate = None
         if self.gated:
             gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
-        y = run_segments(plan, caches, self.run_chunks, q, k, v, gate)
-        if state is not None and not torch.is_grad_enabled():
-            for cache in caches:
-                self.prepare_next_fold(cache, q.dtype, state_dtype_for(q.dtype), whole=x.shape[1] > 1)
-                if x.shape[1] > 1:  # decoding steps that follow then write the window in place
-                    cache.window.reserve(self.config.chunk_size)
-        return self.output(y)
+        return self.output(run_segments(plan, caches, self.run_chunks, q, k, v, gate))
 
     def run_chunks(self, cache: KVMLayerCache, q, k, v, gate) -> torch.Tensor:
         """Process one group's new tokens (any count, any cache state) chunk by chunk; returns [G, H, T, Dv]."""
@@ -557,25 +246,98 @@ class KVMAttention(KVMAttentionBase):
         cache.seen = end
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
 
+    def attend_window(self, q, keys, values) -> torch.Tensor:
+        """Causal attention inside the front window (no state yet); temperature on the queries."""
+        q = q * self.temperature("window_temperature")
+        if q.shape[2] == keys.shape[2]:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device) if q.shape[2] > 1 else None
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
-class PendingFold:
-    """A fold computed ahead of its chunk boundary, head by head, from the state object it started on."""
+    def attend_state_and_window(self, q, keys, values, state_keys, state_value_columns) -> torch.Tensor:
+        """One softmax over state slots and window keys, without concatenating keys/values.
 
-    def __init__(self, block: int, source: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
-        self.block, self.source, self.num_heads, self.dtype = block, source, num_heads, dtype
-        self.heads_done = 0
-        self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
-        self.read: list[torch.Tensor] | None = None  # their attention-ready form
-        self.work = None  # the generator that fills them (KVMAttention.fold_ahead)
-        self.stride = 1  # decoding steps per stage of `work` (KVMAttention.fold_step_stride of its state)
+        The per-head window temperature scales the queries of the window logits rather than
+        the window keys: the same logits without rewriting the window every step.
+        """
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        window_q = q * self.temperature("window_temperature")
+        state_logits = torch.matmul(q, state_keys.transpose(-1, -2)).float()
+        window_logits = torch.matmul(window_q, keys.transpose(-1, -2)).float()
+        if q.shape[2] > 1:
+            mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device)
+            window_logits = window_logits.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(torch.cat([state_logits, window_logits], dim=-1) * scale, dim=-1).to(values.dtype)
+        slots = state_keys.shape[2]
+        state_part = torch.matmul(probs[..., :slots], state_value_columns.transpose(-1, -2))
+        return state_part + torch.matmul(probs[..., slots:], values)
 
-    @property
-    def done(self) -> bool:
-        return self.heads_done == self.num_heads
+    # -- the state (state_kvm has the math) --
+    def temperature(self, name: str) -> torch.Tensor | float:
+        if not self.config.head_temperatures:
+            return 1.0
+        return getattr(self, name).view(1, self.num_heads, 1, 1)
 
+    def add_initial_tokens(self, cache: KVMLayerCache, k, v, gate, state_dtype: torch.dtype) -> None:
+        """Tokens of the first chunk enter the state directly, one slot each (norms of the ungated values)."""
+        keys = state_keys(k.to(state_dtype), self.config.rotary_dim, self.state_key_norm)
+        values, norms = v.to(state_dtype), slot_norms(v, self.config.state_value_norms)
+        if self.config.merge_gate_initial_state and gate is not None:
+            keys, values = keys * gate.to(state_dtype), values * gate.to(state_dtype)
+        if cache.state_keys is not None:
+            keys, values, norms = (torch.cat(pair, dim=2) for pair in zip(cache.state(), (keys, values, norms)))
+        cache.set_state(keys, values, norms)
 
-def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+    def fold_block(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> None:
+        """Fold window block `block` (>= 1), which is leaving the window, into the state."""
+        state = fold_overflow(
+            cache.state(), self.reference_keys(cache), self.overflow(cache, block, state_dtype),
+            self.append_count(block, cache.state_len), self.config.sink_slots, self.state_key_norm,
+            self.config.state_value_norms,
+        )
+        cache.set_state(*state)
+
+    def overflow(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> Overflow:
+        """Window block `block` as the state takes it, the merge gate applied where the config says."""
+        config, chunk = self.config, self.config.chunk_size
+        k, v, *gate = cache.window.view(block * chunk, (block + 1) * chunk)
+        keys, values = state_keys(k.to(state_dtype), config.rotary_dim, self.state_key_norm), v.to(state_dtype)
+        gate = gate[0].to(state_dtype) if self.gated else None
+        merge_keys = keys * gate if config.merge_gate_keys else keys
+        merge_values = values * gate if config.merge_gate_values else values
+        if config.merge_gate_appends:
+            return Overflow(keys, merge_keys, merge_values, merge_keys, merge_values)
+        return Overflow(keys, keys, values, merge_keys, merge_values)
+
+    def append_count(self, block: int, slots: int) -> int:
+        """Tokens of block `block` appended to a `slots`-slot state: up to the budget of the context the
+        state then covers, at most what that context holds, at most the block."""
+        chunk = self.config.chunk_size
+        budget = self.config.state_budget((block + self.config.window_chunks) * chunk)
+        return min(max(min(budget, (block + 1) * chunk), slots) - slots, chunk)
+
+    def reference_keys(self, cache: KVMLayerCache, heads: slice = slice(None)) -> torch.Tensor:
+        """Layer-normed state keys (of heads `heads`), reusing those normed to read this state."""
+        normed = cache.normed_keys
+        if normed is not None and normed[0] is cache.state_keys:
+            return normed[1][:, heads]
+        return self.state_key_norm(cache.state_keys[:, heads])
+
+    def read_state(self, cache: KVMLayerCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """State keys and value columns as attention reads them; recomputed only when the state changed."""
+        if cache.read_cache is None:
+            normed = self.state_key_norm(cache.state_keys)
+            cache.normed_keys = (cache.state_keys, normed)  # the next fold compares against the same keys
+            cache.read_cache = self.readable(cache.state(), normed, dtype)
+        return cache.read_cache
+
+    def readable(self, state: tuple, normed: torch.Tensor, dtype: torch.dtype,
+                 heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """`state_kvm.readable_state` of a state of heads `heads` with this layer's temperatures."""
+        temperature = self.temperature("state_temperature")
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature[:, heads]
+        return readable_state(state, normed, temperature, self.config.state_value_norms, dtype)
 
 
 # ---- feed-forward and blocks ---------------------------------------------------------------
@@ -585,8 +347,8 @@ class KVMMLP(nn.Module):
     def __init__(self, config: KVMConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.up_proj = KVMLinear(config.hidden_size, config.ffn_size, bias=False)
-        self.down_proj = KVMLinear(config.ffn_size, config.hidden_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_size, bias=False)
+        self.down_proj = nn.Linear(config.ffn_size, config.hidden_size, bias=False)
         self.token_shift_on = config.ffn_token_shift
         if self.token_shift_on:
             self.shift = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
@@ -631,23 +393,11 @@ class KVMPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["KVMDecoderLayer"]
     _supports_sdpa = True
 
-    @contextlib.contextmanager
-    def packed_linear_weights(self) -> Iterator["KVMPreTrainedModel"]:
-        """A block in which batched float32 CPU inference (2-64 rows per product, e.g. decoding a batch)
-        reads the large linear weights from copies in oneDNN's blocked layout: eight-row products about
-        1.5-2x faster, for the memory of one more copy of those weights, made on first use and freed
-        when the outermost block ends. The weights must not change inside it (writes through `.data`
-        go unseen). `generate()` runs inside one."""
-        linears = [module for module in self.modules() if isinstance(module, KVMLinear)]
-        for linear in linears:
-            linear.packing += 1
-        try:
-            yield self
-        finally:
-            for linear in linears:
-                linear.packing -= 1
-                if not linear.packing:
-                    linear.packed = None
+    def runtime_speedups(self) -> contextlib.AbstractContextManager:
+        """A block in which inference takes runtime_kvm's speed-ups (oneDNN linears, one-query CPU attention,
+        folds computed ahead) and outside which the model is plain; same results up to float rounding.
+        generate() opens one; a loop that steps the model itself can too."""
+        return runtime_speedups(self, KVMAttention)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -839,13 +589,12 @@ class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
     def __init__(self, config: KVMConfig):
         super().__init__(config)
         self.model = KVMModel(config)
-        self.lm_head = KVMLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """transformers' generate(), with batched CPU decoding reading blocked weight copies
-        (`packed_linear_weights`)."""
-        with self.packed_linear_weights():
+        """transformers' generate() inside `runtime_speedups()`."""
+        with self.runtime_speedups():
             return super().generate(*args, **kwargs)
 
     def get_input_embeddings(self) -> nn.Embedding:

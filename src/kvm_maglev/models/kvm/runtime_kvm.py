@@ -1,0 +1,216 @@
+"""Inference speed-ups for KVM models, kept apart from the math (modeling_kvm, state_kvm).
+
+Inside `runtime_speedups(model)`, which `model.runtime_speedups()` returns and `generate()` opens:
+- linear layers compute on oneDNN, batched steps on blocked weight copies (onednn_linear);
+- a one-query decoding step on CPU in float32 reads the state and window as matrix-vector products;
+- the fold of the block that leaves the window at the next chunk boundary is computed ahead, a stage
+  every few decoding steps, so that the boundary step costs what any other step costs.
+Each computes what the plain path computes: the fold bit for bit, the others up to float rounding.
+Measurements behind them: docs/kvm_runtime_notes.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import torch
+from torch import nn
+
+from .onednn_linear import onednn_linears
+from .state_kvm import (
+    Overflow,
+    append_slots,
+    merge_into_slots,
+    most_similar_slot,
+    novelty,
+    similarity_rows,
+)
+
+
+def one_query_attention(q, window_q, keys, values, state_keys, state_value_columns, scale: float) -> torch.Tensor:
+    """The joint softmax of `KVMAttention.attend_state_and_window` for one query per row: logits as keys @ q,
+    the state's output as value columns @ probs, the window's as a probability-weighted sum of its values.
+    On CPU these read each key and value about twice as fast as q @ keys^T and probs @ values (float32 only:
+    in half precision the weighted sum would round its products before adding them)."""
+    # vectors enter the products as transposed contiguous rows: as contiguous columns they take a slow kernel
+    state_logits = torch.matmul(state_keys, q.contiguous().transpose(-1, -2)).transpose(-1, -2)  # [B, H, 1, slots]
+    window_logits = torch.matmul(keys, window_q.contiguous().transpose(-1, -2)).transpose(-1, -2)
+    probs = torch.softmax(torch.cat([state_logits, window_logits], dim=-1).float() * scale, dim=-1).to(values.dtype)
+    slots = state_keys.shape[2]
+    state_part = torch.matmul(state_value_columns, probs[..., :slots].transpose(-1, -2)).transpose(-1, -2)
+    return state_part + (probs[..., slots:].transpose(-1, -2) * values).sum(dim=2, keepdim=True)
+
+
+class HeadFold:
+    """One head's share of a fold computed ahead: the steps of `state_kvm.fold_overflow`, each a stage."""
+
+    def __init__(self, attention, cache, block: Overflow, n_append: int, head: int, fold: "PacedFold") -> None:
+        self.attention, self.cache, self.fold = attention, cache, fold
+        self.heads = slice(head, head + 1)
+        self.block = block.heads(self.heads)
+        self.n_append = n_append
+        self.state = tuple(t[:, self.heads] for t in cache.state())
+        self.reference: torch.Tensor | None = None  # layer-normed state keys, taken at the first stage
+        self.scores: list[torch.Tensor] = []
+        self.merge_keys, self.merge_values = self.block.merge_keys, self.block.merge_values
+        self.slots: list[torch.Tensor] = []
+
+    def stages(self) -> list[Callable[[], None]]:
+        """The stages in order: novelty row blocks, appends, similarity row blocks, merge, read form."""
+        tokens, slots = self.block.keys.shape[2], self.state[0].shape[2]
+        appended = min(max(self.n_append, 0), tokens)
+        stages: list[Callable[[], None]] = []
+        if 0 < appended < tokens:
+            stages += [partial(self.rank, rows) for rows in similarity_rows(tokens, slots)]
+        if appended:
+            stages.append(self.append)
+        stages += [partial(self.match, rows) for rows in similarity_rows(tokens - appended, slots + appended)]
+        return stages + [self.merge, self.read]
+
+    def normed_state_keys(self) -> torch.Tensor:
+        if self.reference is None:
+            self.reference = self.attention.reference_keys(self.cache, self.heads)
+        return self.reference
+
+    def rank(self, rows: slice) -> None:
+        self.scores.append(novelty(self.block.keys[:, :, rows], self.normed_state_keys()))
+
+    def append(self) -> None:
+        scores = torch.cat(self.scores, dim=2) if self.scores else None
+        append_keys, append_values, self.merge_keys, self.merge_values = self.block.split(self.n_append, scores)
+        self.state = append_slots(self.state, append_keys, append_values, self.attention.config.state_value_norms)
+        normalize = self.attention.state_key_norm
+        self.reference = torch.cat([self.normed_state_keys(), normalize(append_keys)], dim=2)
+
+    def match(self, rows: slice) -> None:
+        protected = min(self.attention.config.sink_slots, self.state[0].shape[2])
+        self.slots.append(most_similar_slot(self.merge_keys[:, :, rows], self.normed_state_keys(), protected))
+
+    def merge(self) -> None:
+        if self.slots:
+            slot = torch.cat(self.slots, dim=2)
+            self.state = merge_into_slots(self.state, self.merge_keys, self.merge_values, slot,
+                                          self.attention.config.state_value_norms)
+        self.fold.state = write_head(self.fold.state, self.state, self.heads, self.attention.num_heads)
+
+    def read(self) -> None:
+        normed = self.attention.state_key_norm(self.state[0])
+        read = self.attention.readable(self.state, normed, self.fold.dtype, self.heads)
+        self.fold.read = write_head(self.fold.read, read, self.heads, self.attention.num_heads)
+        self.fold.heads_done += 1
+
+
+def write_head(full: list[torch.Tensor] | None, part, heads: slice, num_heads: int) -> list[torch.Tensor]:
+    """Write one head's tensors into the all-heads tensors, allocating those on the first head."""
+    if full is None:
+        full = [t.new_empty(t.shape[:1] + (num_heads,) + t.shape[2:]) for t in part]
+    for whole, piece in zip(full, part):
+        whole[:, heads] = piece
+    return full
+
+
+class PacedFold:
+    """The fold of window block `block` computed ahead of its chunk boundary, one stage per `advance()`,
+    from the state it started on; its stride spreads its stages over 7/8 of a chunk of decoding steps."""
+
+    def __init__(self, attention, cache, block: int) -> None:
+        self.block, self.source = block, cache.state_keys
+        self.dtype = cache.window.storage[0].dtype  # the keys', so the queries' dtype: the read form's
+        self.num_heads = attention.num_heads
+        self.heads_done = 0
+        self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
+        self.read: list[torch.Tensor] | None = None  # their attention-ready form
+        overflow = attention.overflow(cache, block, cache.state_keys.dtype)
+        n_append = attention.append_count(block, cache.state_len)
+        self.stages = [stage for head in range(self.num_heads)
+                       for stage in HeadFold(attention, cache, overflow, n_append, head, self).stages()]
+        self.next_stage = 0
+        chunk = attention.config.chunk_size
+        self.stride = max(1, (chunk * 7 // 8) // (len(self.stages) + 1))  # one stride more for where it starts
+
+    @property
+    def done(self) -> bool:
+        return self.next_stage == len(self.stages)
+
+    def advance(self) -> None:
+        self.stages[self.next_stage]()
+        self.next_stage += 1
+
+    def finish(self) -> None:
+        while not self.done:
+            self.advance()
+
+
+def prepare_next_fold(attention, cache, whole: bool) -> None:
+    """Start or advance the fold of the block that leaves the window at the next chunk boundary: one stage
+    every `stride` decoding steps, or all of it after a multi-token forward (`whole`, e.g. a prefill). With
+    two or more window chunks the block and the state it folds into are final a chunk ahead."""
+    chunk, window_chunks = attention.config.chunk_size, attention.config.window_chunks
+    if window_chunks < 2 or cache.seen == 0:
+        return
+    block = (cache.seen - 1) // chunk + 1 - window_chunks
+    if block < 1 or cache.merged_blocks != block - 1:
+        return
+    fold = cache.pending_fold
+    if fold is None or fold.block != block or fold.source is not cache.state_keys:
+        fold = cache.pending_fold = PacedFold(attention, cache, block)
+    if whole:
+        fold.finish()
+    elif not fold.done and cache.seen % fold.stride == 0:
+        fold.advance()
+
+
+class FastKVMAttention:
+    """Mixed into a KVM attention module inside `runtime_speedups`: its speed-ups over the plain methods."""
+
+    def attend_state_and_window(self, q, keys, values, state_keys, state_value_columns) -> torch.Tensor:
+        if q.shape[2] == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
+            window_q = q * self.temperature("window_temperature")
+            return one_query_attention(q, window_q, keys, values, state_keys, state_value_columns,
+                                       1.0 / math.sqrt(q.shape[-1]))
+        return super().attend_state_and_window(q, keys, values, state_keys, state_value_columns)
+
+    def fold_block(self, cache, block: int, state_dtype: torch.dtype) -> None:
+        """Swap in the fold computed ahead when it is this block's, from this state; else fold now."""
+        fold = cache.pending_fold
+        if fold is not None and fold.block == block and fold.source is cache.state_keys:
+            fold.finish()
+            cache.set_state(*fold.state)
+            cache.read_cache = tuple(fold.read)
+            return
+        super().fold_block(cache, block, state_dtype)
+
+    def forward(self, x, v_first, rotary, plan, state) -> torch.Tensor:
+        y = super().forward(x, v_first, rotary, plan, state)
+        if state is not None and not torch.is_grad_enabled():
+            for cache in state[1]:
+                prepare_next_fold(self, cache, whole=x.shape[1] > 1)
+        return y
+
+
+FAST_CLASSES: dict[type, type] = {}
+
+
+def fast_class(cls: type) -> type:
+    """`cls` with FastKVMAttention's methods in front, made once per class."""
+    if cls not in FAST_CLASSES:
+        FAST_CLASSES[cls] = type(f"Fast{cls.__name__}", (FastKVMAttention, cls), {})
+    return FAST_CLASSES[cls]
+
+
+@contextlib.contextmanager
+def runtime_speedups(model: nn.Module, attention_class: type) -> Iterator[nn.Module]:
+    """A block in which `model` runs with the speed-ups above (its `attention_class` modules take
+    FastKVMAttention's methods); on leaving it the model is plain again. Nested blocks are free."""
+    attentions = [module for module in model.modules() if type(module) is attention_class]
+    for attention in attentions:
+        attention.__class__ = fast_class(attention_class)
+    try:
+        with onednn_linears(model):
+            yield model
+    finally:
+        for attention in attentions:
+            attention.__class__ = attention_class
