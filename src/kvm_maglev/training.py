@@ -5,6 +5,7 @@
   `loss` (Maglev: `lm_loss` and `consistency_loss`), for training and evaluation.
 - `LORA_TARGET_MODULES` / `lora_target_modules`: the documented LoRA targets per architecture.
 - `parameter_digest`: one hash over all parameters, to check replicas and resumed runs agree.
+- `MaglevStepCallback`: tells a Maglev model the optimizer step, for its step-dependent training switches.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase, Trainer
+from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 # Linear layers worth adapting, per `config.model_type` and group. PEFT matches each name
 # against the last component of a module's dotted path, so one name covers every layer (and,
@@ -177,3 +178,15 @@ class LossComponentsTrainer(Trainer):
             total, count = self.accelerator.reduce(pair, reduction="sum").tolist()
             means[prefix + name] = round(total / max(count, 1.0), 4)
         return means
+
+
+class MaglevStepCallback(TrainerCallback):
+    """Sets `training_step` on every Maglev model inside the trained model (PEFT wrappers included) at each
+    step's start, so that ramps and the teacher switch follow Trainer's global step, resumed runs too."""
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        if model is None:
+            return
+        for module in model.modules():
+            if hasattr(module, "training_step") and hasattr(module, "consistency_weight_now"):
+                module.training_step = state.global_step

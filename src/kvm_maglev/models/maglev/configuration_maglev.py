@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 WINDOW_LETTERS = "SL"
 CONSISTENCY_LOSSES = ("mse", "cosine")
 MEMORY_PREFILL_MODES = ("recurrent", "prefiller")
+WEIGHT_INITS = ("nanochat", "torch")
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -58,6 +59,19 @@ class MaglevConfig(PretrainedConfig):
         consistency_loss: str = "mse",
         consistency_detach_target: bool = False,
         memory_prefill: str = "recurrent",
+        memory_source_layer: int | None = None,
+        memory_projection: bool = False,
+        memory_residual_injection: bool = False,
+        memory_self_feed_steps: int = 0,
+        memory_self_feed_detach: bool = False,
+        memory_self_feed_mix: float = 1.0,
+        memory_self_feed_mix_ramp_steps: int = 0,
+        memory_noise_std: float = 0.0,
+        consistency_weight_final: float | None = None,
+        consistency_weight_ramp_steps: int = 0,
+        consistency_detach_target_after: int | None = None,
+        consistency_weight_after_detach: float | None = None,
+        weight_init: str = "nanochat",
         initializer_range: float = 0.02,
         use_cache: bool = True,
         tie_word_embeddings: bool = False,
@@ -95,6 +109,19 @@ class MaglevConfig(PretrainedConfig):
         self.consistency_loss = consistency_loss
         self.consistency_detach_target = consistency_detach_target
         self.memory_prefill = memory_prefill
+        self.memory_source_layer = memory_source_layer
+        self.memory_projection = memory_projection
+        self.memory_residual_injection = memory_residual_injection
+        self.memory_self_feed_steps = memory_self_feed_steps
+        self.memory_self_feed_detach = memory_self_feed_detach
+        self.memory_self_feed_mix = memory_self_feed_mix
+        self.memory_self_feed_mix_ramp_steps = memory_self_feed_mix_ramp_steps
+        self.memory_noise_std = memory_noise_std
+        self.consistency_weight_final = consistency_weight_final
+        self.consistency_weight_ramp_steps = consistency_weight_ramp_steps
+        self.consistency_detach_target_after = consistency_detach_target_after
+        self.consistency_weight_after_detach = consistency_weight_after_detach
+        self.weight_init = weight_init
         self.initializer_range = initializer_range
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
@@ -148,6 +175,44 @@ class MaglevConfig(PretrainedConfig):
         if self.memory_prefill == "prefiller" and not (self.use_memory and self.has_prefiller):
             raise ValueError("memory_prefill='prefiller' needs use_memory=true and the prefiller's weights "
                              "(has_prefiller=true); convert with --keep-prefiller")
+        self.validate_memory_training()
+
+    def validate_memory_training(self) -> None:
+        """Checks of the memory's shape switches and the training switches that close the exposure gap."""
+        layer = self.memory_source_layer
+        if layer is not None and (not _is_int(layer) or not 0 <= layer < self.num_hidden_layers):
+            raise ValueError(f"memory_source_layer must be None or in [0, num_hidden_layers="
+                             f"{self.num_hidden_layers}), got {layer!r}")
+        for name in ("memory_self_feed_steps", "memory_self_feed_mix_ramp_steps", "consistency_weight_ramp_steps"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not 0.0 <= self.memory_self_feed_mix <= 1.0:
+            raise ValueError(f"memory_self_feed_mix must be in [0, 1], got {self.memory_self_feed_mix}")
+        if self.memory_noise_std < 0:
+            raise ValueError(f"memory_noise_std must be >= 0, got {self.memory_noise_std}")
+        for name in ("consistency_weight_final", "consistency_weight_after_detach"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be None or >= 0, got {value}")
+        if (self.consistency_weight_final is None) != (self.consistency_weight_ramp_steps == 0):
+            raise ValueError("consistency_weight_final and consistency_weight_ramp_steps go together (a linear "
+                             f"ramp), got {self.consistency_weight_final!r} and {self.consistency_weight_ramp_steps!r}")
+        after = self.consistency_detach_target_after
+        if after is not None and (not _is_int(after) or after < 0):
+            raise ValueError(f"consistency_detach_target_after must be None or an integer >= 0, got {after!r}")
+        if self.weight_init not in WEIGHT_INITS:
+            raise ValueError(f"weight_init must be one of {WEIGHT_INITS}, got {self.weight_init!r}")
+        if not self.use_memory and (self.memory_projection or self.memory_residual_injection
+                                    or self.memory_self_feed_steps):
+            raise ValueError("memory_projection, memory_residual_injection and memory_self_feed_steps need "
+                             "use_memory=true")
+
+    @property
+    def step_dependent_training(self) -> bool:
+        """Whether a training switch changes with the optimizer step (then the model must be told the step)."""
+        return bool(self.memory_self_feed_mix_ramp_steps or self.consistency_weight_ramp_steps
+                    or self.consistency_detach_target_after is not None)
 
     # ----- derived sizes ------------------------------------------------------------------
     @property
@@ -236,6 +301,10 @@ def growing_capacity(num_tokens: int) -> int:
     while capacity < num_tokens:
         capacity *= 2
     return capacity
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_pattern(name: str, pattern: str) -> None:

@@ -83,6 +83,7 @@ class MaglevModelOutput(BaseModelOutputWithPast):
     memories: torch.Tensor | None = None
     prefiller_memories: torch.Tensor | None = None
     consistency_loss: torch.Tensor | None = None
+    pass_hidden_states: tuple[torch.Tensor, ...] | None = None  # head inputs of every lifted pass (self-feeding)
 
 
 @dataclass
@@ -93,9 +94,23 @@ class MaglevCausalLMOutput(CausalLMOutputWithPast):
     consistency_loss: torch.Tensor | None = None
 
 
+def with_init(module: nn.Module, kind: str, value: float = 0.0) -> nn.Module:
+    """Tag a parameter-owning layer with its documented init ("uniform" bound, "normal" std or "zeros").
+
+    `_init_weights` reads the tag on the layer itself: transformers skips remote-code containers that own
+    no parameters directly, but never a layer that does, so the init cannot depend on which modules it visits."""
+    module.init_kind, module.init_value = kind, value
+    return module
+
+
 def rms_norm(x: torch.Tensor, eps: float | None) -> torch.Tensor:
     """Weightless RMSNorm as nanochat (eps=None means the dtype's machine epsilon)."""
     return F.rms_norm(x, (x.size(-1),), eps=eps)
+
+
+def uniform_bound(config: MaglevConfig) -> float:
+    """nanochat's uniform init bound for input projections: sqrt(3 / hidden) (std 1/sqrt(hidden))."""
+    return math.sqrt(3.0 / config.hidden_size)
 
 
 def inverse_frequencies(config: MaglevConfig, device: torch.device) -> torch.Tensor:
@@ -133,19 +148,23 @@ class MaglevAttention(nn.Module):
         self.memory_gate_channels = config.memory_gate_channels
         self.value_gate_channels = config.value_embedding_gate_channels
         self.value_gate_scale = config.value_embedding_gate_scale
-        self.q_proj = MaglevLinear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = MaglevLinear(config.hidden_size, config.kv_dim, bias=False)
-        self.v_proj = MaglevLinear(config.hidden_size, config.kv_dim, bias=False)
-        self.o_proj = MaglevLinear(config.hidden_size, config.hidden_size, bias=False)
+        bound = uniform_bound(config)
+        self.q_proj = with_init(MaglevLinear(config.hidden_size, self.num_heads * self.head_dim, bias=False),
+                                "uniform", bound)
+        self.k_proj = with_init(MaglevLinear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
+        self.v_proj = with_init(MaglevLinear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
+        self.o_proj = with_init(MaglevLinear(config.hidden_size, config.hidden_size, bias=False), "zeros")
         self.value_gate = (
-            MaglevLinear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False)
+            with_init(MaglevLinear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False), "zeros")
             if config.has_value_embedding(layer_idx) else None
         )
         self.with_memory = with_memory
         if with_memory:
-            self.memory_k_proj = MaglevLinear(config.hidden_size, config.kv_dim, bias=False)
-            self.memory_v_proj = MaglevLinear(config.hidden_size, config.kv_dim, bias=False)
-            self.memory_gate = MaglevLinear(config.memory_gate_channels, self.num_kv_heads, bias=False)
+            std = config.memory_init_std
+            self.memory_k_proj = with_init(MaglevLinear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
+            self.memory_v_proj = with_init(MaglevLinear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
+            self.memory_gate = with_init(MaglevLinear(config.memory_gate_channels, self.num_kv_heads, bias=False),
+                                         "zeros")
 
     def forward(self, x, value_embedding, memory, rotary, window, store, ctx):
         batch, length, _ = x.shape
@@ -176,8 +195,9 @@ class MaglevMLP(nn.Module):
 
     def __init__(self, config: MaglevConfig):
         super().__init__()
-        self.up_proj = MaglevLinear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = MaglevLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.up_proj = with_init(MaglevLinear(config.hidden_size, config.intermediate_size, bias=False),
+                                 "uniform", uniform_bound(config))
+        self.down_proj = with_init(MaglevLinear(config.intermediate_size, config.hidden_size, bias=False), "zeros")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.up_proj(x)
@@ -232,41 +252,42 @@ class MaglevPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Fresh weights in nanochat's spirit; Maglev's memory projections small and random, gates at zero."""
-        config = self.config
-        bound = math.sqrt(3.0 / config.hidden_size)
-        if isinstance(module, MaglevAttention):
-            for proj in (module.q_proj, module.k_proj, module.v_proj):
-                init.uniform_(proj.weight, -bound, bound)
-            init.zeros_(module.o_proj.weight)
-            if module.value_gate is not None:
-                init.zeros_(module.value_gate.weight)
-            if module.with_memory:
-                init.normal_(module.memory_k_proj.weight, std=config.memory_init_std)
-                init.normal_(module.memory_v_proj.weight, std=config.memory_init_std)
-                init.zeros_(module.memory_gate.weight)
-        elif isinstance(module, MaglevMLP):
-            init.uniform_(module.up_proj.weight, -bound, bound)
-            init.zeros_(module.down_proj.weight)
-        elif isinstance(module, MaglevModel):
-            init.normal_(module.embed_tokens.weight, std=1.0)
-            for table in module.value_embeddings.values():
-                init.uniform_(table.weight, -bound, bound)
-            for name in ("residual_lambdas", "prefiller_residual_lambdas"):
-                if getattr(module, name, None) is not None:
-                    init.ones_(getattr(module, name))
-            for name in ("x0_lambdas", "prefiller_x0_lambdas"):
-                if getattr(module, name, None) is not None:
-                    init.constant_(getattr(module, name), 0.1)
-            if module.smear_gate is not None:
-                init.zeros_(module.smear_gate.weight)
-                init.zeros_(module.smear_lambda)
-            if module.backout_lambda is not None:
-                init.constant_(module.backout_lambda, 0.2)
-            if module.memory_init is not None:
-                init.zeros_(module.memory_init)
-        elif isinstance(module, MaglevForCausalLM):
-            init.normal_(module.lm_head.weight, std=0.001)
+        """Fresh weights: per layer the init its tag names (`with_init`), or PyTorch's layer defaults with
+        `weight_init="torch"`; the model's own scalars and vectors as nanochat starts them."""
+        if isinstance(module, MaglevModel):
+            init_model_scalars(module)
+        kind = getattr(module, "init_kind", None)
+        if kind is None:
+            return
+        weight = module.weight
+        if self.config.weight_init == "torch":
+            if isinstance(module, nn.Embedding):
+                init.normal_(weight, std=1.0)
+            else:
+                init.kaiming_uniform_(weight, a=math.sqrt(5))
+        elif kind == "zeros":
+            init.zeros_(weight)
+        elif kind == "uniform":
+            init.uniform_(weight, -module.init_value, module.init_value)
+        else:
+            init.normal_(weight, std=module.init_value)
+
+
+def init_model_scalars(model: "MaglevModel") -> None:
+    """The parameters MaglevModel owns directly: residual lambdas 1, x0 lambdas 0.1, smear 0, backout 0.2,
+    memory_init 0 (`transformers.initialization` skips those a checkpoint loaded)."""
+    for name in ("residual_lambdas", "prefiller_residual_lambdas"):
+        if getattr(model, name) is not None:
+            init.ones_(getattr(model, name))
+    for name in ("x0_lambdas", "prefiller_x0_lambdas"):
+        if getattr(model, name) is not None:
+            init.constant_(getattr(model, name), 0.1)
+    if model.smear_lambda is not None:
+        init.zeros_(model.smear_lambda)
+    if model.backout_lambda is not None:
+        init.constant_(model.backout_lambda, 0.2)
+    if model.memory_init is not None:
+        init.zeros_(model.memory_init)
 
 
 class MaglevModel(MaglevPreTrainedModel):
@@ -275,10 +296,10 @@ class MaglevModel(MaglevPreTrainedModel):
     def __init__(self, config: MaglevConfig):
         config.validate_maglev()  # from_pretrained(..., field=value) sets fields after the config's checks
         super().__init__(config)
-        rows = config.padded_vocab_size
-        self.embed_tokens = nn.Embedding(rows, config.hidden_size)
+        rows, bound = config.padded_vocab_size, uniform_bound(config)
+        self.embed_tokens = with_init(nn.Embedding(rows, config.hidden_size), "normal", 1.0)
         self.value_embeddings = nn.ModuleDict({
-            str(i): nn.Embedding(rows, config.kv_dim)
+            str(i): with_init(nn.Embedding(rows, config.kv_dim), "uniform", bound)
             for i in range(config.num_hidden_layers) if config.has_value_embedding(i)
         })
         layers = config.num_hidden_layers
@@ -286,10 +307,18 @@ class MaglevModel(MaglevPreTrainedModel):
         lambdas = config.use_layer_lambdas
         self.residual_lambdas = nn.Parameter(torch.ones(layers)) if lambdas else None
         self.x0_lambdas = nn.Parameter(torch.zeros(layers)) if lambdas else None
-        self.smear_gate = MaglevLinear(config.smear_gate_channels, 1, bias=False) if config.use_smear else None
+        self.smear_gate = (with_init(MaglevLinear(config.smear_gate_channels, 1, bias=False), "zeros")
+                           if config.use_smear else None)
         self.smear_lambda = nn.Parameter(torch.zeros(1)) if config.use_smear else None
         self.backout_lambda = nn.Parameter(torch.zeros(1)) if config.use_backout else None
         self.memory_init = nn.Parameter(torch.zeros(config.hidden_size)) if config.use_memory else None
+        # where the memory is read: a learned projection of h (m = rms_norm(W_m h)), and a second way in
+        # through P's block input (zero at the start, so a fresh model is the paper's)
+        self.memory_proj = (with_init(MaglevLinear(config.hidden_size, config.hidden_size, bias=False), "uniform",
+                                      bound) if config.memory_projection else None)
+        self.memory_residual_proj = (
+            with_init(MaglevLinear(config.hidden_size, config.hidden_size, bias=False), "zeros")
+            if config.memory_residual_injection else None)
         separate_prefiller = config.use_memory and config.has_prefiller and not config.prefiller_shares_blocks
         self.prefiller_layers = (
             nn.ModuleList([MaglevBlock(config, i, with_memory=False) for i in range(layers)])
@@ -300,6 +329,7 @@ class MaglevModel(MaglevPreTrainedModel):
         self.prefiller_x0_lambdas = nn.Parameter(torch.zeros(layers)) if prefiller_lambdas else None
         self.gradient_checkpointing = False
         self._inv_freq: torch.Tensor | None = None  # rotary frequencies, computed at first use on each device
+        self.training_step: int | None = None  # the optimizer step, for step-dependent training switches
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -340,8 +370,11 @@ class MaglevModel(MaglevPreTrainedModel):
                 for i in range(self.config.num_hidden_layers)]
 
     def run_stack(self, x0, value_embeddings, memory, cache, ctx, rotary, prefiller=False, hidden_states=None):
-        """One parallel pass over a chunk through P's (or Q's) blocks; returns `h` (after backout)."""
+        """One parallel pass over a chunk through P's (or Q's) blocks; returns `h` (after backout) and the
+        vector the memory is read from (`h` itself unless `memory_source_layer` names an earlier block)."""
         config = self.config
+        if memory is not None and self.memory_residual_proj is not None:
+            x0 = x0 + self.memory_residual_proj(memory)
         if prefiller:
             windows = config.prefiller_windows
             blocks = self.layers if self.prefiller_layers is None else self.prefiller_layers
@@ -349,7 +382,7 @@ class MaglevModel(MaglevPreTrainedModel):
             x0_l = self.x0_lambdas if self.prefiller_layers is None else self.prefiller_x0_lambdas
         else:
             windows, blocks, res_l, x0_l = config.decoder_windows, self.layers, self.residual_lambdas, self.x0_lambdas
-        x, backout = x0, None
+        x, backout, source = x0, None, None
         for i, block in enumerate(blocks):
             if res_l is not None:
                 x = res_l[i] * x + x0_l[i] * x0
@@ -359,28 +392,41 @@ class MaglevModel(MaglevPreTrainedModel):
             x = block(x, value_embeddings[i], memory, rotary, windows[i], store, ctx)
             if self.backout_lambda is not None and i == config.backout_layer:
                 backout = x
+            if i == config.memory_source_layer:
+                source = x
         if backout is not None:
             x = x - self.backout_lambda.to(x.dtype) * backout
-        return x
+        return x, (x if source is None else source)
+
+    def read_out(self, h: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(head input rms_norm(h), memory m): m is the head input itself unless the memory has its own source
+        layer or projection (m = rms_norm(W_m source))."""
+        eps = self.config.rms_norm_eps
+        head = rms_norm(h, eps)
+        if self.memory_proj is not None:
+            return head, rms_norm(self.memory_proj(source), eps)
+        return head, (head if source is h else rms_norm(source, eps))
 
     def decode_chunk(self, input_ids, memory, cache, ctx, hidden_states=None):
-        """P over a chunk in parallel with the given memory inputs; updates the cache. Returns m."""
+        """P over a chunk in parallel with the given memory inputs; updates the cache. Returns (head input, m)."""
         previous = None if cache is None else cache.previous_embedding
         x0, raw = self.embed(input_ids, previous, ctx.valid)
         values = self.value_embeddings_for(input_ids, x0.dtype)
-        h = self.run_stack(x0, values, memory, cache, ctx, self.rotary_for(ctx, x0.dtype), hidden_states=hidden_states)
-        memories = rms_norm(h, self.config.rms_norm_eps)
+        rotary = self.rotary_for(ctx, x0.dtype)
+        head, memories = self.read_out(*self.run_stack(x0, values, memory, cache, ctx, rotary,
+                                                       hidden_states=hidden_states))
         if cache is not None:
             cache.advance(ctx, raw, memories if memory is not None else None)
-        return memories
+        return head, memories
 
     def prefiller_memories(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Q on a whole fresh sequence in parallel (no memory, Q's windows, padding skipped): m'."""
         ctx = StepContext(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
         x0, _ = self.embed(input_ids, None, valid)
         values = self.value_embeddings_for(input_ids, x0.dtype)
-        h = self.run_stack(x0, values, None, None, ctx, self.rotary_for(ctx, x0.dtype), prefiller=True)
-        return rms_norm(h, self.config.rms_norm_eps)
+        _, memories = self.read_out(*self.run_stack(x0, values, None, None, ctx, self.rotary_for(ctx, x0.dtype),
+                                                    prefiller=True))
+        return memories
 
     def shifted_memories(self, memories: torch.Tensor, first: torch.Tensor | None,
                          valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -393,6 +439,7 @@ class MaglevModel(MaglevPreTrainedModel):
 
     def recurrent(self, input_ids, cache, valid, hidden_states=None):
         """The paper's inference: token after token through P, each fed its row's previous memory.
+        Returns (head inputs, memories).
 
         What does not depend on the memory - embeddings with smear, value embeddings, rotary tables -
         is computed for the whole chunk at once; only the blocks run per token."""
@@ -404,26 +451,92 @@ class MaglevModel(MaglevPreTrainedModel):
         values = self.value_embeddings_for(input_ids, x0.dtype)
         whole = cache.step_context(valid, 1) if length == 1 else StepContext(cache.positions, valid, length)
         rotary = self.rotary_for(whole, x0.dtype)
-        eps = self.config.rms_norm_eps
-        outputs, per_step = [], []
+        heads, outputs, per_step = [], [], []
         for t in range(length):
             step = (lambda tensor: tensor) if length == 1 else (lambda tensor: tensor[:, t:t + 1])
             ctx = whole if length == 1 else cache.step_context(None if valid is None else step(valid), 1)
             step_states = None if hidden_states is None else []
             step_values = [None if v is None else step(v) for v in values]
-            h = self.run_stack(step(x0), step_values, cache.last_memory, cache, ctx, tuple(map(step, rotary)),
-                               hidden_states=step_states)
-            memories = rms_norm(h, eps)
+            head, memories = self.read_out(*self.run_stack(step(x0), step_values, cache.last_memory, cache, ctx,
+                                                           tuple(map(step, rotary)), hidden_states=step_states))
             cache.advance(ctx, step(raw), memories)
+            heads.append(head)
             outputs.append(memories)
             per_step.append(step_states)
         if hidden_states is not None:
             hidden_states.extend(torch.cat(states, dim=1) for states in zip(*per_step))
-        return torch.cat(outputs, dim=1)
+        return torch.cat(heads, dim=1), torch.cat(outputs, dim=1)
 
-    def consistency(self, memories, targets, valid):
+    # ----- lifted training ----------------------------------------------------------------------
+    def lifted_passes(self, input_ids, valid, cache, context, hidden_states=None):
+        """Lifted parallel training: pass 0 feeds P the prefiller's shifted memories m'; each of the
+        `memory_self_feed_steps` self-fed passes (training only) feeds P the shifted memories of the pass
+        before, as inference will. Returns per pass the head inputs, the last pass's memories, m' and the
+        consistency loss averaged over passes."""
+        config = self.config
+        step = self.current_training_step()
+        targets = self.prefiller_memories(input_ids, valid)
+        teacher = config.consistency_detach_target_after is not None and step >= config.consistency_detach_target_after
+        prefiller_mu = self.shifted_memories(targets.detach() if teacher else targets, None, valid)
+        passes = 1 + (config.memory_self_feed_steps if self.training else 0)
+        heads, losses, memories = [], [], None
+        for i in range(passes):
+            last = i == passes - 1
+            mu = prefiller_mu
+            if memories is not None:
+                own = memories.detach() if config.memory_self_feed_detach else memories
+                mu = self.mixed_memories(self.shifted_memories(own, None, valid), prefiller_mu, step)
+            ctx = context() if last else StepContext(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
+            head, memories = self.decode_chunk(input_ids, self.noisy(mu), cache if last else None, ctx,
+                                               hidden_states if last else None)
+            heads.append(head)
+            losses.append(self.consistency(memories, targets, valid, detach=teacher))
+        return heads, memories, targets, torch.stack(losses).mean()
+
+    def current_training_step(self) -> int:
+        """The optimizer step that step-dependent switches read; training with them needs it to be set."""
+        if self.training_step is not None or not self.config.step_dependent_training:
+            return self.training_step or 0
+        if self.training:
+            raise ValueError("this Maglev config changes its training with the step (memory_self_feed_mix_ramp_steps, "
+                             "consistency_weight_ramp_steps or consistency_detach_target_after): pass "
+                             "kvm_maglev.training.MaglevStepCallback() to Trainer, or call "
+                             "model.set_training_step(step) in your loop")
+        return 0
+
+    def mixed_memories(self, own: torch.Tensor, prefiller_mu: torch.Tensor, step: int) -> torch.Tensor:
+        """Per position P's own shifted memory with probability `memory_self_feed_mix` (ramped linearly over
+        `memory_self_feed_mix_ramp_steps`), else the prefiller's: parallel scheduled sampling."""
+        chance = self.config.memory_self_feed_mix
+        ramp = self.config.memory_self_feed_mix_ramp_steps
+        if ramp:
+            chance *= min(1.0, step / ramp)
+        if chance >= 1.0:
+            return own
+        pick = torch.rand(own.shape[:2], device=own.device) < chance
+        return torch.where(pick[..., None], own, prefiller_mu)
+
+    def noisy(self, mu: torch.Tensor) -> torch.Tensor:
+        """Training-time Gaussian noise on the memory inputs (`memory_noise_std`), so P learns to read imperfect
+        memories like its own at inference."""
+        std = self.config.memory_noise_std
+        return mu + std * torch.randn_like(mu) if std and self.training else mu
+
+    def consistency_weight_now(self) -> float:
+        """The consistency weight at the current training step: constant, a linear ramp to
+        `consistency_weight_final`, or `consistency_weight_after_detach` once the prefiller is a frozen teacher."""
+        config, step = self.config, self.current_training_step()
+        after = config.consistency_detach_target_after
+        if after is not None and step >= after and config.consistency_weight_after_detach is not None:
+            return config.consistency_weight_after_detach
+        if config.consistency_weight_ramp_steps:
+            progress = min(1.0, step / config.consistency_weight_ramp_steps)
+            return config.consistency_weight + progress * (config.consistency_weight_final - config.consistency_weight)
+        return config.consistency_weight
+
+    def consistency(self, memories, targets, valid, detach: bool = False):
         """L_cons over real tokens: mean squared error over tokens and channels, or mean 1 - cosine."""
-        if self.config.consistency_detach_target:
+        if detach or self.config.consistency_detach_target:
             targets = targets.detach()
         memories, targets = memories.float(), targets.float()
         if self.config.consistency_loss == "mse":
@@ -486,7 +599,7 @@ class MaglevModel(MaglevPreTrainedModel):
         if lifted is None:
             lifted = self.training
         hidden_states = [] if output_hidden_states else None
-        prefiller_memories = consistency_loss = None
+        prefiller_memories = consistency_loss = pass_heads = None
 
         def context():
             if cache is not None:
@@ -494,32 +607,43 @@ class MaglevModel(MaglevPreTrainedModel):
             return StepContext(input_ids.new_zeros(batch), valid, length)
 
         if not config.use_memory:
-            memories = self.decode_chunk(input_ids, None, cache, context(), hidden_states)
+            head, memories = self.decode_chunk(input_ids, None, cache, context(), hidden_states)
         elif memory_inputs is not None:
-            memories = self.decode_chunk(input_ids, memory_inputs.to(self.dtype), cache, context(), hidden_states)
+            head, memories = self.decode_chunk(input_ids, memory_inputs.to(self.dtype), cache, context(),
+                                               hidden_states)
+        elif lifted and self.uses_prefiller(lifted, start, length):
+            pass_heads, memories, prefiller_memories, consistency_loss = self.lifted_passes(
+                input_ids, valid, cache, context, hidden_states)
+            head = pass_heads[-1]
         elif self.uses_prefiller(lifted, start, length):
             prefiller_memories = self.prefiller_memories(input_ids, valid)
             mu = self.shifted_memories(prefiller_memories, None, valid)
-            memories = self.decode_chunk(input_ids, mu, cache, context(), hidden_states)
-            if lifted:
-                consistency_loss = self.consistency(memories, prefiller_memories, valid)
+            head, memories = self.decode_chunk(input_ids, mu, cache, context(), hidden_states)
         else:
             recurrent_cache = cache
             if recurrent_cache is None:
                 recurrent_cache = MaglevCache(config)
                 recurrent_cache.prepare(batch, memories_like(self), memory_init)
-            memories = self.recurrent(input_ids, recurrent_cache, valid, hidden_states)
+            head, memories = self.recurrent(input_ids, recurrent_cache, valid, hidden_states)
 
         if hidden_states is not None:
-            hidden_states.append(memories)
+            hidden_states.append(head)
         return MaglevModelOutput(
-            last_hidden_state=memories,
+            last_hidden_state=head,
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
             memories=memories if config.use_memory else None,
             prefiller_memories=prefiller_memories,
             consistency_loss=consistency_loss,
+            pass_hidden_states=tuple(pass_heads) if pass_heads is not None and len(pass_heads) > 1 else None,
             **{CACHE_NAME: cache},
         )
+
+
+def kept_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions whose logits are computed: the last `logits_to_keep` (0 = all) or the given indices."""
+    if isinstance(logits_to_keep, int):
+        return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+    return hidden[:, logits_to_keep]
 
 
 def take_cache(past_key_values: MaglevCache | None, kwargs: dict) -> MaglevCache | None:
@@ -582,7 +706,8 @@ class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
     def __init__(self, config: MaglevConfig):
         super().__init__(config)
         self.model = MaglevModel(config)
-        self.lm_head = MaglevLinear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.lm_head = with_init(MaglevLinear(config.hidden_size, config.padded_vocab_size, bias=False),
+                                 "normal", 0.001)
         self.post_init()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -596,6 +721,10 @@ class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.embed_tokens = value
+
+    def set_training_step(self, step: int) -> None:
+        """Tell the model the optimizer step (read by step-dependent training switches, e.g. ramps)."""
+        self.model.training_step = int(step)
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
@@ -637,18 +766,18 @@ class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
             lifted=self.training or labels is not None,
             memory_inputs=memory_inputs,
         )
-        hidden = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int):
-            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        else:
-            hidden = hidden[:, logits_to_keep]
-        logits = self.logits(hidden)
+        logits = self.logits(kept_positions(outputs.last_hidden_state, logits_to_keep))
         loss = lm_loss = None
         if labels is not None:
-            lm_loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            # self-fed passes each predict the sequence: the language-model loss is their mean
+            pass_logits = ([logits] if outputs.pass_hidden_states is None else
+                           [self.logits(kept_positions(h, logits_to_keep)) for h in outputs.pass_hidden_states[:-1]]
+                           + [logits])
+            lm_loss = sum(self.loss_function(logits=each, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+                          for each in pass_logits) / len(pass_logits)
             loss = lm_loss
             if outputs.consistency_loss is not None:
-                loss = lm_loss + self.config.consistency_weight * self._accumulation_share(
+                loss = lm_loss + self.model.consistency_weight_now() * self._accumulation_share(
                     outputs.consistency_loss, labels, kwargs.get("num_items_in_batch")
                 )
         return MaglevCausalLMOutput(
