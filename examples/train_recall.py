@@ -2,11 +2,13 @@
 
 Every model has the same width, depth and attention window and trains for the same number
 of steps with the same data and seed; only the memory differs. Recall is then measured per
-query distance with cached ``generate()``, and written to JSON and a PNG plot. With
-``--save-models DIR`` the trained models are written as Hub-ready folders (what
-``kvm-maglev demo`` loads).
+query distance with cached ``generate()`` (Maglev: from P's own recurrent memory, and fed by
+its prefiller), and written to JSON and a PNG plot, with the drift between P's own memories
+and the prefiller's by position. Maglev training recipes are named presets (``maglev_<preset>``).
+With ``--save-models DIR`` the trained models are written as folders that ``kvm-maglev demo`` loads.
 
-    python examples/train_recall.py --out results/recall --save-models src/kvm_maglev/assets/recall_models
+    python examples/train_recall.py --facts 2 --seed 0 --models swa_baseline maglev_paper maglev_self_feed2 \
+        --out results/recall_f2_s0
 """
 
 import argparse
@@ -27,17 +29,24 @@ from kvm_maglev.recall import (
     collate,
     default_distances,
     evaluate_recall_per_mode,
+    memory_drift,
     plot_recall,
 )
+from kvm_maglev.training import MaglevStepCallback
 
 WIDTH, LAYERS, HEADS, WINDOW, CHUNK = 64, 2, 2, 16, 8
-# queries reach 8 windows past their fact: 1 + 2 * facts + 8 * WINDOW + room for the query
-TASK = RecallTask(num_keys=32, num_values=32, num_filler=32, num_facts=4, seq_len=144)
+SEQ_LEN = 144  # queries reach 8 windows past their fact: 1 + 2 * facts + 8 * WINDOW + room for the query
+# evaluation prompts come from a generator of their own, never from a training seed's stream
+EVAL_SEED_OFFSET = 10_000
+
+
+def recall_task(facts: int) -> RecallTask:
+    return RecallTask(num_keys=32, num_values=32, num_filler=32, num_facts=facts, seq_len=SEQ_LEN)
 
 
 def _kvm(**budget) -> torch.nn.Module:
     config = KVMConfig(
-        vocab_size=TASK.vocab_size,
+        vocab_size=recall_task(1).vocab_size,
         hidden_size=WIDTH,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
@@ -49,9 +58,9 @@ def _kvm(**budget) -> torch.nn.Module:
     return KVMForCausalLM(config)
 
 
-def _maglev(use_memory: bool, consistency_weight: float = 0.1, shares_blocks: bool = False) -> torch.nn.Module:
+def _maglev(use_memory: bool, **recipe) -> torch.nn.Module:
     config = MaglevConfig(
-        vocab_size=TASK.vocab_size,
+        vocab_size=recall_task(1).vocab_size,
         hidden_size=WIDTH,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
@@ -62,32 +71,45 @@ def _maglev(use_memory: bool, consistency_weight: float = 0.1, shares_blocks: bo
         use_memory=use_memory,
         has_prefiller=use_memory,
         prefiller_window_pattern="L",
-        prefiller_shares_blocks=shares_blocks,
-        consistency_weight=consistency_weight,
+        prefiller_shares_blocks=False,
+        consistency_weight=0.1,
+        **recipe,
     )
     return MaglevForCausalLM(config)
 
 
-MODELS: Dict[str, Callable[[], torch.nn.Module]] = {
-    "kvm_fixed": lambda: _kvm(state_budget_mode="fixed", state_budget_min=2 * CHUNK, state_max_chunks=2),
-    "kvm_sqrt": lambda: _kvm(
+# Maglev training recipes (MaglevConfig fields over the paper's recipe with consistency 0.1)
+MAGLEV_PRESETS: Dict[str, dict] = {
+    "paper": {},
+    "self_feed1": {"memory_self_feed_steps": 1},
+    "self_feed2": {"memory_self_feed_steps": 2},
+    "self_feed4": {"memory_self_feed_steps": 4},
+    "residual": {"memory_residual_injection": True},
+    "self_feed2_residual": {"memory_self_feed_steps": 2, "memory_residual_injection": True},
+    "self_feed2_projection": {"memory_self_feed_steps": 2, "memory_projection": True},
+    "self_feed2_detach": {"memory_self_feed_steps": 2, "memory_self_feed_detach": True},
+    "self_feed2_noise": {"memory_self_feed_steps": 2, "memory_noise_std": 0.1},
+}
+# the recipe the shipped demo model and examples/finetune.py use
+BEST_PRESET = "self_feed2"
+
+MODELS: Dict[str, Callable[[argparse.Namespace], torch.nn.Module]] = {
+    "kvm_fixed": lambda args: _kvm(state_budget_mode="fixed", state_budget_min=2 * CHUNK, state_max_chunks=2),
+    "kvm_sqrt": lambda args: _kvm(
         state_budget_mode="power_law", state_budget_factor=4.0, state_budget_exponent=0.5,
         state_budget_min=CHUNK, state_max_chunks=1000,
     ),
-    "maglev": lambda: _maglev(use_memory=True),
-    "swa_baseline": lambda: _maglev(use_memory=False),
+    "maglev": lambda args: _maglev(True, weight_init=args.weight_init, **MAGLEV_PRESETS[BEST_PRESET]),
+    "swa_baseline": lambda args: _maglev(False, weight_init=args.weight_init),
+    **{f"maglev_{name}": (lambda args, recipe=recipe: _maglev(True, weight_init=args.weight_init, **recipe))
+       for name, recipe in MAGLEV_PRESETS.items()},
 }
-# Maglev settings tried beside the default (not run unless named with --models)
-VARIANTS: Dict[str, Callable[[], torch.nn.Module]] = {
-    "maglev_consistency1": lambda: _maglev(use_memory=True, consistency_weight=1.0),
-    "maglev_consistency0.3": lambda: _maglev(use_memory=True, consistency_weight=0.3),
-    "maglev_shared_blocks": lambda: _maglev(use_memory=True, shares_blocks=True),
-}
+DEMO_MODELS = ["kvm_fixed", "kvm_sqrt", "maglev", "swa_baseline"]
 
 
 def train_one(name: str, args: argparse.Namespace, train_data) -> torch.nn.Module:
     set_seed(args.seed)
-    model = {**MODELS, **VARIANTS}[name]()
+    model = MODELS[name](args)
     training_args = TrainingArguments(
         output_dir=str(args.out / "trainer" / name),
         max_steps=args.steps,
@@ -102,61 +124,97 @@ def train_one(name: str, args: argparse.Namespace, train_data) -> torch.nn.Modul
         seed=args.seed,
         use_cpu=not torch.cuda.is_available(),
         remove_unused_columns=False,
-        disable_tqdm=True,
+        disable_tqdm=not args.progress,
     )
-    Trainer(model=model, args=training_args, train_dataset=train_data, data_collator=collate).train()
+    callbacks = [MaglevStepCallback()] if isinstance(model, MaglevForCausalLM) else []
+    Trainer(model=model, args=training_args, train_dataset=train_data, data_collator=collate,
+            callbacks=callbacks).train()
     return model.eval()
 
 
 def save_recall_model(model, target: Path, name: str, distances: List[int], args: argparse.Namespace) -> None:
     """Keep config, weights and the task it learned; ``kvm-maglev demo`` adds the package's code and a card."""
-    task_spec = {"task": TASK.__dict__, "window": WINDOW, "distances": distances, "steps": args.steps, "seed": args.seed}
+    task_spec = {"task": args.task.__dict__, "window": WINDOW, "distances": distances, "steps": args.steps, "seed": args.seed}
     save_demo_model(model, target, task_spec)
 
 
 def main(argv: List[str] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=sorted({**MODELS, **VARIANTS}), default=list(MODELS))
-    parser.add_argument("--steps", type=int, default=300)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=DEMO_MODELS,
+                        help="models to train; maglev_<preset> names a Maglev training recipe, maglev the best one")
+    parser.add_argument("--facts", type=int, default=4, help="key-value facts per sequence")
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=6e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-examples", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0, help="training seed (weights, data order, training data)")
+    parser.add_argument("--weight-init", choices=("nanochat", "torch"), default="torch",
+                        help="Maglev / sliding-window init: nanochat's documented one or PyTorch's layer defaults")
+    parser.add_argument("--eval-examples", type=int, default=200, help="queries per distance")
     parser.add_argument("--out", type=Path, default=Path("results/recall"))
     parser.add_argument("--save-models", type=Path, default=None)
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     args = parser.parse_args(argv)
+    args.task = recall_task(args.facts)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     train_distances = list(range(4, 8 * WINDOW + 1))
-    train_data = build_dataset(TASK, args.steps * args.batch_size, train_distances, queries_per_example=12, seed=args.seed)
+    train_data = build_dataset(args.task, args.steps * args.batch_size, train_distances, queries_per_example=12,
+                               seed=args.seed)
     eval_distances = default_distances(WINDOW)
+    eval_seed = EVAL_SEED_OFFSET + args.seed
     results, timings = {}, {}
     for name in args.models:
         start = time.time()
         model = train_one(name, args, train_data)
         timings[name] = time.time() - start
-        per_mode = evaluate_recall_per_mode(model, name, TASK, eval_distances, args.eval_examples, seed=args.seed + 1)
-        for label, recall in per_mode.items():
-            print(label, f"{timings[name]:.0f}s", {d: round(100 * r, 1) for d, r in recall.items()}, flush=True)
-        results.update(per_mode)
+        results[name] = measure(model, name, args.task, eval_distances, args.eval_examples, eval_seed)
+        for mode, recall in results[name].items():
+            if isinstance(recall, dict) and mode != "drift":
+                print(name, mode, f"{timings[name]:.0f}s", {d: round(100 * r, 1) for d, r in recall.items()},
+                      flush=True)
         if args.save_models is not None:
             args.save_models.mkdir(parents=True, exist_ok=True)
             save_recall_model(model, args.save_models / name, name, eval_distances, args)
         write_results(results, timings, args)  # after every model, so a long run can be read as it goes
 
 
-def write_results(results: Dict[str, Dict[int, float]], timings: Dict[str, float], args: argparse.Namespace) -> None:
+def measure(model, name: str, task: RecallTask, distances: List[int], examples: int, seed: int) -> Dict:
+    """Recall per distance: "recurrent" is the model's own inference (Maglev: P alone on its own memory; other
+    models: their cache), "prefiller" a Maglev prompt fed by its prefiller; plus Maglev's memory drift."""
+    per_mode = evaluate_recall_per_mode(model, name, task, distances, examples, seed=seed)
+    row = {"recurrent": {str(d): r for d, r in per_mode[name].items()}}
+    fed = per_mode.get(f"{name}_prefiller_fed")
+    if fed is not None:
+        row["prefiller"] = {str(d): r for d, r in fed.items()}
+        row["drift"] = memory_drift(model, task, num_examples=64, seed=seed, bucket=WINDOW)
+    row.update(window=WINDOW, chance=chance_level(task))
+    return row
+
+
+def write_results(results: Dict[str, Dict], timings: Dict[str, float], args: argparse.Namespace) -> None:
     summary = {
-        "task": TASK.__dict__,
-        "window": WINDOW,
-        "chance": chance_level(TASK),
-        "settings": {k: str(v) for k, v in vars(args).items()},
+        "command": "python examples/train_recall.py " + " ".join(_argv_of(args)),
+        "task": args.task.__dict__,
+        "settings": {k: str(v) for k, v in vars(args).items() if k != "task"},
         "train_seconds": timings,
-        "recall": {name: {str(d): r for d, r in per.items()} for name, per in results.items()},
+        "models": results,
     }
     (args.out / "recall.json").write_text(json.dumps(summary, indent=1))
-    plot_recall(results, chance_level(TASK), WINDOW, args.out / "recall.png")
+    curves = {}
+    for name, row in results.items():
+        curves[name] = {int(d): r for d, r in row["recurrent"].items()}
+        if "prefiller" in row:
+            curves[f"{name} (prefiller-fed)"] = {int(d): r for d, r in row["prefiller"].items()}
+    plot_recall(curves, chance_level(args.task), WINDOW, args.out / "recall.png")
     print(f"wrote {args.out / 'recall.json'} and {args.out / 'recall.png'}", flush=True)
+
+
+def _argv_of(args: argparse.Namespace) -> List[str]:
+    words = ["--models", *args.models, "--facts", str(args.facts), "--steps", str(args.steps), "--seed",
+             str(args.seed), "--weight-init", args.weight_init, "--eval-examples", str(args.eval_examples),
+             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--out", str(args.out)]
+    return words
 
 
 if __name__ == "__main__":

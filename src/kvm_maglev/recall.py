@@ -192,6 +192,23 @@ def evaluate_recall_per_mode(
     return results
 
 
+@torch.no_grad()
+def memory_drift(model, task: RecallTask, num_examples: int, seed: int, bucket: int) -> Dict[str, float]:
+    """Mean 1 - cosine between P's own recurrent memories m_t and the prefiller's m'_t, per block of
+    ``bucket`` positions (keyed by the block's first position): how far inference drifts from what P was
+    trained on. Needs a Maglev model that kept its prefiller."""
+    generator = torch.Generator().manual_seed(seed)
+    distances = default_distances(bucket)
+    rows = [make_example(task, generator, distances).input_ids for _ in range(num_examples)]
+    input_ids = torch.tensor(rows, device=next(model.parameters()).device)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with memory_prefill(model, "recurrent"):
+        own = base.model(input_ids=input_ids, use_cache=False, lifted=False).memories
+    target = base.model.prefiller_memories(input_ids)
+    distance = 1.0 - torch.nn.functional.cosine_similarity(own.float(), target.float(), dim=-1).mean(dim=0)
+    return {str(start): distance[start : start + bucket].mean().item() for start in range(0, distance.shape[0], bucket)}
+
+
 def left_pad(rows: List[List[int]], device: torch.device = None):
     """Left-pad token rows with ``PAD_ID``; returns ``(input_ids, attention_mask)``."""
     width = max(len(row) for row in rows)
@@ -261,6 +278,7 @@ __all__ = [
     "build_dataset",
     "evaluate_recall",
     "evaluate_recall_per_mode",
+    "memory_drift",
     "default_distances",
     "chance_level",
     "plot_recall",

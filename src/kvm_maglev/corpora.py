@@ -1,0 +1,93 @@
+"""Offline byte-level corpora for language-modelling comparisons of long-context memory.
+
+- `cast_corpus`: seeded synthetic stories. Each opens with a short cast of random names that later
+  sentences reuse, so a model with a short attention window cannot tell which names are in play once
+  the cast has scrolled out of it, while a model with memory can.
+- `stdlib_corpus`: the Python sources of the running interpreter's standard library, split into
+  training and validation files by a hash of the file's path (stable across machines and runs).
+Both return lists of byte strings (documents); `pack_bytes` cuts them into fixed-length rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+
+_SYLLABLES = ("ka", "lo", "mi", "ren", "to", "sa", "vel", "dor", "na", "qui", "bex", "ul", "fa", "ri", "zan",
+              "po", "em", "tiv", "gar", "os")
+_VERBS = ("met", "thanked", "followed", "called", "helped", "warned", "visited", "praised", "teased", "trusted")
+_THINGS = ("a lamp", "the map", "some bread", "a letter", "the key", "a coin", "the boat", "a song")
+_PLACES = ("the market", "the river", "the hill", "the library", "the harbour", "the old mill")
+
+
+def name_pool(size: int, seed: int) -> list[str]:
+    """`size` distinct capitalised names of two or three syllables, the same for a given seed."""
+    rng = random.Random(seed)
+    names: set[str] = set()
+    while len(names) < size:
+        names.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize())
+    return sorted(names)
+
+
+def cast_story(rng: random.Random, pool: list[str], cast_size: int, sentences: int) -> str:
+    """One story: "Cast: A, B, C." then sentences about the cast members only."""
+    cast = rng.sample(pool, cast_size)
+    lines = [f"Cast: {', '.join(cast)}."]
+    for _ in range(sentences):
+        first, second = rng.sample(cast, 2)
+        form = rng.randrange(3)
+        if form == 0:
+            lines.append(f"{first} {rng.choice(_VERBS)} {second}.")
+        elif form == 1:
+            lines.append(f"{first} gave {second} {rng.choice(_THINGS)}.")
+        else:
+            lines.append(f"{first} went to {rng.choice(_PLACES)} with {second}.")
+    return " ".join(lines) + "\n"
+
+
+def cast_corpus(num_documents: int, seed: int, pool_size: int = 200, cast_size: int = 3,
+                sentences: int = 10) -> list[bytes]:
+    """Synthetic stories with long-range structure (see the module docstring); one seed, one corpus."""
+    pool = name_pool(pool_size, seed=0)  # the same names for every seed: only the stories differ
+    rng = random.Random(seed)
+    return [cast_story(rng, pool, cast_size, sentences).encode("ascii") for _ in range(num_documents)]
+
+
+def stdlib_corpus(split: str, max_files: int | None = None) -> list[bytes]:
+    """The standard library's .py files (tests excluded) of the split "train" or "validation" (one file in ten,
+    chosen by the SHA-256 of its path relative to the library root)."""
+    if split not in ("train", "validation"):
+        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.relative_to(root).parts[0].lower()
+                   and "site-packages" not in p.parts)
+    chosen = []
+    for path in files:
+        bucket = hashlib.sha256(path.relative_to(root).as_posix().encode()).digest()[0] % 10
+        if (bucket == 0) == (split == "validation"):
+            chosen.append(path.read_bytes())
+        if max_files is not None and len(chosen) >= max_files:
+            break
+    return chosen
+
+
+def pack_bytes(documents: list[bytes], length: int, bos: int = 256, rows_per_document: int | None = None
+               ) -> torch.Tensor:
+    """Rows of `length` byte ids: each document starts with `bos` and is cut into whole rows (a document's
+    tail shorter than a row is dropped, so every row starts at a document's start or continues it); at most
+    `rows_per_document` rows from each."""
+    rows = []
+    for document in documents:
+        ids = [bos, *document]
+        starts = range(0, len(ids) - length + 1, length)
+        rows.extend(ids[start:start + length] for start in list(starts)[:rows_per_document])
+    if not rows:
+        raise ValueError(f"no document is {length - 1} bytes or longer")
+    return torch.tensor(rows, dtype=torch.long)
+
+
+__all__ = ["cast_corpus", "cast_story", "name_pool", "pack_bytes", "stdlib_corpus"]
