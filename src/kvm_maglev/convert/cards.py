@@ -122,7 +122,29 @@ def _maglev_architecture(config) -> tuple[str, list[tuple[str, object]]]:
         ("sliding window", config.sliding_window), ("window pattern", config.window_pattern),
         ("memory", config.use_memory), ("vocabulary", config.vocab_size),
     ]
+    if config.use_memory:
+        rows.append(("training recipe", maglev_training_recipe(config)))
     return paragraph, rows
+
+
+def maglev_training_recipe(config) -> str:
+    """The memory-training switches a Maglev config records, in words (what the model was, or will be, trained with)."""
+    parts = [f"lifted parallel training, consistency {config.consistency_weight} ({config.consistency_loss})"]
+    if config.memory_self_feed_steps:
+        mix = "" if config.memory_self_feed_mix >= 1 else f", mixed with p={config.memory_self_feed_mix}"
+        detach = ", detached between passes" if config.memory_self_feed_detach else ""
+        parts.append(f"P fed its own memories in {config.memory_self_feed_steps} more passes{mix}{detach}")
+    if config.memory_projection or config.memory_source_layer is not None:
+        source = "h" if config.memory_source_layer is None else f"block {config.memory_source_layer}'s output"
+        parts.append(f"memory read from {source}" + (" through a projection" if config.memory_projection else ""))
+    if config.memory_residual_injection:
+        parts.append("memory also added to P's block input")
+    if config.memory_noise_std:
+        parts.append(f"memory noise {config.memory_noise_std}")
+    if config.consistency_detach_target_after is not None:
+        parts.append(f"prefiller frozen as teacher from step {config.consistency_detach_target_after}")
+    parts.append(f"{config.weight_init} init")
+    return "; ".join(parts)
 
 
 _ARCHITECTURE_TEXT = {"kvm": _kvm_architecture, "maglev": _maglev_architecture}

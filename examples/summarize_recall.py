@@ -1,0 +1,104 @@
+"""Medians over seeds of the recall runs written by train_recall.py, and the memory targets they meet.
+
+    python examples/summarize_recall.py results/recall_eval --out docs/recall/summary.json
+
+Reads every ``recall.json`` below the given folders, groups the models by (facts, model), and reports per
+group the median over seeds of recall per distance (P's own memory and prefiller-fed) with the seeds used,
+the mean recall past the window, and the targets of the Maglev memory issue checked on the medians.
+"""
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List
+
+
+def load_runs(folders: List[Path]) -> Dict[tuple, List[dict]]:
+    """(facts, model) -> the per-seed result rows (each with its seed); a model trained with another init than
+    PyTorch's defaults is its own group."""
+    groups: Dict[tuple, List[dict]] = defaultdict(list)
+    for folder in folders:
+        for path in sorted(folder.rglob("recall.json")):
+            run = json.loads(path.read_text())
+            facts, seed = run["task"]["num_facts"], int(run["settings"]["seed"])
+            init = run["settings"].get("weight_init", "torch")
+            for name, row in run["models"].items():
+                label = name if init == "torch" else f"{name} ({init} init)"
+                groups[(facts, label)].append({**row, "seed": seed, "file": str(path)})
+    return groups
+
+
+def median_curve(rows: List[dict], key: str) -> Dict[str, float] | None:
+    curves = [row[key] for row in rows if key in row]
+    if not curves:
+        return None
+    return {d: statistics.median(curve[d] for curve in curves) for d in curves[0]}
+
+
+def past_window(curve: Dict[str, float], window: int) -> Dict[str, float]:
+    return {d: r for d, r in curve.items() if int(d) > window}
+
+
+def check_targets(facts: int, own: Dict[str, float], fed: Dict[str, float] | None, window: int) -> Dict[str, bool]:
+    """The issue's targets for P's own memory, on median recall."""
+    inside = [r for d, r in own.items() if int(d) <= window]
+    beyond = past_window(own, window)
+    checks: Dict[str, bool] = {}
+    if facts == 1:
+        checks["1 fact: >= 95% at every distance up to 8x the window"] = min(own.values()) >= 0.95
+    elif facts == 2:
+        near = [r for d, r in beyond.items() if int(d) <= 4 * window]
+        checks["2 facts: >= 50% mean at 2x-4x the window"] = statistics.mean(near) >= 0.5
+        checks["2 facts: >= 20% at 8x the window"] = own[str(8 * window)] >= 0.2
+        checks["2 facts: >= 95% in the window"] = min(inside) >= 0.95
+    elif facts == 4:
+        checks["4 facts: >= 12% mean past the window"] = statistics.mean(beyond.values()) >= 0.12
+        checks["4 facts: >= 85% in the window"] = min(inside) >= 0.85
+    if fed is not None:
+        checks["own memory >= 0.8x prefiller-fed at every distance past the window"] = all(
+            own[d] >= 0.8 * fed[d] for d in past_window(fed, window))
+    return checks
+
+
+def summarize(groups: Dict[tuple, List[dict]]) -> List[dict]:
+    summary = []
+    for (facts, name), rows in sorted(groups.items()):
+        window = rows[0]["window"]
+        own, fed = median_curve(rows, "recurrent"), median_curve(rows, "prefiller")
+        entry = {"facts": facts, "model": name, "seeds": sorted(row["seed"] for row in rows), "window": window,
+                 "chance": rows[0]["chance"], "recurrent_median": own, "prefiller_median": fed,
+                 "recurrent_past_window_mean": statistics.mean(past_window(own, window).values()),
+                 "per_seed_recurrent": {str(row["seed"]): row["recurrent"] for row in rows}}
+        if name.startswith("maglev"):
+            entry["targets"] = check_targets(facts, own, fed, window)
+            drift = median_curve(rows, "drift")
+            if drift is not None:
+                entry["drift_median"] = drift
+        summary.append(entry)
+    return summary
+
+
+def main(argv: List[str] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    summary = summarize(load_runs(args.folders))
+    for entry in summary:
+        cells = " ".join(f"{d}:{100 * r:4.0f}" for d, r in entry["recurrent_median"].items())
+        fed = entry["prefiller_median"]
+        fed_cells = "" if fed is None else "  fed " + " ".join(f"{100 * r:4.0f}" for r in fed.values())
+        print(f"facts {entry['facts']} {entry['model']:<28} seeds {entry['seeds']}  {cells}{fed_cells}")
+        for target, met in entry.get("targets", {}).items():
+            print(f"    {'met ' if met else 'MISS'} {target}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"command": "python examples/summarize_recall.py "
+                                        + " ".join(map(str, args.folders)), "groups": summary}, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
