@@ -22,13 +22,24 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, default_data_collator, set_seed
 
-from kvm_maglev.training import LossComponentsTrainer, group_texts_dataset, lora_target_modules, parameter_digest
+from kvm_maglev.training import (
+    MAGLEV_RECIPE,
+    MAGLEV_RECIPES,
+    LossComponentsTrainer,
+    MaglevStepCallback,
+    group_texts_dataset,
+    lora_target_modules,
+    parameter_digest,
+)
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "tiny_corpus.txt"
+# Maglev fields that add or move layers (the rest of a recipe only changes how training runs)
+ARCHITECTURE_FIELDS = ("memory_projection", "memory_residual_injection", "memory_source_layer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", required=True, help="model folder (or Hub id) loaded with trust_remote_code")
     parser.add_argument("--output-dir", required=True, help="where checkpoints and the final model go")
     parser.add_argument("--train-file", default=str(DEFAULT_TEXT), help="plain text, one document per line")
@@ -53,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-targets", default=None,
                         help="comma-separated module names (default: the documented targets of the architecture)")
     parser.add_argument("--merge-lora", action="store_true", help="also save the merged model to OUTPUT_DIR/merged")
+    parser.add_argument("--maglev-recipe", choices=sorted(MAGLEV_RECIPES), default=MAGLEV_RECIPE,
+                        help="Maglev memory-training recipe (applies to Maglev models that kept their prefiller)")
     parser.add_argument("--ddp-find-unused-parameters", action="store_true",
                         help="let DDP look for parameters without a gradient each step (slower; needed when a "
                              "step can leave some unused, e.g. KVM on blocks shorter than its attention window)")
@@ -95,6 +108,20 @@ def add_lora(model, args: argparse.Namespace):
     return model
 
 
+def apply_maglev_recipe(model, recipe: str) -> None:
+    """Train a Maglev model that kept its prefiller with the named memory recipe (saved in its config); a model
+    without the prefiller trains recurrently and has no lifted passes to change."""
+    config = model.config
+    if config.model_type != "maglev" or not (config.use_memory and config.has_prefiller):
+        return
+    for field, value in MAGLEV_RECIPES[recipe].items():
+        if field in ARCHITECTURE_FIELDS and getattr(config, field) != value:
+            raise ValueError(f"recipe {recipe!r} sets {field}, which changes the model's layers: "
+                             "it applies to models trained from scratch, not to a loaded one")
+        setattr(config, field, value)
+    config.validate_maglev()
+
+
 def check_replicas(model, output_dir: str) -> dict:
     """Gather every process's parameter digest; raise if they differ, and record them."""
     digest = parameter_digest(model)
@@ -117,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=torch.float32)
+    apply_maglev_recipe(model, args.maglev_recipe)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if args.lora:
@@ -151,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_dataset=eval_dataset,
         data_collator=default_data_collator,
         processing_class=tokenizer,
+        callbacks=[MaglevStepCallback()] if model.config.model_type == "maglev" else [],
     )
     trainer.train(resume_from_checkpoint=args.resume)
     if eval_dataset is not None:

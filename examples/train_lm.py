@@ -26,8 +26,7 @@ from transformers import Trainer, TrainingArguments, set_seed
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 from kvm_maglev.corpora import cast_corpus, pack_bytes, stdlib_corpus
 from kvm_maglev.recall import memory_prefill
-from kvm_maglev.training import MaglevStepCallback
-from train_recall import BEST_PRESET, MAGLEV_PRESETS
+from kvm_maglev.training import MAGLEV_RECIPE, MAGLEV_RECIPES, MaglevStepCallback
 
 WIDTH, LAYERS, HEADS, WINDOW, SEQ_LEN, VOCAB = 64, 2, 2, 32, 256, 257  # 256 bytes + BOS
 BOS = 256
@@ -48,7 +47,7 @@ def _maglev(**recipe) -> MaglevForCausalLM:
 ARMS: Dict[str, Callable[[], torch.nn.Module]] = {
     "swa_baseline": lambda: _nanochat(use_memory=False, sliding_window=WINDOW, has_prefiller=False),
     "maglev_paper": lambda: _maglev(),
-    f"maglev_{BEST_PRESET}": lambda: _maglev(**MAGLEV_PRESETS[BEST_PRESET]),
+    f"maglev_{MAGLEV_RECIPE}": lambda: _maglev(**MAGLEV_RECIPES[MAGLEV_RECIPE]),
     "kvm_fixed": lambda: KVMForCausalLM(KVMConfig(
         vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, chunk_size=16,
         window_chunks=WINDOW // 16, sink_slots=1, state_budget_mode="fixed", state_budget_min=32,

@@ -32,7 +32,7 @@ from kvm_maglev.recall import (
     memory_drift,
     plot_recall,
 )
-from kvm_maglev.training import MaglevStepCallback
+from kvm_maglev.training import MAGLEV_RECIPE, MAGLEV_RECIPES, MaglevStepCallback
 
 WIDTH, LAYERS, HEADS, WINDOW, CHUNK = 64, 2, 2, 16, 8
 SEQ_LEN = 144  # queries reach 8 windows past their fact: 1 + 2 * facts + 8 * WINDOW + room for the query
@@ -78,31 +78,16 @@ def _maglev(use_memory: bool, **recipe) -> torch.nn.Module:
     return MaglevForCausalLM(config)
 
 
-# Maglev training recipes (MaglevConfig fields over the paper's recipe with consistency 0.1)
-MAGLEV_PRESETS: Dict[str, dict] = {
-    "paper": {},
-    "self_feed1": {"memory_self_feed_steps": 1},
-    "self_feed2": {"memory_self_feed_steps": 2},
-    "self_feed4": {"memory_self_feed_steps": 4},
-    "residual": {"memory_residual_injection": True},
-    "self_feed2_residual": {"memory_self_feed_steps": 2, "memory_residual_injection": True},
-    "self_feed2_projection": {"memory_self_feed_steps": 2, "memory_projection": True},
-    "self_feed2_detach": {"memory_self_feed_steps": 2, "memory_self_feed_detach": True},
-    "self_feed2_noise": {"memory_self_feed_steps": 2, "memory_noise_std": 0.1},
-}
-# the recipe the shipped demo model and examples/finetune.py use
-BEST_PRESET = "self_feed2"
-
 MODELS: Dict[str, Callable[[argparse.Namespace], torch.nn.Module]] = {
     "kvm_fixed": lambda args: _kvm(state_budget_mode="fixed", state_budget_min=2 * CHUNK, state_max_chunks=2),
     "kvm_sqrt": lambda args: _kvm(
         state_budget_mode="power_law", state_budget_factor=4.0, state_budget_exponent=0.5,
         state_budget_min=CHUNK, state_max_chunks=1000,
     ),
-    "maglev": lambda args: _maglev(True, weight_init=args.weight_init, **MAGLEV_PRESETS[BEST_PRESET]),
+    "maglev": lambda args: _maglev(True, weight_init=args.weight_init, **MAGLEV_RECIPES[MAGLEV_RECIPE]),
     "swa_baseline": lambda args: _maglev(False, weight_init=args.weight_init),
     **{f"maglev_{name}": (lambda args, recipe=recipe: _maglev(True, weight_init=args.weight_init, **recipe))
-       for name, recipe in MAGLEV_PRESETS.items()},
+       for name, recipe in MAGLEV_RECIPES.items()},
 }
 DEMO_MODELS = ["kvm_fixed", "kvm_sqrt", "maglev", "swa_baseline"]
 

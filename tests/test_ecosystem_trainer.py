@@ -8,7 +8,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, default_data_collator
 
 import ecosystem_support as support
-from kvm_maglev.training import LossComponentsTrainer, group_texts_dataset, parameter_digest
+from kvm_maglev.training import (
+    MAGLEV_RECIPE,
+    MAGLEV_RECIPES,
+    LossComponentsTrainer,
+    group_texts_dataset,
+    parameter_digest,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -67,6 +73,9 @@ def test_finetune_example_lowers_the_loss(model_dir, tmp_path):
     assert all(math.isfinite(entry["eval_loss"]) for entry in history if "eval_loss" in entry)
     reloaded = load(out)  # the final model is a loadable folder again
     assert parameter_digest(reloaded) != parameter_digest(load(model_dir))
+    if reloaded.config.model_type == "maglev":  # trained with the example's memory recipe, recorded in its config
+        for field, value in MAGLEV_RECIPES[MAGLEV_RECIPE].items():
+            assert getattr(reloaded.config, field) == value, field
 
 
 def test_eval_loss_equals_the_direct_mean_token_loss(model_dir, tmp_path):

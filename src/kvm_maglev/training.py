@@ -6,6 +6,7 @@
 - `LORA_TARGET_MODULES` / `lora_target_modules`: the documented LoRA targets per architecture.
 - `parameter_digest`: one hash over all parameters, to check replicas and resumed runs agree.
 - `MaglevStepCallback`: tells a Maglev model the optimizer step, for its step-dependent training switches.
+- `MAGLEV_RECIPES` / `MAGLEV_RECIPE`: named Maglev memory-training recipes, and the one the examples use.
 """
 
 from __future__ import annotations
@@ -33,6 +34,22 @@ LORA_TARGET_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
         "memory": ("memory_k_proj", "memory_v_proj"),
     },
 }
+
+# Maglev memory-training recipes: MaglevConfig fields over the paper's (pass 0 fed the prefiller's memories
+# only). Measured on the recall task in docs/maglev_memory.md; `MAGLEV_RECIPE` is the one examples train with.
+MAGLEV_RECIPES: dict[str, dict[str, Any]] = {
+    "paper": {},
+    "self_feed1": {"memory_self_feed_steps": 1},
+    "self_feed2": {"memory_self_feed_steps": 2},
+    "self_feed4": {"memory_self_feed_steps": 4},
+    "residual": {"memory_residual_injection": True},
+    "self_feed2_residual": {"memory_self_feed_steps": 2, "memory_residual_injection": True},
+    "self_feed2_projection": {"memory_self_feed_steps": 2, "memory_projection": True},
+    "self_feed2_detach": {"memory_self_feed_steps": 2, "memory_self_feed_detach": True},
+    "self_feed2_noise": {"memory_self_feed_steps": 2, "memory_noise_std": 0.1},
+}
+MAGLEV_RECIPE = "self_feed2"
+
 
 def lora_target_modules(model: nn.Module, groups: Sequence[str] | None = None) -> list[str]:
     """LoRA `target_modules` for a KVM or Maglev model from LORA_TARGET_MODULES[model_type].
