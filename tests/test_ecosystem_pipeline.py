@@ -37,6 +37,16 @@ def test_pipeline_generates_what_generate_does(model_dir, generator):
     assert isinstance(text, str) and text.startswith(PROMPT)
 
 
+def test_plain_prompt_starts_as_the_model_was_trained(model_dir, generator):
+    """Plain text gets nanochat's <|bos|> first (as nanochat's prompts); GPT-2 text gets nothing."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
+    prefix = [tokenizer.convert_tokens_to_ids("<|bos|>")] if "<|bos|>" in tokenizer.get_vocab() else []
+    assert bool(prefix) == (model_dir.name == "model_maglev")
+    ids = torch.tensor([prefix + tokenizer(PROMPT, add_special_tokens=False)["input_ids"]])
+    tokens = generator(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, return_tensors=True)[0]
+    assert list(tokens["generated_token_ids"]) == direct_greedy(model_dir, ids)
+
+
 def test_chat_messages_through_the_pipeline_follow_the_chat_template(model_dir, generator):
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
     if tokenizer.chat_template is None:

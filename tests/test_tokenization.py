@@ -97,21 +97,33 @@ def _generated_strings(count: int, seed: int = 1234) -> list[str]:
     return strings
 
 
-def test_ids_equal_tiktoken_on_generated_strings(tokenizer, reference_tiktoken):
+@pytest.mark.parametrize("split_special_tokens", [False, True])
+def test_ids_equal_tiktoken_on_generated_strings(tokenizer, reference_tiktoken, split_special_tokens):
+    """Special-token text is recognised as tiktoken's allowed_special="all" does, or (split) read as
+    plain text as nanochat's encode_ordinary does."""
+    if split_special_tokens:
+        expected = reference_tiktoken.encode_ordinary
+    else:
+        def expected(text):
+            return reference_tiktoken.encode(text, allowed_special="all")
     mismatches = []
     for text in _generated_strings(400):
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if ids != reference_tiktoken.encode_ordinary(text):
+        ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split_special_tokens)
+        if ids != expected(text):
             mismatches.append(text)
         elif tokenizer.decode(ids) != text:
             mismatches.append(("decode", text))
     assert not mismatches, f"{len(mismatches)} strings differ from tiktoken, e.g. {mismatches[:3]!r}"
 
 
-def test_special_token_text_is_plain_text_but_ids_match(tokenizer, encoding):
+def test_special_token_text_becomes_the_special_id(tokenizer, encoding, reference_tiktoken):
     for text, token_id in encoding.special_tokens.items():
         assert tokenizer.convert_tokens_to_ids(text) == token_id
-        assert token_id not in tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.encode(text, add_special_tokens=False) == [token_id]
+        assert token_id not in tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    assert tokenizer("<|bos|>hello", add_special_tokens=False)["input_ids"] == [
+        351, *reference_tiktoken.encode_ordinary("hello")
+    ]
     assert len(tokenizer) == encoding.vocab_size == 360
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (
         "<|bos|>", "<|assistant_end|>", "<|assistant_end|>"
@@ -121,10 +133,33 @@ def test_special_token_text_is_plain_text_but_ids_match(tokenizer, encoding):
     }
 
 
+def test_plain_text_starts_with_bos_as_nanochat_prompts_do(encoding, reference_tiktoken):
+    """nanochat encodes a prompt as `encode(text, prepend=<|bos|>)`; add_bos_token switches that off."""
+    tok = build_nanochat_tokenizer(encoding)
+    text = "hi there"
+    plain = reference_tiktoken.encode_ordinary(text)
+    assert tok.add_bos_token
+    assert tok(text)["input_ids"] == [351, *plain]
+    assert tok(text, add_special_tokens=False)["input_ids"] == plain
+    assert tok([text, "a"])["input_ids"] == [[351, *plain], [351, *reference_tiktoken.encode_ordinary("a")]]
+    tok.add_bos_token = False
+    assert not tok.add_bos_token and tok(text)["input_ids"] == plain
+    tok.add_bos_token = True
+    assert tok(text)["input_ids"] == [351, *plain]
+    assert build_nanochat_tokenizer(encoding, add_bos_token=False)(text)["input_ids"] == plain
+
+
+def test_chat_template_writes_one_bos(tokenizer, reference_tiktoken):
+    messages = [{"role": "user", "content": "hi"}]
+    ids = tokenizer.apply_chat_template(messages, return_dict=False)
+    assert ids == [351, 352, *reference_tiktoken.encode_ordinary("hi"), 353]
+
+
 def test_fixed_strings_equal_fixture(tokenizer, reference):
     meta, tensors = reference
     for i, text in enumerate(meta["strings"]):
-        assert tokenizer.encode(text, add_special_tokens=False) == tensors[f"str_ids_{i}"], text
+        # the fixture holds nanochat's encode(): special-token text as plain text
+        assert tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) == tensors[f"str_ids_{i}"]
     assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == tensors["special_token_ids"]
 
 
@@ -217,7 +252,11 @@ _FRESH_PROCESS_CHECK = textwrap.dedent(
     nanochat = AutoTokenizer.from_pretrained(nanochat_dir, trust_remote_code=True)
     gpt2 = AutoTokenizer.from_pretrained(gpt2_dir)
     print(json.dumps({
-        "encode": nanochat.encode(text, add_special_tokens=False),
+        "encode": nanochat.encode(text, add_special_tokens=False, split_special_tokens=True),
+        "encode_default": nanochat.encode(text),
+        "special_text": nanochat.encode("<|bos|>hi", add_special_tokens=False),
+        "add_bos_token": nanochat.add_bos_token,
+        "no_bos": AutoTokenizer.from_pretrained(nanochat_dir, trust_remote_code=True, add_bos_token=False).encode(text),
         "chat": nanochat.apply_chat_template(messages, return_dict=False),
         "specials": [nanochat.bos_token, nanochat.eos_token, nanochat.pad_token],
         "template": nanochat.chat_template,
@@ -241,10 +280,44 @@ def test_saved_tokenizers_reload_in_fresh_process(tmp_path, tokenizer, reference
     assert result.returncode == 0, result.stderr
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert loaded["encode"] == tensors["str_ids_5"]
+    with_specials = tokenizer.encode(text, add_special_tokens=False)  # <|bos|>, <|user_start|> as their ids
+    assert with_specials != tensors["str_ids_5"]
+    assert loaded["encode_default"] == [351, *with_specials] and loaded["add_bos_token"] is True
+    assert loaded["no_bos"] == with_specials
+    assert loaded["special_text"] == [351, *tokenizer.encode("hi", add_special_tokens=False)]
     assert loaded["chat"] == tensors["conv_ids"]
     assert loaded["specials"] == ["<|bos|>", "<|assistant_end|>", "<|assistant_end|>"]
     assert loaded["template"] == CHAT_TEMPLATE
     assert loaded["gpt2"] == [gpt2.encode(text), 4096, "<|endoftext|>"]
+
+
+_REGISTERED_LOAD = textwrap.dedent(
+    """
+    import sys
+    from transformers import AutoTokenizer
+    import kvm_maglev
+    folder = sys.argv[1]
+    try:
+        AutoTokenizer.from_pretrained(folder)  # no trust_remote_code: refused before registration
+        print("loaded")
+    except ValueError as error:
+        print("refused" if "trust_remote_code" in str(error) else repr(error))
+    kvm_maglev.register_auto_classes()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    print(type(tokenizer).__module__, type(tokenizer).__name__, tokenizer("hi")["input_ids"])
+    """
+)
+
+
+def test_register_auto_classes_covers_the_nanochat_tokenizer(tmp_path, tokenizer):
+    tokenizer.save_pretrained(tmp_path)
+    result = subprocess.run([sys.executable, "-c", _REGISTERED_LOAD, str(tmp_path)], capture_output=True, text=True,
+                            timeout=180, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    refused, registered = result.stdout.strip().splitlines()[-2:]
+    assert refused.endswith("refused")  # after transformers' "run the custom code? [y/N]" prompt
+    module = "kvm_maglev.tokenization.tokenization_nanochat"
+    assert registered == f"{module} NanochatTokenizerFast {tokenizer('hi')['input_ids']}"
 
 
 def test_load_from_folder_with_max_length(nanochat_dir):

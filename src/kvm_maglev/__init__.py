@@ -30,8 +30,11 @@ def __getattr__(name: str) -> Any:
 
 
 def register_auto_classes() -> None:
-    """Register both architectures with the transformers Auto classes (no remote code needed)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    """Register both architectures, and Maglev's nanochat tokenizer, with the transformers Auto classes
+    (no remote code needed). KVM's GPT-2 tokenizer is a plain PreTrainedTokenizerFast."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from kvm_maglev.tokenization.tokenization_nanochat import NanochatTokenizerFast
 
     for prefix, model_type in (("KVM", "kvm"), ("Maglev", "maglev")):
         config_cls = __getattr__(f"{prefix}Config")
@@ -41,3 +44,4 @@ def register_auto_classes() -> None:
             AutoModelForCausalLM.register(config_cls, __getattr__(f"{prefix}ForCausalLM"))
         except ValueError:
             pass  # already registered in this process
+    AutoTokenizer.register(__getattr__("MaglevConfig"), tokenizer_class=NanochatTokenizerFast, exist_ok=True)

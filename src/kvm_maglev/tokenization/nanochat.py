@@ -3,7 +3,8 @@
 The pickle is read by an allow-listing unpickler that only rebuilds the encoding's constructor
 arguments, so no pickled code runs and tiktoken is not needed. The fast tokenizer reproduces
 tiktoken's ids (byte-level BPE with merges rebuilt from the ranks, the split pattern as a
-pre-tokenizer) and nanochat's chat rendering (a Jinja template equal to render_conversation).
+pre-tokenizer), prepends <|bos|> to plain text as nanochat does for a prompt, and renders chats
+as nanochat's render_conversation (a Jinja template).
 """
 
 from __future__ import annotations
@@ -237,9 +238,14 @@ def build_backend_tokenizer(encoding: NanochatEncoding) -> Tokenizer:
 
 
 def build_nanochat_tokenizer(
-    encoding: NanochatEncoding, *, model_max_length: int | None = None
+    encoding: NanochatEncoding, *, model_max_length: int | None = None, add_bos_token: bool = True
 ) -> NanochatTokenizerFast:
-    """The fast tokenizer for a nanochat encoding, with bos/eos/pad and the chat template set."""
+    """The fast tokenizer for a nanochat encoding, with bos/eos/pad and the chat template set.
+
+    Plain text gets <|bos|> first (as nanochat's `encode(text, prepend=bos)` for a prompt) unless
+    `add_bos_token=False`; special-token text in it becomes the special ids, as in any fast tokenizer.
+    `model_max_length=None` means no limit: the models' cost does not grow with the context.
+    """
     missing = [text for text in SPECIAL_TOKENS if text not in encoding.special_tokens]
     if missing:
         raise ValueError(f"the encoding lacks nanochat's special tokens {missing}")
@@ -249,7 +255,7 @@ def build_nanochat_tokenizer(
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        split_special_tokens=True,
+        add_bos_token=add_bos_token,
         clean_up_tokenization_spaces=False,
         chat_template=CHAT_TEMPLATE,
         **extra,
@@ -259,12 +265,15 @@ def build_nanochat_tokenizer(
     return tokenizer
 
 
-def load_nanochat_tokenizer(path: str | os.PathLike, *, model_max_length: int | None = None) -> NanochatTokenizerFast:
+def load_nanochat_tokenizer(
+    path: str | os.PathLike, *, model_max_length: int | None = None, add_bos_token: bool = True
+) -> NanochatTokenizerFast:
     """Read `tokenizer.pkl` (a file or its folder) safely and build the fast tokenizer."""
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.pkl"
-    return build_nanochat_tokenizer(read_nanochat_encoding(path), model_max_length=model_max_length)
+    encoding = read_nanochat_encoding(path)
+    return build_nanochat_tokenizer(encoding, model_max_length=model_max_length, add_bos_token=add_bos_token)
 
 
 def nanochat_base_dir() -> Path:
