@@ -32,14 +32,23 @@ def unbatched(model_dir, tmp_path_factory):
     return run_example(model_dir, tmp_path_factory.mktemp("lm_eval") / "results.json")
 
 
+def prompt_prefix(tokenizer) -> list[int]:
+    """What a prompt starts with: <|bos|> for nanochat (its encode(text, prepend=bos)), nothing for GPT-2."""
+    return [tokenizer.convert_tokens_to_ids("<|bos|>")] if "<|bos|>" in tokenizer.get_vocab() else []
+
+
+def encode_plain(tokenizer, text: str) -> list[int]:
+    return prompt_prefix(tokenizer) + tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """Split as lm-eval does: trailing spaces of the context move to the continuation, and the
     continuation's tokens are those of the whole string after the context's."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
-    whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
-    context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+    whole = encode_plain(tokenizer, context + continuation)
+    context_ids = encode_plain(tokenizer, context)
     return context_ids, whole[len(context_ids):]
 
 
@@ -54,7 +63,7 @@ def direct_loglikelihood(model, tokenizer, context: str, continuation: str) -> t
 
 
 def direct_generation(model, tokenizer, context: str, until: list[str], max_new_tokens: int) -> str:
-    ids = torch.tensor([tokenizer(context, add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor([encode_plain(tokenizer, context)])
     output = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
     text = tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=False)
     for stop in until:
@@ -116,3 +125,37 @@ def test_batched_loglikelihood_equals_unbatched(unbatched, batched):
 def test_batched_generate_until_equals_unbatched(unbatched, batched):
     assert ([s["resps"] for s in batched[1]["lighthouse_answer"]]
             == [s["resps"] for s in unbatched[1]["lighthouse_answer"]])
+
+
+NANOCHAT_CHECKPOINT = support.REPO_ROOT / "tests" / "data" / "nanochat" / "tiny_sl" / "base_checkpoints" / "d2"
+
+
+@pytest.fixture(scope="module")
+def converted_nanochat(tmp_path_factory):
+    """The nanochat reference checkpoint (trained on 64 tokens) converted as a user would."""
+    from kvm_maglev.convert.maglev import convert
+
+    return convert(NANOCHAT_CHECKPOINT, tmp_path_factory.mktemp("nanochat") / "model", step=10)
+
+
+def test_loglikelihood_on_four_times_the_training_length(converted_nanochat):
+    """lm-eval scores the whole long context (no truncation to the training length), as a direct forward does."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    trained = json.loads((NANOCHAT_CHECKPOINT / "meta_000010.json").read_text())["model_config"]["sequence_len"]
+    tokenizer = AutoTokenizer.from_pretrained(converted_nanochat, trust_remote_code=True)
+    text_ids = tokenizer(" ".join(support.corpus_lines()), add_special_tokens=False)["input_ids"]
+    context, continuation = tokenizer.decode(text_ids[: 4 * trained + 8]), " the lighthouse"
+    assert len(encode_pair(tokenizer, context, continuation)[0]) > 4 * trained
+    lm = HFLM(pretrained=str(converted_nanochat), trust_remote_code=True, batch_size=1, device="cpu",
+              dtype="float32")
+    request = Instance(request_type="loglikelihood", doc={}, arguments=(context, continuation), idx=0)
+    [(harness_ll, harness_greedy)] = lm.loglikelihood([request])
+    model = AutoModelForCausalLM.from_pretrained(converted_nanochat, trust_remote_code=True).eval()
+    ll, greedy = direct_loglikelihood(model, tokenizer, context, continuation)
+    assert harness_ll == pytest.approx(ll, abs=1e-4) and harness_greedy == greedy
+    # the usable context is what lm-eval and the tokenizer see; the training length has a field of its own
+    config = json.loads((converted_nanochat / "config.json").read_text())
+    assert lm.max_length == tokenizer.model_max_length == config["max_position_embeddings"] > 4 * trained
+    assert config["sequence_len"] == trained

@@ -136,6 +136,12 @@ def normalize_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 
 # ----- config ------------------------------------------------------------------------------------
+# A converted model's usable context (`max_position_embeddings`, the tokenizer's model_max_length):
+# any length, as for KVM, since windows and a fixed-size memory keep the cost per token flat.
+# nanochat's training length is kept in `sequence_len`.
+USABLE_CONTEXT = 1 << 30
+
+
 def build_config(meta: dict, state: dict[str, torch.Tensor], keep_prefiller: bool = False) -> MaglevConfig:
     """MaglevConfig from nanochat's `model_config` (+ the `maglev` mapping); features that a
     checkpoint lacks (older nanochat: no smear, backout or value embeddings) are switched off."""
@@ -154,7 +160,8 @@ def build_config(meta: dict, state: dict[str, torch.Tensor], keep_prefiller: boo
         num_hidden_layers=nano["n_layer"],
         num_attention_heads=nano["n_head"],
         num_key_value_heads=nano["n_kv_head"],
-        max_position_embeddings=nano["sequence_len"],
+        max_position_embeddings=USABLE_CONTEXT,
+        sequence_len=nano["sequence_len"],
         window_pattern=nano["window_pattern"],
         use_value_embeddings=any(k.startswith("value_embeds.") for k in state),
         use_smear="smear_gate.weight" in state,

@@ -28,7 +28,8 @@ META_FILE = "maglev_cache.json"
 # Config fields that decide what a cache holds and how a model reads it (training-only fields excluded).
 CACHE_CONFIG_FIELDS = (
     "vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "window_pattern", "rope_theta",
+    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "sequence_len", "window_pattern",
+    "rope_theta",
     "rms_norm_eps", "qk_norm_scale", "use_value_embeddings", "value_embedding_gate_channels",
     "value_embedding_gate_scale", "use_smear", "smear_gate_channels", "use_backout", "backout_layer",
     "use_layer_lambdas", "use_memory", "sliding_window", "memory_gate_channels",

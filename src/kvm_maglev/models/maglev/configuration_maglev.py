@@ -19,7 +19,9 @@ class MaglevConfig(PretrainedConfig):
     """Every nanochat GPT feature as a switch, plus the Maglev memory and prefiller fields.
 
     With `use_memory=False` and `sliding_window=None` the model is exactly nanochat's GPT,
-    its per-layer windows taken from `window_pattern`.
+    its per-layer windows taken from `window_pattern`. `sequence_len` is nanochat's training
+    sequence length (its L window; default `max_position_embeddings`, as in configs saved before
+    the field); `max_position_embeddings` is the usable context, which lm-eval and generate() read.
     """
 
     model_type = "maglev"
@@ -35,6 +37,7 @@ class MaglevConfig(PretrainedConfig):
         num_attention_heads: int = 6,
         num_key_value_heads: int | None = None,
         max_position_embeddings: int = 2048,
+        sequence_len: int | None = None,
         window_pattern: str = "L",
         rope_theta: float = 100000.0,
         rms_norm_eps: float | None = None,
@@ -85,6 +88,7 @@ class MaglevConfig(PretrainedConfig):
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         self.max_position_embeddings = max_position_embeddings
+        self.sequence_len = max_position_embeddings if sequence_len is None else sequence_len
         self.window_pattern = window_pattern
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps
@@ -132,7 +136,7 @@ class MaglevConfig(PretrainedConfig):
         """Raise a ValueError naming the field of the first invalid setting."""
         positive = ("vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size",
                     "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "max_position_embeddings")
+                    "max_position_embeddings", "sequence_len")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -235,10 +239,10 @@ class MaglevConfig(PretrainedConfig):
     def pattern_windows(self, pattern: str) -> list[int]:
         """Per-layer `left` context (keys before the current one) for a nanochat window pattern.
 
-        L = max_position_embeddings tokens back, S = a quarter of that rounded up to a multiple
+        L = sequence_len tokens back, S = a quarter of that rounded up to a multiple
         of 128; the last layer is always L.
         """
-        long_window = self.max_position_embeddings
+        long_window = self.sequence_len
         short_window = -(-long_window // 4 // 128) * 128
         letters = pattern.upper()
         windows = [long_window if letters[i % len(letters)] == "L" else short_window
