@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 from typing import Optional, Sequence
 
@@ -14,8 +15,19 @@ _SUBCOMMANDS = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version (what pip installed), else the package's own."""
+    try:
+        return importlib.metadata.version("kvm_maglev")
+    except importlib.metadata.PackageNotFoundError:
+        from kvm_maglev import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvm-maglev", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module_name in _SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
@@ -26,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--version"]:  # answered before the subcommands (and torch) are imported
+        print(f"kvm-maglev {version()}")
+        return 0
     args = build_parser().parse_args(argv)
     return int(args._run(args) or 0)
 
