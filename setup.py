@@ -21,6 +21,7 @@ setup(
         "tiktoken>=0.7",
     ],
     extras_require={
+        "demo": ["matplotlib>=3.7"],  # `kvm-maglev demo` plots recall; nothing else beyond the base install
         "train": ["accelerate>=1.0", "datasets>=3", "peft>=0.15"],
         "eval": ["lm-eval==0.4.13"],
         "bench": ["matplotlib>=3.7", "tqdm>=4"],
