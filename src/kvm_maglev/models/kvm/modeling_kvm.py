@@ -196,6 +196,12 @@ class KVMAttention(KVMAttentionBase):
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
 
+    def temperature(self, name: str) -> torch.Tensor | float:
+        """Per-head temperature `name` shaped to scale [B, H, T, D] keys or queries (1 when off)."""
+        if not self.config.head_temperatures:
+            return 1.0
+        return getattr(self, name).view(1, self.num_heads, 1, 1)
+
     def forward(self, x, v_first, rotary, plan: StepPlan, state) -> torch.Tensor:
         carries, caches = state if state is not None else (None, [KVMLayerCache() for _ in plan.segments])
         q, k, v = self.project(x, v_first, plan, carries)
@@ -273,11 +279,6 @@ class KVMAttention(KVMAttentionBase):
         return state_part + torch.matmul(probs[..., slots:], values)
 
     # -- the state (state_kvm has the math) --
-    def temperature(self, name: str) -> torch.Tensor | float:
-        if not self.config.head_temperatures:
-            return 1.0
-        return getattr(self, name).view(1, self.num_heads, 1, 1)
-
     def add_initial_tokens(self, cache: KVMLayerCache, k, v, gate, state_dtype: torch.dtype) -> None:
         """Tokens of the first chunk enter the state directly, one slot each (norms of the ungated values)."""
         keys = state_keys(k.to(state_dtype), self.config.rotary_dim, self.state_key_norm)

@@ -118,7 +118,7 @@ class PacedFold:
 
     def __init__(self, attention, cache, block: int) -> None:
         self.block, self.source = block, cache.state_keys
-        self.dtype = cache.window.storage[0].dtype  # the keys', so the queries' dtype: the read form's
+        self.dtype = cache.window.storage[0].dtype  # the read form's: the queries', as the window keys'
         self.num_heads = attention.num_heads
         self.heads_done = 0
         self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
