@@ -218,6 +218,12 @@ class KVMLayerCache:
     def state(self) -> tuple:
         return (self.state_keys, self.state_values, self.state_norms)
 
+    def normed_state_keys(self) -> torch.Tensor | None:
+        """The layer-normed state keys computed to read the current state, if they were."""
+        if self.normed_keys is not None and self.normed_keys[0] is self.state_keys:
+            return self.normed_keys[1]
+        return None
+
     def note_state_change(self, position: int, kind: str, before_len: int = 0, stop: int = 0) -> None:
         """While recording: the state after a fold ('fold', valid once `position` is read) or after
         first-chunk tokens [position, stop) entered it one slot each ('initial')."""

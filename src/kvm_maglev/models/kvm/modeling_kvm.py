@@ -317,12 +317,10 @@ class KVMAttention(KVMAttentionBase):
         budget = self.config.state_budget((block + self.config.window_chunks) * chunk)
         return min(max(min(budget, (block + 1) * chunk), slots) - slots, chunk)
 
-    def reference_keys(self, cache: KVMLayerCache, heads: slice = slice(None)) -> torch.Tensor:
-        """Layer-normed state keys (of heads `heads`), reusing those normed to read this state."""
-        normed = cache.normed_keys
-        if normed is not None and normed[0] is cache.state_keys:
-            return normed[1][:, heads]
-        return self.state_key_norm(cache.state_keys[:, heads])
+    def reference_keys(self, cache: KVMLayerCache) -> torch.Tensor:
+        """Layer-normed state keys, those normed to read this state when the cache has them."""
+        normed = cache.normed_state_keys()
+        return self.state_key_norm(cache.state_keys) if normed is None else normed
 
     def read_state(self, cache: KVMLayerCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """State keys and value columns as attention reads them; recomputed only when the state changed."""

@@ -47,13 +47,15 @@ def one_query_attention(q, window_q, keys, values, state_keys, state_value_colum
 class HeadFold:
     """One head's share of a fold computed ahead: the steps of `state_kvm.fold_overflow`, each a stage."""
 
-    def __init__(self, attention, cache, block: Overflow, n_append: int, head: int, fold: "PacedFold") -> None:
-        self.attention, self.cache, self.fold = attention, cache, fold
+    def __init__(self, attention, state: tuple, normed: torch.Tensor | None, block: Overflow, n_append: int,
+                 head: int, fold: "PacedFold") -> None:
+        self.attention, self.fold = attention, fold
         self.heads = slice(head, head + 1)
+        self.state = tuple(t[:, self.heads] for t in state)
+        # layer-normed state keys: those at hand for reading this state, or normed at the first stage
+        self.reference = None if normed is None else normed[:, self.heads]
         self.block = block.heads(self.heads)
         self.n_append = n_append
-        self.state = tuple(t[:, self.heads] for t in cache.state())
-        self.reference: torch.Tensor | None = None  # layer-normed state keys, taken at the first stage
         self.scores: list[torch.Tensor] = []
         self.merge_keys, self.merge_values = self.block.merge_keys, self.block.merge_values
         self.slots: list[torch.Tensor] = []
@@ -72,7 +74,7 @@ class HeadFold:
 
     def normed_state_keys(self) -> torch.Tensor:
         if self.reference is None:
-            self.reference = self.attention.reference_keys(self.cache, self.heads)
+            self.reference = self.attention.state_key_norm(self.state[0])
         return self.reference
 
     def rank(self, rows: slice) -> None:
@@ -100,7 +102,6 @@ class HeadFold:
         normed = self.attention.state_key_norm(self.state[0])
         read = self.attention.readable(self.state, normed, self.fold.dtype, self.heads)
         self.fold.read = write_head(self.fold.read, read, self.heads, self.attention.num_heads)
-        self.fold.heads_done += 1
 
 
 def write_head(full: list[torch.Tensor] | None, part, heads: slice, num_heads: int) -> list[torch.Tensor]:
@@ -119,14 +120,13 @@ class PacedFold:
     def __init__(self, attention, cache, block: int) -> None:
         self.block, self.source = block, cache.state_keys
         self.dtype = cache.window.storage[0].dtype  # the read form's: the queries', as the window keys'
-        self.num_heads = attention.num_heads
-        self.heads_done = 0
         self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
         self.read: list[torch.Tensor] | None = None  # their attention-ready form
         overflow = attention.overflow(cache, block, cache.state_keys.dtype)
         n_append = attention.append_count(block, cache.state_len)
-        self.stages = [stage for head in range(self.num_heads)
-                       for stage in HeadFold(attention, cache, overflow, n_append, head, self).stages()]
+        heads = [HeadFold(attention, cache.state(), cache.normed_state_keys(), overflow, n_append, head, self)
+                 for head in range(attention.num_heads)]
+        self.stages = [stage for head in heads for stage in head.stages()]
         self.next_stage = 0
         chunk = attention.config.chunk_size
         self.stride = max(1, (chunk * 7 // 8) // (len(self.stages) + 1))  # one stride more for where it starts
