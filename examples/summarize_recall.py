@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Dict, List
 
 
-def load_runs(folders: List[Path]) -> Dict[tuple, List[dict]]:
+def load_runs(folders: List[Path], aliases: Dict[str, str]) -> Dict[tuple, List[dict]]:
     """(facts, model) -> the per-seed result rows (each with its seed); a model trained with another init than
     PyTorch's defaults is its own group."""
     groups: Dict[tuple, List[dict]] = defaultdict(list)
@@ -25,6 +25,7 @@ def load_runs(folders: List[Path]) -> Dict[tuple, List[dict]]:
             facts, seed = run["task"]["num_facts"], int(run["settings"]["seed"])
             init = run["settings"].get("weight_init", "torch")
             for name, row in run["models"].items():
+                name = aliases.get(name, name)
                 label = name if init == "torch" else f"{name} ({init} init)"
                 groups[(facts, label)].append({**row, "seed": seed, "file": str(path)})
     return groups
@@ -84,8 +85,11 @@ def main(argv: List[str] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--alias", action="append", default=[], metavar="NAME=AS",
+                        help="count model NAME as AS (e.g. maglev=maglev_self_feed2: the demo's model is that recipe)")
     args = parser.parse_args(argv)
-    summary = summarize(load_runs(args.folders))
+    aliases = dict(alias.split("=", 1) for alias in args.alias)
+    summary = summarize(load_runs(args.folders, aliases))
     for entry in summary:
         cells = " ".join(f"{d}:{100 * r:4.0f}" for d, r in entry["recurrent_median"].items())
         fed = entry["prefiller_median"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
@@ -77,12 +78,21 @@ def saved_with_code(model, folder):
     return folder
 
 
+def fresh_remote_model(folder, seed: int = 0):
+    """A new model built by the folder's remote code (its own classes, not the package's, even where the
+    package registered its model type with the Auto classes)."""
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    reference = config.auto_map["AutoModelForCausalLM"]
+    model_class = get_class_from_dynamic_module(reference, str(folder))
+    torch.manual_seed(seed)
+    model = model_class(model_class.config_class.from_pretrained(folder))
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    return model
+
+
 def test_maglev_fresh_remote_code_model_has_the_documented_init(tmp_path):
     folder = saved_with_code(MaglevForCausalLM(maglev_config()), tmp_path / "maglev")
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
-    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    model = fresh_remote_model(folder)
     check_init(model, lambda name: maglev_expectations(name, "nanochat"))
 
 
@@ -108,3 +118,47 @@ def test_maglev_keys_a_checkpoint_lacks_get_the_documented_init(tmp_path, remote
             assert torch.equal(param, kept[name]), name
         else:
             check_param(name, param, *maglev_expectations(name, "nanochat"))
+
+
+# ----- KVM ------------------------------------------------------------------------------------------------
+def kvm_model(seed: int, **overrides):
+    from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
+    from kvm_maglev.models.kvm.modeling_kvm import KVMForCausalLM
+
+    fields = dict(vocab_size=300, hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=2, chunk_size=8)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    return KVMForCausalLM(KVMConfig(**fields))
+
+
+def every_module_initialised(model):
+    """The same model after `_init_weights` on every module, containers included (the documented init)."""
+    with torch.no_grad():
+        model.apply(model._init_weights)
+    return model
+
+
+def check_kvm_init(model, reference) -> None:
+    """Deterministic parameters equal the documented ones exactly; random ones follow their distribution."""
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            assert param.abs().max() <= 1e-4, name
+        elif param.ndim == 2 and not torch.all(expected[name] == 0):
+            std = param.shape[1] ** -0.5
+            assert abs(param.std().item() - std) < 0.2 * std, f"{name}: std {param.std():.4g}, expected {std:.4g}"
+        else:  # zeroed projections, norms, shift ramps, gate biases, lambdas, temperatures
+            assert torch.equal(param, expected[name]), f"{name} differs from its documented init"
+
+
+@pytest.mark.parametrize("ffn_token_shift", [True, False])
+def test_kvm_fresh_model_has_the_documented_init(ffn_token_shift):
+    model = kvm_model(0, ffn_token_shift=ffn_token_shift)
+    assert all(layer.mlp.down_proj.weight.abs().max() == 0 for layer in model.model.layers)
+    check_kvm_init(model, every_module_initialised(kvm_model(1, ffn_token_shift=ffn_token_shift)))
+
+
+def test_kvm_fresh_remote_code_model_has_the_documented_init(tmp_path):
+    folder = saved_with_code(kvm_model(0, ffn_token_shift=False), tmp_path / "kvm")
+    model = fresh_remote_model(folder)
+    check_kvm_init(model, every_module_initialised(kvm_model(1, ffn_token_shift=False)))

@@ -84,6 +84,13 @@ def run_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch
 
 
 # ---- attention -----------------------------------------------------------------------------
+def zero_initialised(linear: nn.Linear) -> nn.Linear:
+    """Tag an output projection that starts at zero. `_init_weights` reads the tag on the layer itself:
+    transformers skips remote-code containers that own no parameters directly, never a layer that does."""
+    linear.init_kind = "zeros"
+    return linear
+
+
 class KVMAttentionBase(nn.Module):
     """q/k/v projections with per-head layer norm, optional token shift and value residual."""
 
@@ -98,7 +105,7 @@ class KVMAttentionBase(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, qk, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, qk, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, vv, bias=False)
-        self.o_proj = nn.Linear(vv, config.hidden_size, bias=False)
+        self.o_proj = zero_initialised(nn.Linear(vv, config.hidden_size, bias=False))
         self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.token_shift_on = token_shift_on
@@ -114,7 +121,7 @@ class KVMAttentionBase(nn.Module):
         elif self.value_residual_mode != "none":
             rank = value_residual_rank(config.hidden_size)
             self.value_gate_bias = nn.Parameter(torch.zeros(1, 1, vv))
-            self.value_gate_down = nn.Linear(config.hidden_size, rank, bias=False)
+            self.value_gate_down = zero_initialised(nn.Linear(config.hidden_size, rank, bias=False))
             self.value_gate_up = nn.Linear(rank, vv, bias=False)
 
     def value_gate(self, x: torch.Tensor) -> torch.Tensor:
@@ -347,7 +354,7 @@ class KVMMLP(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.up_proj = nn.Linear(config.hidden_size, config.ffn_size, bias=False)
-        self.down_proj = nn.Linear(config.ffn_size, config.hidden_size, bias=False)
+        self.down_proj = zero_initialised(nn.Linear(config.ffn_size, config.hidden_size, bias=False))
         self.token_shift_on = config.ffn_token_shift
         if self.token_shift_on:
             self.shift = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
@@ -408,9 +415,11 @@ class KVMPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
             init.zeros_(module.bias)
         elif isinstance(module, nn.Linear):
-            init.normal_(module.weight, mean=0.0, std=module.in_features**-0.5)
+            if getattr(module, "init_kind", None) == "zeros":
+                init.zeros_(module.weight)
+            else:
+                init.normal_(module.weight, mean=0.0, std=module.in_features**-0.5)
         elif isinstance(module, KVMMLP):
-            init.zeros_(module.down_proj.weight)
             if module.token_shift_on:
                 depth = 1.0 - module.layer_idx / config.num_hidden_layers
                 ramp = torch.arange(config.hidden_size, dtype=torch.float32) / config.hidden_size
@@ -418,7 +427,6 @@ class KVMPreTrainedModel(PreTrainedModel):
         elif isinstance(module, KVMDecoderLayer) and hasattr(module, "block_lambdas"):
             init.copy_(module.block_lambdas, torch.tensor([1.0, 0.0]))
         if isinstance(module, KVMAttentionBase):
-            init.zeros_(module.o_proj.weight)
             depth = 1.0 - module.layer_idx / config.num_hidden_layers
             for name, power in (("q_shift", 0.2), ("k_shift", 0.7), ("v_shift", 0.7)):
                 param = getattr(module, name, None)
@@ -430,7 +438,6 @@ class KVMPreTrainedModel(PreTrainedModel):
                 n = module.value_gate_bias.numel()
                 linear = torch.arange(n, dtype=torch.float32) / (n - 1) - 0.5
                 init.copy_(module.value_gate_bias, (0.73 - 0.4 * linear).view(1, 1, n).to(module.value_gate_bias.dtype))
-                init.zeros_(module.value_gate_down.weight)
             if hasattr(module, "value_residual_lambda"):
                 init.constant_(module.value_residual_lambda, 0.5)
         if isinstance(module, KVMAttention) and config.head_temperatures:
