@@ -212,11 +212,10 @@ def test_folds_computed_ahead_are_bitwise_identical(monkeypatch):
                 assert fold is not None and 0 < fold.next_stage < len(fold.stages)
         return torch.cat(logits, dim=1), cache
 
-    with torch.no_grad():
-        with model.runtime_speedups():
-            ahead, ahead_cache = decode(True)
-            monkeypatch.setattr(runtime_kvm, "prepare_next_fold", lambda *args, **kwargs: None)
-            at_boundary, boundary_cache = decode(False)
+    with torch.no_grad(), model.runtime_speedups():
+        ahead, ahead_cache = decode(True)
+        monkeypatch.setattr(runtime_kvm, "prepare_next_fold", lambda *args, **kwargs: None)
+        at_boundary, boundary_cache = decode(False)
     assert torch.equal(ahead, at_boundary)
     for a, b in zip(ahead_cache.groups[0].layers, boundary_cache.groups[0].layers):
         assert all(torch.equal(x, y) for x, y in zip(a.state(), b.state()))
