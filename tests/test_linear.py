@@ -4,14 +4,15 @@ import pytest
 import torch
 
 from kvm_maglev.models.kvm import onednn_linear
-from kvm_maglev.models.kvm.onednn_linear import OneDNNLinear
-from kvm_maglev.models.maglev import modeling_maglev
-from kvm_maglev.models.maglev.modeling_maglev import MaglevLinear
+from kvm_maglev.models.maglev import onednn_linear as maglev_onednn_linear
+
+# each model folder carries its own copy of the module (models/common/onednn_linear.py)
+OneDNNLinear, MaglevOneDNNLinear = onednn_linear.OneDNNLinear, maglev_onednn_linear.OneDNNLinear
 
 SHAPES = [(1, 1), (2, 1), (8, 1), (1, 7), (3, 20), (70, 1), (0, 3)]
 
 
-@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_inference_matches_linear(linear_class, shape, bias):
@@ -25,7 +26,7 @@ def test_inference_matches_linear(linear_class, shape, bias):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 def test_non_contiguous_input(linear_class):
     layer = linear_class(512, 601, bias=False)
     x = torch.randn(4, 1024)[:, ::2]
@@ -33,7 +34,7 @@ def test_non_contiguous_input(linear_class):
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 def test_training_bfloat16_small_layers_and_no_onednn_take_nn_linear(linear_class, monkeypatch):
     torch.manual_seed(0)
     layer = linear_class(512, 601, bias=False)
@@ -49,7 +50,7 @@ def test_training_bfloat16_small_layers_and_no_onednn_take_nn_linear(linear_clas
     with torch.no_grad():
         assert torch.equal(half(xb), torch.nn.functional.linear(xb, half.weight))
         assert torch.equal(small(xs), torch.nn.functional.linear(xs, small.weight))
-    module = onednn_linear if linear_class is OneDNNLinear else modeling_maglev
+    module = packing_module(linear_class)
     monkeypatch.setattr(module, "ONEDNN_LINEAR", None)
     with torch.no_grad():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
@@ -60,14 +61,14 @@ def test_onednn_is_used_on_this_machine():
     summation order only at float rounding."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
-    assert onednn_linear.ONEDNN_LINEAR is not None and modeling_maglev.ONEDNN_LINEAR is not None
+    assert onednn_linear.ONEDNN_LINEAR is not None and maglev_onednn_linear.ONEDNN_LINEAR is not None
 
 
 def packing_module(linear_class):
-    return onednn_linear if linear_class is OneDNNLinear else modeling_maglev
+    return onednn_linear if linear_class is OneDNNLinear else maglev_onednn_linear
 
 
-@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 @pytest.mark.parametrize("rows", [1, 2, 8, 64, 65])
 def test_blocked_copy_matches_linear(linear_class, rows):
     """Inside a packing block, 2-64 row products read a blocked copy of the weight and still compute F.linear."""
@@ -83,7 +84,7 @@ def test_blocked_copy_matches_linear(linear_class, rows):
     torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 def test_blocked_copy_follows_in_place_writes(linear_class):
     if packing_module(linear_class).ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")
@@ -120,7 +121,7 @@ def big_head_models():
 def test_batched_generate_reads_blocked_copies_and_agrees(name, monkeypatch):
     """generate() on a batch packs the head once, frees it after, and scores as the unpacked path does."""
     model = big_head_models()[name]
-    module = onednn_linear if name == "kvm" else modeling_maglev
+    module = onednn_linear if name == "kvm" else maglev_onednn_linear
     if module.ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")
     ids = torch.randint(1, 4096, (3, 11), generator=torch.Generator().manual_seed(1))
@@ -151,7 +152,7 @@ def test_nested_packing_blocks_free_the_copy_at_the_outermost_end():
     assert type(model.lm_head) is torch.nn.Linear and "packed" not in vars(model.lm_head)
 
 
-@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevLinear])
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 def test_torch_compile_leaves_the_product_to_inductor(linear_class):
     """Inductor cannot lower a oneDNN call on a weight it does not own; compiled, the layer is nn.Linear."""
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from kvm_maglev.cache_monitor import CacheMonitor, describe_cache
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
-from kvm_maglev.models.maglev.modeling_maglev import _GENERATE_CACHE_KWARG, CACHE_NAME
+from kvm_maglev.models.maglev.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG
 
 PAD = 0
 WINDOW = 8  # tiny_model's sliding_window
@@ -174,7 +174,7 @@ def test_continuation_after_generate_equals_one_call(variant):
     assert isinstance(cache, MaglevCache)
     grown_mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], dim=1)
     resumed = model.generate(first.sequences, attention_mask=grown_mask, max_new_tokens=7,
-                             **{_GENERATE_CACHE_KWARG: cache}, **kwargs)
+                             **{GENERATE_CACHE_KWARG: cache}, **kwargs)
     assert torch.equal(resumed, once)
 
 
@@ -283,7 +283,7 @@ def test_cache_for_another_config_is_refused(tmp_path):
     with pytest.raises(ValueError, match="another Maglev config"):
         other(random_ids(1, 2), past_key_values=cache)
     with pytest.raises(ValueError, match="another Maglev config"):
-        other.generate(random_ids(1, 6), max_new_tokens=1, **{_GENERATE_CACHE_KWARG: cache})
+        other.generate(random_ids(1, 6), max_new_tokens=1, **{GENERATE_CACHE_KWARG: cache})
     with pytest.raises(ValueError, match="not a saved MaglevCache"):
         MaglevCache.load(tmp_path / "missing", model)
     with pytest.raises(ValueError, match="empty"):

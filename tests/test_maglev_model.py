@@ -354,7 +354,7 @@ def test_save_and_from_pretrained_round_trip(tmp_path):
 def test_query_blocks_equal_one_dense_attention(monkeypatch, padding):
     """Long parallel chunks attend block by block of queries over the keys they can reach; the result is
     the dense masked attention's (lifted training with its gradients, prefiller prompt with its cache)."""
-    from kvm_maglev.models.maglev import cache_maglev
+    from kvm_maglev.models.maglev import modeling_maglev
 
     model = tiny_model(prefiller_shares_blocks=False, memory_prefill="prefiller")
     ids = random_ids(3, 70)
@@ -378,9 +378,9 @@ def test_query_blocks_equal_one_dense_attention(monkeypatch, padding):
             step = model(ids[:, 60:], attention_mask=mask, past_key_values=cache, use_cache=True)
         return out.logits.detach(), grads, prompt.logits, step.logits
 
-    monkeypatch.setattr(cache_maglev, "QUERY_BLOCK", 10**9)
+    monkeypatch.setattr(modeling_maglev, "QUERY_BLOCK", 10**9)
     dense = run()
-    monkeypatch.setattr(cache_maglev, "QUERY_BLOCK", 8)
+    monkeypatch.setattr(modeling_maglev, "QUERY_BLOCK", 8)
     blocked = run()
     real = mask.bool()
     torch.testing.assert_close(blocked[0][real], dense[0][real], atol=1e-5, rtol=1e-5)

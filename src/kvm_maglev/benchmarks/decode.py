@@ -111,10 +111,9 @@ def measure(
 
 
 def _speedups(model) -> contextlib.AbstractContextManager:
-    """The block generate() decodes in: `runtime_speedups()` (KVM), `packed_linear_weights()` (Maglev), or none."""
-    for name in ("runtime_speedups", "packed_linear_weights"):
-        if hasattr(model, name):
-            return getattr(model, name)()
+    """The block generate() decodes in: our models' `runtime_speedups()`, or none."""
+    if hasattr(model, "runtime_speedups"):
+        return model.runtime_speedups()
     return contextlib.nullcontext()
 
 

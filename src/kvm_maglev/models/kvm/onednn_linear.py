@@ -1,3 +1,4 @@
+# Generated from kvm_maglev/models/common/onednn_linear.py (python -m kvm_maglev.models.sync_shared); do not edit by hand.
 """oneDNN products for the nn.Linear layers of a model during float32 CPU inference.
 
 Decoding reads every weight once per step, and oneDNN reads them at about twice the memory bandwidth of

@@ -6,8 +6,6 @@ carry. While recording is active (assisted decoding), every column remembers wha
 so that `crop` rolls the cache back exactly.
 """
 
-import json
-import os
 from collections import deque
 from typing import Callable, NamedTuple
 
@@ -15,12 +13,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from .configuration_maglev import MaglevConfig, growing_capacity
+from .saved_cache import SavedCache, tensors_under
 
 CACHE_FORMAT = "maglev-cache"
-# Queries per attention call when a long chunk runs in parallel (prefiller prompts, training). Each call
-# computes its block's queries against QUERY_BLOCK + window keys, masked, so smaller blocks waste less:
-# a 4096-token prefiller prompt (window 512, 2 cores) took 4.15 s with 1024, 3.48 s with 256, 3.49 with 128.
-QUERY_BLOCK = 256
 CACHE_FORMAT_VERSION = 1
 TENSORS_FILE = "maglev_cache.safetensors"
 META_FILE = "maglev_cache.json"
@@ -34,18 +29,6 @@ CACHE_CONFIG_FIELDS = (
     "value_embedding_gate_scale", "use_smear", "smear_gate_channels", "use_backout", "backout_layer",
     "use_layer_lambdas", "use_memory", "sliding_window", "memory_gate_channels",
 )
-
-
-def config_fingerprint(config: MaglevConfig) -> dict:
-    """The config fields a cache depends on, as plain JSON values."""
-    return {name: getattr(config, name) for name in CACHE_CONFIG_FIELDS}
-
-
-def fingerprint_mismatch(expected: dict, found: dict) -> list[str]:
-    """Names of the fields where two fingerprints differ (with both values)."""
-    names = sorted(set(expected) | set(found))
-    return [f"{n}: cache {found.get(n)!r} vs model {expected.get(n)!r}"
-            for n in names if expected.get(n) != found.get(n)]
 
 
 def last_real_index(valid: torch.Tensor) -> torch.Tensor:
@@ -66,14 +49,7 @@ def gather_columns(first: torch.Tensor, columns: torch.Tensor, index: torch.Tens
     return source.gather(1, index[..., None].expand(-1, -1, columns.shape[-1]))
 
 
-def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
-    """[B, 1, Tq, Tk]: a query sees real keys (position >= 0) from `left` positions back up to its own."""
-    q = query_positions[:, :, None]
-    k = key_positions[:, None, :]
-    return ((k >= 0) & (k <= q) & (k >= q - left))[:, None]
-
-
-class StepContext:
+class StepPlan:
     """One forward's view of its tokens: per-row positions, which tokens are real, masks built once.
 
     Query positions of padding are those the next real token would get (only they read them);
@@ -108,61 +84,11 @@ class StepContext:
             self._masks[key] = build()
         return self._masks[key]
 
-    def query_blocks(self, left: int) -> list[tuple[int, int, int]]:
-        """(first key column, first query column, end column) per block of QUERY_BLOCK queries: the key
-        columns any query of the block can see under a `left` window, so a long chunk costs
-        O(length * (QUERY_BLOCK + left)) instead of O(length^2). One block when the chunk is short."""
-        if self.length <= QUERY_BLOCK + left:
-            return [(0, 0, self.length)]
-
-        def build():
-            blocks = []
-            for begin in range(0, self.length, QUERY_BLOCK):
-                # per row, the first column whose key position is within reach of the block's first query
-                reach = self.key_positions[:, :begin + 1] >= self.query_positions[:, begin:begin + 1] - left
-                first = torch.where(reach.any(dim=1), reach.float().argmax(dim=1), begin)
-                blocks.append((int(first.min()), begin, min(begin + QUERY_BLOCK, self.length)))
-            return blocks
-        return self.mask(("blocks", left), build)
-
-    def block_mask(self, left: int, block: tuple[int, int, int]) -> torch.Tensor:
-        """Mask of one block's queries over the chunk's key columns [lo, end): each token sees itself and
-        the real keys within `left` positions. Columns stay causal too: a padding query has the position
-        of the next real token and must not see that token's key (it would leak the label of a
-        left-padded row's first token)."""
-        lo, begin, end = block
-
-        def build():
-            key_columns = torch.arange(lo, end, device=self.start.device)[None, :]
-            query_columns = torch.arange(begin, end, device=self.start.device)[:, None]
-            seen = visible_keys(self.query_positions[:, begin:end], self.key_positions[:, lo:end], left)
-            return (seen & (key_columns <= query_columns)) | (key_columns == query_columns)
-        return self.mask(("block", left, begin), build)
-
-    def windowed_attention(self, q, k, v, left: int, attend, prefix_mask=None, prefix=None) -> torch.Tensor:
-        """Attention of the chunk's queries over `prefix` keys/values (e.g. a ring, with `prefix_mask(begin,
-        end)`) and the chunk's own keys within `left`, block by block of queries."""
-        outputs = []
-        for block in self.query_blocks(left):
-            lo, begin, end = block
-            mask = self.block_mask(left, block)
-            keys, values = k[:, :, lo:end], v[:, :, lo:end]
-            if prefix is not None:
-                mask = torch.cat([prefix_mask(begin, end), mask], dim=-1)
-                keys, values = torch.cat([prefix[0], keys], dim=2), torch.cat([prefix[1], values], dim=2)
-            outputs.append(attend(q[:, :, begin:end], keys, values, mask))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-
 
 def _tracks_grad(*tensors: torch.Tensor) -> bool:
     """Writes go out of place when autograd tracks them: attention saved the old ring for its backward
     pass (recurrent training through the cache); otherwise in place, with no copy of the window."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def sdpa(q, keys, values, mask):
-    """Scaled dot-product attention with a boolean mask (grouped KV heads allowed)."""
-    return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
 
 class RingKeyValues:
@@ -173,50 +99,37 @@ class RingKeyValues:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Attention of the chunk's queries over the ring and the chunk, then store the chunk."""
+    def read(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, H, capacity, D] before this chunk is written (zeros shaped like `like` at first)."""
         if self.keys is None:
-            self.keys = k.new_zeros(k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.keys = like.new_zeros(like.shape[0], like.shape[1], self.capacity, like.shape[3])
             self.values = torch.zeros_like(self.keys)
-        if ctx.length == 1:
-            y = self._attend_one(q, k, v, ctx)
-        else:
-            slots = torch.arange(self.capacity, device=k.device)
-            last = ctx.start[:, None] - 1
-            slot_positions = last - (last - slots) % self.capacity  # negative: never written
+        return self.keys, self.values
 
-            def ring_mask(begin: int, end: int) -> torch.Tensor:
-                return ctx.mask(("ring", self.capacity, begin), lambda: visible_keys(
-                    ctx.query_positions[:, begin:end], slot_positions, self.capacity))
-            y = ctx.windowed_attention(q, k, v, self.capacity, sdpa, ring_mask, (self.keys, self.values))
-        if ctx.records is None and ctx.length > 1:
-            self._write_chunk(k, v, ctx)
-        else:
-            for t in range(ctx.length):
-                start, valid = ctx.column(t)
-                if ctx.length == 1:  # one slot index per step, shared by the layers
-                    slot = ctx.mask(("slot", self.capacity), lambda: (start % self.capacity).view(-1, 1, 1, 1))
-                else:
-                    slot = (start % self.capacity).view(-1, 1, 1, 1)
-                record = None if ctx.records is None else ctx.records[t]
-                self._write_column(k[:, :, t:t + 1], v[:, :, t:t + 1], slot, valid, record)
-        return y
+    def slot_positions(self, plan: "StepPlan") -> torch.Tensor:
+        """[B, capacity]: the position each slot holds before this chunk (negative: never written)."""
+        slots = torch.arange(self.capacity, device=plan.start.device)
+        last = plan.start[:, None] - 1
+        return last - (last - slots) % self.capacity
 
-    def _attend_one(self, q, k, v, ctx):
-        """One query per row against the ring (no copy of it) and itself; slots below the row's position are written."""
-        batch, heads, _, dim = q.shape
-        kv_heads = k.shape[1]
-        grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
-        written = ctx.mask(("ring1", self.capacity), lambda: (
-            torch.arange(self.capacity, device=q.device) < ctx.start[:, None])[:, None, None, :])
-        # keys @ q (not q @ keys^T), q contiguous and then transposed: on CPU that one-column product reads
-        # the ring about three times as fast (a contiguous column vector takes a slower kernel)
-        column = grouped.contiguous().transpose(-1, -2)
-        ring_scores = (self.keys @ column).transpose(-1, -2).masked_fill(~written, float("-inf"))
-        own_score = (grouped * k).sum(dim=-1, keepdim=True)
-        weights = (torch.cat([ring_scores, own_score], dim=-1).float() * dim ** -0.5).softmax(dim=-1).to(q.dtype)
-        y = weights[..., :-1] @ self.values + weights[..., -1:] * v
-        return y.reshape(batch, heads, 1, dim)
+    def written(self, plan: "StepPlan") -> torch.Tensor:
+        """[B, 1, 1, capacity]: the slots a row has written, before a one-token step (shared by the layers)."""
+        return plan.mask(("written", self.capacity), lambda: (
+            torch.arange(self.capacity, device=plan.start.device) < plan.start[:, None])[:, None, None, :])
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan") -> None:
+        """Store the chunk's keys/values: each row's newest real tokens replace its oldest slots."""
+        if plan.records is None and plan.length > 1:
+            self._write_chunk(k, v, plan)
+            return
+        for t in range(plan.length):
+            start, valid = plan.column(t)
+            if plan.length == 1:  # one slot index per step, shared by the layers
+                slot = plan.mask(("slot", self.capacity), lambda: (start % self.capacity).view(-1, 1, 1, 1))
+            else:
+                slot = (start % self.capacity).view(-1, 1, 1, 1)
+            record = None if plan.records is None else plan.records[t]
+            self._write_column(k[:, :, t:t + 1], v[:, :, t:t + 1], slot, valid, record)
 
     def _write_column(self, k, v, slot, valid, record) -> None:
         """Write one column in place (padding rows keep their slot); remember the old slot when recording."""
@@ -234,19 +147,19 @@ class RingKeyValues:
             self.keys.scatter_(2, slot, k)
             self.values.scatter_(2, slot, v)
 
-    def _write_chunk(self, k, v, ctx) -> None:
+    def _write_chunk(self, k, v, plan) -> None:
         """Each slot takes the newest real chunk token that maps to it, else keeps its content."""
-        length = ctx.length
-        count = length if ctx.valid is None else ctx.valid.sum(dim=1, keepdim=True)
-        start = ctx.start[:, None]
+        length = plan.length
+        count = length if plan.valid is None else plan.valid.sum(dim=1, keepdim=True)
+        start = plan.start[:, None]
         last = start + count - 1
         newest = last - (last - torch.arange(self.capacity, device=k.device)) % self.capacity
         from_chunk = (newest >= start)[:, None, :, None]
         rank = (newest - start).clamp(min=0)
-        if ctx.valid is None:
+        if plan.valid is None:
             index = rank
         else:
-            index = torch.searchsorted(ctx.valid.long().cumsum(dim=1), rank + 1)
+            index = torch.searchsorted(plan.valid.long().cumsum(dim=1), rank + 1)
         index = index.clamp(max=length - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
         keys = torch.where(from_chunk, k.gather(2, index), self.keys)
         values = torch.where(from_chunk, v.gather(2, index), self.values)
@@ -291,29 +204,25 @@ class GrowingKeyValues:
         self.positions: torch.Tensor | None = None
         self.used = 0
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        end = self.used + ctx.length
+    def append(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan") -> None:
+        """Store the chunk's columns after the used ones (padding columns as zeros, at position -1)."""
+        end = self.used + plan.length
         if self.keys is None or end > self.keys.shape[2]:
             self._grow(k, growing_capacity(end))
-        if ctx.valid is not None:  # padding columns hold zeros: saved and compared states do not depend on them
-            real = ctx.valid[:, None, :, None]
+        if plan.valid is not None:  # padding columns hold zeros: saved and compared states do not depend on them
+            real = plan.valid[:, None, :, None]
             k, v = torch.where(real, k, 0.0), torch.where(real, v, 0.0)
         self.keys[:, :, self.used:end] = k
         self.values[:, :, self.used:end] = v
-        self.positions[:, self.used:end] = ctx.key_positions
-        columns = torch.arange(end, device=k.device)
-
-        def build():
-            query_columns = (self.used + torch.arange(ctx.length, device=k.device))[:, None]
-            seen = visible_keys(ctx.query_positions, self.positions[:, :end], self.window)
-            return (seen & (columns[None, :] <= query_columns)) | (columns[None, :] == query_columns)
-        mask = ctx.mask(("all", self.window), build)
-        y = sdpa(q, self.keys[:, :, :end], self.values[:, :, :end], mask)
+        self.positions[:, self.used:end] = plan.key_positions
         self.used = end
-        if ctx.records is not None:
-            for record in ctx.records:
+        if plan.records is not None:
+            for record in plan.records:
                 record.append(None)
-        return y
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values [B, H, used, D] and the positions [B, used] of every stored column."""
+        return self.keys[:, :, :self.used], self.values[:, :, :self.used], self.positions[:, :self.used]
 
     def _grow(self, like: torch.Tensor, capacity: int) -> None:
         shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
@@ -363,7 +272,7 @@ class ColumnRecord(NamedTuple):
     layers: list
 
 
-class MaglevCache(Cache):
+class MaglevCache(SavedCache, Cache):
     """Cache of a Maglev decoder: per layer the keys/values its window still needs (memory already
     injected), per row its position, last memory vector and smear's previous-token embedding.
 
@@ -372,10 +281,15 @@ class MaglevCache(Cache):
     columns (padding included), as generate() slices its inputs by it.
     """
 
+    MODEL_NAME = "Maglev"
+    CACHE_FORMAT, CACHE_FORMAT_VERSION = CACHE_FORMAT, CACHE_FORMAT_VERSION
+    TENSORS_FILE, META_FILE = TENSORS_FILE, META_FILE
+    CACHE_CONFIG_FIELDS = CACHE_CONFIG_FIELDS
+
     def __init__(self, config: MaglevConfig, max_rollback: int = 256):
         super().__init__(layers=[])
         self.config = config
-        self.fingerprint = config_fingerprint(config)
+        self.fingerprint = self.config_fingerprint(config)
         self.max_rollback = max_rollback
         self.layer_stores = [
             GrowingKeyValues(window) if config.layer_keeps_all_tokens(i) else RingKeyValues(window)
@@ -389,14 +303,6 @@ class MaglevCache(Cache):
         self.history: deque[ColumnRecord] = deque(maxlen=max_rollback)
 
     # ----- what the model uses -----------------------------------------------------------
-    def check_compatible(self, config: MaglevConfig) -> None:
-        """Refuse a cache made for a model with another architecture."""
-        if config is self.config:
-            return
-        differences = fingerprint_mismatch(config_fingerprint(config), self.fingerprint)
-        if differences:
-            raise ValueError("this MaglevCache was made for another Maglev config: " + "; ".join(differences))
-
     def prepare(self, batch_size: int, like: torch.Tensor, memory_init: torch.Tensor | None) -> None:
         """Start empty rows on the first forward (smear predecessor 0 = no smear, memory = memory_init);
         later forwards must keep the batch size."""
@@ -410,44 +316,46 @@ class MaglevCache(Cache):
             raise ValueError(f"the cache holds {self.positions.shape[0]} rows but the inputs have {batch_size}; "
                              "use reorder_cache/batch_select_indices/batch_repeat_interleave to change it")
 
-    def step_context(self, valid: torch.Tensor | None, length: int) -> StepContext:
-        return StepContext(self.positions, valid, length, record=self.recording)
+    def step_context(self, valid: torch.Tensor | None, length: int) -> StepPlan:
+        return StepPlan(self.positions, valid, length, record=self.recording)
 
-    def advance(self, ctx: StepContext, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
+    def advance(self, plan: StepPlan, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
         """Record a processed chunk: per row its real-token count, last real (pre-smear) embedding and memory."""
-        if ctx.length == 1:
-            if ctx.records is not None:
+        if plan.length == 1:
+            if plan.records is not None:
                 self.history.append(ColumnRecord(self.positions, self.last_memory, self.previous_embedding,
-                                                 ctx.records[0]))
-            if ctx.valid is None:
+                                                 plan.records[0]))
+            if plan.valid is None:
                 self.positions = self.positions + 1
                 self.previous_embedding = embeddings
                 if memories is not None:
                     self.last_memory = memories
             else:
-                keep = ctx.valid[:, :, None]
-                self.positions = self.positions + ctx.valid[:, 0]
+                keep = plan.valid[:, :, None]
+                self.positions = self.positions + plan.valid[:, 0]
                 self.previous_embedding = torch.where(keep, embeddings, self.previous_embedding)
                 if memories is not None:
                     self.last_memory = torch.where(keep, memories.to(self.last_memory.dtype), self.last_memory)
         else:
-            valid = ctx.valid if ctx.valid is not None else embeddings.new_ones(embeddings.shape[:2], dtype=torch.bool)
-            if ctx.records is not None:
+            valid = plan.valid
+            if valid is None:
+                valid = embeddings.new_ones(embeddings.shape[:2], dtype=torch.bool)
+            if plan.records is not None:
                 previous = previous_real_index(valid)
                 before_embeddings = gather_columns(self.previous_embedding, embeddings, previous)
                 before_memories = (None if memories is None
                                    else gather_columns(self.last_memory, memories, previous))
                 before_positions = self.positions[:, None] + (valid.long().cumsum(dim=1) - valid.long())
-                for t in range(ctx.length):
+                for t in range(plan.length):
                     self.history.append(ColumnRecord(
                         before_positions[:, t], None if memories is None else before_memories[:, t:t + 1],
-                        before_embeddings[:, t:t + 1], ctx.records[t]))
+                        before_embeddings[:, t:t + 1], plan.records[t]))
             last = last_real_index(valid)[:, -1:]
             self.previous_embedding = gather_columns(self.previous_embedding, embeddings, last)
             if memories is not None:
                 self.last_memory = gather_columns(self.last_memory, memories, last)
             self.positions = self.positions + valid.sum(dim=1)
-        self.seen_tokens += ctx.length
+        self.seen_tokens += plan.length
 
     # ----- Cache API --------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -549,10 +457,8 @@ class MaglevCache(Cache):
         raise NotImplementedError("MaglevCache is filled by the Maglev model itself, not through Cache.update")
 
     # ----- saved caches ("prompt caching") ------------------------------------------------------
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the cache to folder `path`: tensors as safetensors plus a JSON with the config fingerprint."""
-        from safetensors.torch import save_file
-
+    def saved_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The tensors and JSON fields `save` writes."""
         if self.positions is None:
             raise ValueError("the cache is empty: read some tokens before saving it")
         tensors = {"positions": self.positions, "previous_embedding": self.previous_embedding}
@@ -560,45 +466,21 @@ class MaglevCache(Cache):
             tensors["last_memory"] = self.last_memory
         for i, store in enumerate(self.layer_stores):
             tensors.update({f"layers.{i}.{name}": t for name, t in store.state().items()})
-        meta = {"format": CACHE_FORMAT, "version": CACHE_FORMAT_VERSION, "seen_tokens": self.seen_tokens,
-                "batch_size": self.batch_size, "dtype": str(self.previous_embedding.dtype).removeprefix("torch."),
-                "config": self.fingerprint}
-        os.makedirs(path, exist_ok=True)
-        tensor_path, meta_path = os.path.join(path, TENSORS_FILE), os.path.join(path, META_FILE)
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tensor_path + ".tmp")
-        with open(meta_path + ".tmp", "w") as handle:
-            json.dump(meta, handle, indent=2)
-        os.replace(tensor_path + ".tmp", tensor_path)
-        os.replace(meta_path + ".tmp", meta_path)
+        fields = {"seen_tokens": self.seen_tokens, "batch_size": self.batch_size,
+                  "dtype": str(self.previous_embedding.dtype).removeprefix("torch.")}
+        return tensors, fields
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model) -> "MaglevCache":
-        """Read a cache written by `save` for `model`; refuses one made for another config."""
-        from safetensors.torch import load_file
-
-        meta_path, tensor_path = os.path.join(path, META_FILE), os.path.join(path, TENSORS_FILE)
-        if not (os.path.isfile(meta_path) and os.path.isfile(tensor_path)):
-            raise ValueError(f"{path} is not a saved MaglevCache (needs {META_FILE} and {TENSORS_FILE})")
-        with open(meta_path) as handle:
-            meta = json.load(handle)
-        if meta.get("format") != CACHE_FORMAT or meta.get("version") != CACHE_FORMAT_VERSION:
-            raise ValueError(f"{meta_path} is not a {CACHE_FORMAT} version {CACHE_FORMAT_VERSION} file")
-        config = model.config
-        differences = fingerprint_mismatch(config_fingerprint(config), meta.get("config", {}))
-        if differences:
-            raise ValueError(f"the cache in {path} was made for another Maglev config: " + "; ".join(differences))
-        device, dtype = model.device, model.dtype
-        # fresh copies: on CPU the loaded tensors are views into the file's buffer at any byte offset, and
-        # unaligned data takes other vector kernels, which round differently from the live cache
-        tensors = {k: v.clone() for k, v in load_file(tensor_path, device=str(device)).items()}
+    def from_saved(cls, config: MaglevConfig, meta: dict, tensors: dict[str, torch.Tensor],
+                   dtype: torch.dtype) -> "MaglevCache":
+        """The cache `saved_state` described, in the model's dtype."""
         cache = cls(config)
         cache.seen_tokens = meta["seen_tokens"]
         cache.positions = tensors["positions"]
         cache.previous_embedding = tensors["previous_embedding"].to(dtype)
         cache.last_memory = tensors["last_memory"].to(dtype) if "last_memory" in tensors else None
         for i, store in enumerate(cache.layer_stores):
-            prefix = f"layers.{i}."
-            state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            state = tensors_under(tensors, f"layers.{i}.")
             if state:
                 store.load_state({k: v if k == "positions" else v.to(dtype) for k, v in state.items()})
         return cache

@@ -6,11 +6,8 @@ parallel and feeds P the shifted prefiller memories; inference feeds P its own m
 """
 
 import contextlib
-import inspect
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,60 +17,15 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_maglev import MaglevCache, StepContext, gather_columns, previous_real_index, sdpa
+from .cache_maglev import GrowingKeyValues, MaglevCache, RingKeyValues, StepPlan, gather_columns, previous_real_index
 from .configuration_maglev import MaglevConfig
+from .generation_cache import OwnCacheGenerationMixin
+from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
+from .runtime_maglev import runtime_speedups
 
-# transformers 5.24 renamed the model keyword and output field `past_key_values` to `cache`.
-CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-_GENERATE_CACHE_KWARG = (
-    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
-    else "past_key_values"
-)
-
-
-# torch's oneDNN linear (what torch.compile emits for CPU linears); None where torch is built without oneDNN
-ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-# below ~1 MiB of float32 weights oneDNN's ~18 us fixed cost per call outweighs what it saves (2 cores)
-ONEDNN_MIN_WEIGHTS = 1 << 18
-# torch's reordering of a linear weight into oneDNN's blocked layout for a given row count
-ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if ONEDNN_LINEAR is not None else None
-# rows per product up to which the blocked copy is used (a decoding batch); at prefill sizes it gains ~3%
-PACKED_MAX_ROWS = 64
-
-
-class MaglevLinear(nn.Linear):
-    """nn.Linear whose float32 CPU products without autograd (generation, evaluation) run on oneDNN.
-
-    Decoding reads every weight once per step; on CPU, MKL's one-row product read them at about half
-    the memory bandwidth oneDNN reaches (vocabulary head, 2 cores: 11.6 vs 4.7 ms one row, 24 vs 9 ms
-    eight rows), and oneDNN was no slower at any row count measured. Same math; small layers, training,
-    other devices and dtypes take nn.Linear's path. Inside `packed_linear_weights()` products of 2-64 rows
-    read a copy of the weight in oneDNN's blocked layout instead (eight rows: vocabulary head 9.7 -> 5.7 ms).
-    """
-
-    packing = 0  # how many `packed_linear_weights()` blocks are open around this layer
-    packed = None  # (weight's identity, its blocked copy) while they are
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        # under torch.compile inductor chooses the kernel (it cannot lower a oneDNN call on a weight it does not own)
-        if (ONEDNN_LINEAR is None or weight.numel() < ONEDNN_MIN_WEIGHTS or torch.is_grad_enabled()
-                or torch.compiler.is_compiling()
-                or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-                or not weight.is_contiguous()):
-            return super().forward(x)
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        if self.packing and ONEDNN_PACK is not None and 1 < rows.shape[0] <= PACKED_MAX_ROWS:
-            weight = self.blocked_weight(rows.shape[0])
-        return ONEDNN_LINEAR(rows, weight, self.bias, "none", [], "").view(*x.shape[:-1], self.out_features)
-
-    def blocked_weight(self, rows: int) -> torch.Tensor:
-        """The weight in oneDNN's blocked layout for `rows`-row products, made once per packing block
-        (again if the weight was replaced or written in place since)."""
-        identity = (self.weight.data_ptr(), self.weight._version)
-        if self.packed is None or self.packed[0] != identity:
-            self.packed = (identity, ONEDNN_PACK(self.weight, rows))
-        return self.packed[1]
+# Queries per attention call when a long chunk runs in parallel (prefiller prompts, training). Each call
+# computes its block's queries against QUERY_BLOCK + window keys, masked, so smaller blocks waste less.
+QUERY_BLOCK = 256
 
 
 @dataclass
@@ -133,6 +85,65 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
+def sdpa(q, keys, values, mask):
+    """Scaled dot-product attention with a boolean mask (grouped KV heads allowed)."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
+    """[B, 1, Tq, Tk]: a query sees real keys (position >= 0) from `left` positions back up to its own."""
+    q = query_positions[:, :, None]
+    k = key_positions[:, None, :]
+    return ((k >= 0) & (k <= q) & (k >= q - left))[:, None]
+
+
+def query_blocks(plan: StepPlan, left: int) -> list[tuple[int, int, int]]:
+    """(first key column, first query column, end column) per block of QUERY_BLOCK queries: the key columns
+    any query of the block can see under a `left` window, so a long chunk costs O(length * (QUERY_BLOCK +
+    left)) instead of O(length^2). One block when the chunk is short."""
+    if plan.length <= QUERY_BLOCK + left:
+        return [(0, 0, plan.length)]
+
+    def build():
+        blocks = []
+        for begin in range(0, plan.length, QUERY_BLOCK):
+            # per row, the first column whose key position is within reach of the block's first query
+            reach = plan.key_positions[:, :begin + 1] >= plan.query_positions[:, begin:begin + 1] - left
+            first = torch.where(reach.any(dim=1), reach.float().argmax(dim=1), begin)
+            blocks.append((int(first.min()), begin, min(begin + QUERY_BLOCK, plan.length)))
+        return blocks
+    return plan.mask(("blocks", left), build)
+
+
+def block_mask(plan: StepPlan, left: int, block: tuple[int, int, int]) -> torch.Tensor:
+    """Mask of one block's queries over the chunk's key columns [lo, end): each token sees itself and the real
+    keys within `left` positions. Columns stay causal too: a padding query has the position of the next real
+    token and must not see that token's key (it would leak the label of a left-padded row's first token)."""
+    lo, begin, end = block
+
+    def build():
+        key_columns = torch.arange(lo, end, device=plan.start.device)[None, :]
+        query_columns = torch.arange(begin, end, device=plan.start.device)[:, None]
+        seen = visible_keys(plan.query_positions[:, begin:end], plan.key_positions[:, lo:end], left)
+        return (seen & (key_columns <= query_columns)) | (key_columns == query_columns)
+    return plan.mask(("block", left, begin), build)
+
+
+def windowed_attention(plan: StepPlan, q, k, v, left: int, prefix_mask=None, prefix=None) -> torch.Tensor:
+    """Attention of the chunk's queries over `prefix` keys/values (a ring, with `prefix_mask(begin, end)`) and
+    the chunk's own keys within `left`, block by block of queries."""
+    outputs = []
+    for block in query_blocks(plan, left):
+        lo, begin, end = block
+        mask = block_mask(plan, left, block)
+        keys, values = k[:, :, lo:end], v[:, :, lo:end]
+        if prefix is not None:
+            mask = torch.cat([prefix_mask(begin, end), mask], dim=-1)
+            keys, values = torch.cat([prefix[0], keys], dim=2), torch.cat([prefix[1], values], dim=2)
+        outputs.append(sdpa(q[:, :, begin:end], keys, values, mask))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
 class MaglevAttention(nn.Module):
     """nanochat attention (GQA, value embeddings, rotary, QK-norm) with optional memory injection."""
 
@@ -149,24 +160,24 @@ class MaglevAttention(nn.Module):
         self.value_gate_channels = config.value_embedding_gate_channels
         self.value_gate_scale = config.value_embedding_gate_scale
         bound = uniform_bound(config)
-        self.q_proj = with_init(MaglevLinear(config.hidden_size, self.num_heads * self.head_dim, bias=False),
+        self.q_proj = with_init(nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False),
                                 "uniform", bound)
-        self.k_proj = with_init(MaglevLinear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
-        self.v_proj = with_init(MaglevLinear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
-        self.o_proj = with_init(MaglevLinear(config.hidden_size, config.hidden_size, bias=False), "zeros")
+        self.k_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
+        self.v_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
+        self.o_proj = with_init(nn.Linear(config.hidden_size, config.hidden_size, bias=False), "zeros")
         self.value_gate = (
-            with_init(MaglevLinear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False), "zeros")
+            with_init(nn.Linear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False), "zeros")
             if config.has_value_embedding(layer_idx) else None
         )
         self.with_memory = with_memory
         if with_memory:
             std = config.memory_init_std
-            self.memory_k_proj = with_init(MaglevLinear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
-            self.memory_v_proj = with_init(MaglevLinear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
-            self.memory_gate = with_init(MaglevLinear(config.memory_gate_channels, self.num_kv_heads, bias=False),
+            self.memory_k_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
+            self.memory_v_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
+            self.memory_gate = with_init(nn.Linear(config.memory_gate_channels, self.num_kv_heads, bias=False),
                                          "zeros")
 
-    def forward(self, x, value_embedding, memory, rotary, window, store, ctx):
+    def forward(self, x, value_embedding, memory, rotary, window, store, plan):
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
@@ -183,11 +194,41 @@ class MaglevAttention(nn.Module):
         qk = apply_rotary(torch.cat([q, k], dim=2), *rotary)
         q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([self.num_heads, self.num_kv_heads], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if store is None:
-            y = ctx.windowed_attention(q, k, v, window, sdpa)
-        else:
-            y = store.attend(q, k, v, ctx)
+        y = self.attend(q, k, v, window, store, plan)
         return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
+
+    def attend(self, q, k, v, window: int, store, plan: StepPlan) -> torch.Tensor:
+        """The chunk's queries over the keys the layer's cache holds and the chunk's own; the chunk is stored."""
+        if store is None:
+            return windowed_attention(plan, q, k, v, window)
+        if isinstance(store, RingKeyValues):
+            y = self.attend_ring(q, k, v, store, plan)
+            store.write(k, v, plan)
+            return y
+        store.append(k, v, plan)
+        return self.attend_columns(q, store, window, plan)
+
+    def attend_ring(self, q, k, v, ring: RingKeyValues, plan: StepPlan) -> torch.Tensor:
+        """Over the ring's written slots (the window before the chunk) and the chunk itself."""
+        keys, values = ring.read(k)
+        slot_positions, capacity = ring.slot_positions(plan), ring.capacity
+
+        def ring_mask(begin: int, end: int) -> torch.Tensor:
+            return plan.mask(("ring", capacity, begin), lambda: visible_keys(
+                plan.query_positions[:, begin:end], slot_positions, capacity))
+        return windowed_attention(plan, q, k, v, capacity, ring_mask, (keys, values))
+
+    def attend_columns(self, q, store: GrowingKeyValues, window: int, plan: StepPlan) -> torch.Tensor:
+        """Over every stored column within `window` (nanochat's "L" layers), the chunk's last among them."""
+        keys, values, positions = store.read()
+        end = keys.shape[2]
+
+        def build():
+            columns = torch.arange(end, device=q.device)[None, :]
+            query_columns = (end - plan.length + torch.arange(plan.length, device=q.device))[:, None]
+            seen = visible_keys(plan.query_positions, positions, window)
+            return (seen & (columns <= query_columns)) | (columns == query_columns)
+        return sdpa(q, keys, values, plan.mask(("all", window), build))
 
 
 class MaglevMLP(nn.Module):
@@ -195,9 +236,9 @@ class MaglevMLP(nn.Module):
 
     def __init__(self, config: MaglevConfig):
         super().__init__()
-        self.up_proj = with_init(MaglevLinear(config.hidden_size, config.intermediate_size, bias=False),
+        self.up_proj = with_init(nn.Linear(config.hidden_size, config.intermediate_size, bias=False),
                                  "uniform", uniform_bound(config))
-        self.down_proj = with_init(MaglevLinear(config.intermediate_size, config.hidden_size, bias=False), "zeros")
+        self.down_proj = with_init(nn.Linear(config.intermediate_size, config.hidden_size, bias=False), "zeros")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.up_proj(x)
@@ -216,9 +257,9 @@ class MaglevBlock(GradientCheckpointingLayer):
         self.self_attn = MaglevAttention(config, layer_idx, with_memory)
         self.mlp = MaglevMLP(config)
 
-    def forward(self, hidden, value_embedding, memory, rotary, window, store, ctx):
+    def forward(self, hidden, value_embedding, memory, rotary, window, store, plan):
         hidden = hidden + self.self_attn(rms_norm(hidden, self.eps), value_embedding, memory, rotary, window,
-                                         store, ctx)
+                                         store, plan)
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
@@ -232,23 +273,11 @@ class MaglevPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _can_compile_fullgraph = False
 
-    @contextlib.contextmanager
-    def packed_linear_weights(self) -> Iterator["MaglevPreTrainedModel"]:
-        """A block in which batched float32 CPU inference (2-64 rows per product, e.g. decoding a batch)
-        reads the large linear weights from copies in oneDNN's blocked layout: eight-row products about
-        1.5-2x faster, for the memory of one more copy of those weights, made on first use and freed
-        when the outermost block ends. The weights must not change inside it (writes through `.data`
-        go unseen). `generate()` runs inside one."""
-        linears = [module for module in self.modules() if isinstance(module, MaglevLinear)]
-        for linear in linears:
-            linear.packing += 1
-        try:
-            yield self
-        finally:
-            for linear in linears:
-                linear.packing -= 1
-                if not linear.packing:
-                    linear.packed = None
+    def runtime_speedups(self) -> contextlib.AbstractContextManager:
+        """A block in which inference runs its speed-ups (runtime_maglev: oneDNN linears, blocked weight copies
+        for batched steps, the one-query ring attention) and outside which the model is plain; same results up
+        to float rounding. generate() opens one; a loop that steps the model itself can too."""
+        return runtime_speedups(self, MaglevAttention)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -307,17 +336,17 @@ class MaglevModel(MaglevPreTrainedModel):
         lambdas = config.use_layer_lambdas
         self.residual_lambdas = nn.Parameter(torch.ones(layers)) if lambdas else None
         self.x0_lambdas = nn.Parameter(torch.zeros(layers)) if lambdas else None
-        self.smear_gate = (with_init(MaglevLinear(config.smear_gate_channels, 1, bias=False), "zeros")
+        self.smear_gate = (with_init(nn.Linear(config.smear_gate_channels, 1, bias=False), "zeros")
                            if config.use_smear else None)
         self.smear_lambda = nn.Parameter(torch.zeros(1)) if config.use_smear else None
         self.backout_lambda = nn.Parameter(torch.zeros(1)) if config.use_backout else None
         self.memory_init = nn.Parameter(torch.zeros(config.hidden_size)) if config.use_memory else None
         # where the memory is read: a learned projection of h (m = rms_norm(W_m h)), and a second way in
         # through P's block input (zero at the start, so a fresh model is the paper's)
-        self.memory_proj = (with_init(MaglevLinear(config.hidden_size, config.hidden_size, bias=False), "uniform",
+        self.memory_proj = (with_init(nn.Linear(config.hidden_size, config.hidden_size, bias=False), "uniform",
                                       bound) if config.memory_projection else None)
         self.memory_residual_proj = (
-            with_init(MaglevLinear(config.hidden_size, config.hidden_size, bias=False), "zeros")
+            with_init(nn.Linear(config.hidden_size, config.hidden_size, bias=False), "zeros")
             if config.memory_residual_injection else None)
         separate_prefiller = config.use_memory and config.has_prefiller and not config.prefiller_shares_blocks
         self.prefiller_layers = (
@@ -357,11 +386,11 @@ class MaglevModel(MaglevPreTrainedModel):
         gate = self.smear_lambda.to(raw.dtype) * torch.sigmoid(self.smear_gate(raw[..., :channels]))
         return raw + gate * predecessors, raw
 
-    def rotary_for(self, ctx: StepContext, dtype: torch.dtype):
-        device = ctx.start.device
+    def rotary_for(self, plan: StepPlan, dtype: torch.dtype):
+        device = plan.start.device
         if self._inv_freq is None or self._inv_freq.device != device:
             self._inv_freq = inverse_frequencies(self.config, device)
-        return rotary_tables(self._inv_freq, ctx.query_positions, dtype)
+        return rotary_tables(self._inv_freq, plan.query_positions, dtype)
 
     def value_embeddings_for(self, input_ids: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor | None]:
         """Per layer, the value embeddings of the tokens (None where the layer has none)."""
@@ -369,7 +398,7 @@ class MaglevModel(MaglevPreTrainedModel):
         return [tables[str(i)](input_ids).to(dtype) if str(i) in tables else None
                 for i in range(self.config.num_hidden_layers)]
 
-    def run_stack(self, x0, value_embeddings, memory, cache, ctx, rotary, prefiller=False, hidden_states=None):
+    def run_stack(self, x0, value_embeddings, memory, cache, plan, rotary, prefiller=False, hidden_states=None):
         """One parallel pass over a chunk through P's (or Q's) blocks; returns `h` (after backout) and the
         vector the memory is read from (`h` itself unless `memory_source_layer` names an earlier block)."""
         config = self.config
@@ -389,7 +418,7 @@ class MaglevModel(MaglevPreTrainedModel):
             if hidden_states is not None:
                 hidden_states.append(x)
             store = None if cache is None else cache.layer_stores[i]
-            x = block(x, value_embeddings[i], memory, rotary, windows[i], store, ctx)
+            x = block(x, value_embeddings[i], memory, rotary, windows[i], store, plan)
             if self.backout_lambda is not None and i == config.backout_layer:
                 backout = x
             if i == config.memory_source_layer:
@@ -407,24 +436,24 @@ class MaglevModel(MaglevPreTrainedModel):
             return head, rms_norm(self.memory_proj(source), eps)
         return head, (head if source is h else rms_norm(source, eps))
 
-    def decode_chunk(self, input_ids, memory, cache, ctx, hidden_states=None):
+    def decode_chunk(self, input_ids, memory, cache, plan, hidden_states=None):
         """P over a chunk in parallel with the given memory inputs; updates the cache. Returns (head input, m)."""
         previous = None if cache is None else cache.previous_embedding
-        x0, raw = self.embed(input_ids, previous, ctx.valid)
+        x0, raw = self.embed(input_ids, previous, plan.valid)
         values = self.value_embeddings_for(input_ids, x0.dtype)
-        rotary = self.rotary_for(ctx, x0.dtype)
-        head, memories = self.read_out(*self.run_stack(x0, values, memory, cache, ctx, rotary,
+        rotary = self.rotary_for(plan, x0.dtype)
+        head, memories = self.read_out(*self.run_stack(x0, values, memory, cache, plan, rotary,
                                                        hidden_states=hidden_states))
         if cache is not None:
-            cache.advance(ctx, raw, memories if memory is not None else None)
+            cache.advance(plan, raw, memories if memory is not None else None)
         return head, memories
 
     def prefiller_memories(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Q on a whole fresh sequence in parallel (no memory, Q's windows, padding skipped): m'."""
-        ctx = StepContext(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
+        plan = StepPlan(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
         x0, _ = self.embed(input_ids, None, valid)
         values = self.value_embeddings_for(input_ids, x0.dtype)
-        _, memories = self.read_out(*self.run_stack(x0, values, None, None, ctx, self.rotary_for(ctx, x0.dtype),
+        _, memories = self.read_out(*self.run_stack(x0, values, None, None, plan, self.rotary_for(plan, x0.dtype),
                                                     prefiller=True))
         return memories
 
@@ -449,17 +478,17 @@ class MaglevModel(MaglevPreTrainedModel):
         length = input_ids.shape[1]
         x0, raw = self.embed(input_ids, cache.previous_embedding, valid)
         values = self.value_embeddings_for(input_ids, x0.dtype)
-        whole = cache.step_context(valid, 1) if length == 1 else StepContext(cache.positions, valid, length)
+        whole = cache.step_context(valid, 1) if length == 1 else StepPlan(cache.positions, valid, length)
         rotary = self.rotary_for(whole, x0.dtype)
         heads, outputs, per_step = [], [], []
         for t in range(length):
             step = (lambda tensor: tensor) if length == 1 else (lambda tensor: tensor[:, t:t + 1])
-            ctx = whole if length == 1 else cache.step_context(None if valid is None else step(valid), 1)
+            plan = whole if length == 1 else cache.step_context(None if valid is None else step(valid), 1)
             step_states = None if hidden_states is None else []
             step_values = [None if v is None else step(v) for v in values]
-            head, memories = self.read_out(*self.run_stack(step(x0), step_values, cache.last_memory, cache, ctx,
+            head, memories = self.read_out(*self.run_stack(step(x0), step_values, cache.last_memory, cache, plan,
                                                            tuple(map(step, rotary)), hidden_states=step_states))
-            cache.advance(ctx, step(raw), memories)
+            cache.advance(plan, step(raw), memories)
             heads.append(head)
             outputs.append(memories)
             per_step.append(step_states)
@@ -486,8 +515,8 @@ class MaglevModel(MaglevPreTrainedModel):
             if memories is not None:
                 own = memories.detach() if config.memory_self_feed_detach else memories
                 mu = self.mixed_memories(self.shifted_memories(own, None, valid), prefiller_mu, step)
-            ctx = context() if last else StepContext(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
-            head, memories = self.decode_chunk(input_ids, self.noisy(mu), cache if last else None, ctx,
+            plan = context() if last else StepPlan(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
+            head, memories = self.decode_chunk(input_ids, self.noisy(mu), cache if last else None, plan,
                                                hidden_states if last else None)
             heads.append(head)
             losses.append(self.consistency(memories, targets, valid, detach=teacher))
@@ -576,13 +605,11 @@ class MaglevModel(MaglevPreTrainedModel):
 
         Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
         and the model is strictly causal (right padding needs no mask)."""
-        cache = take_cache(past_key_values, kwargs)
+        cache = take_cache(past_key_values, kwargs.pop("cache", None))
         config = self.config
         check_input_ids(input_ids, inputs_embeds, config.vocab_size, cache)
         if cache is not None:
-            if not isinstance(cache, MaglevCache):
-                raise TypeError(f"Maglev needs a MaglevCache, got {type(cache).__name__}")
-            cache.check_compatible(config)
+            check_cache(cache, MaglevCache, config)
         use_cache = (config.use_cache and not self.training) if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
@@ -592,7 +619,7 @@ class MaglevModel(MaglevPreTrainedModel):
             cache = None
         batch, length = input_ids.shape
         start = 0 if cache is None else cache.seen_tokens
-        valid = chunk_validity(attention_mask, input_ids, start)
+        valid = real_tokens(attention_mask, batch, length, start, input_ids.device)
         memory_init = self.memory_init if config.use_memory else None
         if cache is not None:
             cache.prepare(batch, memories_like(self), memory_init)
@@ -604,7 +631,7 @@ class MaglevModel(MaglevPreTrainedModel):
         def context():
             if cache is not None:
                 return cache.step_context(valid, length)
-            return StepContext(input_ids.new_zeros(batch), valid, length)
+            return StepPlan(input_ids.new_zeros(batch), valid, length)
 
         if not config.use_memory:
             head, memories = self.decode_chunk(input_ids, None, cache, context(), hidden_states)
@@ -646,23 +673,13 @@ def kept_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> 
     return hidden[:, logits_to_keep]
 
 
-def take_cache(past_key_values: MaglevCache | None, kwargs: dict) -> MaglevCache | None:
-    """The cache given as `past_key_values` or as `cache` (transformers >= 5.24); two different ones are refused."""
-    cache = kwargs.pop("cache", None)
-    if cache is not None and past_key_values is not None and cache is not past_key_values:
-        raise ValueError("pass the cache once, as `cache` or `past_key_values`, not both")
-    return past_key_values if past_key_values is not None else cache
-
-
 def memories_like(model: MaglevModel) -> torch.Tensor:
     """An empty tensor with the model's device and dtype (what new cache rows are made like)."""
     return model.embed_tokens.weight.new_empty(0, dtype=model.dtype)
 
 
 def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
-    """Clear errors for inputs the model cannot read. Token ids are range-checked on CPU always, and on
-    accelerators for prompts (a decoding step's ids come from the model's own logits; checking them
-    would stall the device every token)."""
+    """Clear errors for inputs the model cannot read (Maglev reads token ids only)."""
     if inputs_embeds is not None:
         if input_ids is not None:
             raise ValueError("pass either input_ids or inputs_embeds, not both (Maglev reads input_ids only)")
@@ -670,51 +687,21 @@ def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
                          "inputs_embeds is not supported")
     if input_ids is None:
         raise ValueError("input_ids is required")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool \
-            or input_ids.is_complex():
-        raise TypeError(f"input_ids must be an integer tensor, got {getattr(input_ids, 'dtype', type(input_ids))}")
-    if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got shape {tuple(input_ids.shape)}")
-    prompt = cache is None or cache.get_seq_length() == 0 or input_ids.shape[1] > 1
-    if input_ids.device.type == "cpu" or prompt:
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= vocab_size:
-            raise ValueError(f"input_ids must be in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
+    check_token_ids(input_ids, vocab_size, cache)
 
 
-def chunk_validity(attention_mask: torch.Tensor | None, input_ids: torch.Tensor, start: int):
-    """[B, T] booleans for this chunk's real tokens (None: all real). The mask covers the chunk or, as
-    generate() passes it, the cached columns and the chunk; the cached part is already in the cache."""
-    if attention_mask is None:
-        return None
-    batch, length = input_ids.shape
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
-    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (length,
-                                                                                                     start + length):
-        expected = f"[{batch}, {length}]" + (f" or [{batch}, {start + length}]" if start else "")
-        raise ValueError(f"attention_mask must have shape {expected} (batch, cached + new tokens), "
-                         f"got {tuple(attention_mask.shape)}")
-    return attention_mask[:, -length:].to(device=input_ids.device) != 0
-
-
-class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
+class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, GenerationMixin):
     """Maglev with nanochat's untied, soft-capped language-model head."""
 
     _tied_weights_keys = {}
+    cache_class = MaglevCache
 
     def __init__(self, config: MaglevConfig):
         super().__init__(config)
         self.model = MaglevModel(config)
-        self.lm_head = with_init(MaglevLinear(config.hidden_size, config.padded_vocab_size, bias=False),
+        self.lm_head = with_init(nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False),
                                  "normal", 0.001)
         self.post_init()
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """transformers' generate(), with batched CPU decoding reading blocked weight copies
-        (`packed_linear_weights`)."""
-        with self.packed_linear_weights():
-            return super().generate(*args, **kwargs)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -753,7 +740,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
     ) -> MaglevCausalLMOutput:
         """Training forward (labels given or training mode): lifted parallel training with the
         consistency loss; otherwise inference with `config.memory_prefill`."""
-        cache = take_cache(past_key_values, kwargs)
+        cache = take_cache(past_key_values, kwargs.pop("cache", None))
         for ignored in ("output_attentions", "return_dict", "cache_position", "position_ids"):
             kwargs.pop(ignored, None)
         outputs = self.model(
@@ -805,22 +792,11 @@ class MaglevForCausalLM(MaglevPreTrainedModel, GenerationMixin):
         return consistency_loss * supervised.to(consistency_loss.dtype) / num_items_in_batch
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """generate() gets a MaglevCache (never a DynamicCache) unless the user passed one or disabled caching;
-        an assistant's cache records its steps so that rejected draft tokens can be cropped."""
+        """A MaglevCache for generate() (OwnCacheGenerationMixin); the prefiller reads a prompt in one piece."""
         if self.config.memory_prefill == "prefiller" and getattr(generation_config, "prefill_chunk_size", None):
             raise ValueError("prefill_chunk_size cannot be used with memory_prefill='prefiller': the prefiller reads "
                              "the whole prompt in one forward (later chunks would run recurrently)")
-        user_cache = model_kwargs.get(_GENERATE_CACHE_KWARG)
-        if user_cache is not None:
-            if not isinstance(user_cache, MaglevCache):
-                raise TypeError(f"Maglev needs a MaglevCache, got {type(user_cache).__name__}")
-            user_cache.check_compatible(self.config)
-            super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        elif generation_config.use_cache is False:
-            return
-        else:
-            model_kwargs[_GENERATE_CACHE_KWARG] = MaglevCache(self.config)
-        if getattr(generation_config, "is_assistant", False):
-            model_kwargs[_GENERATE_CACHE_KWARG].activate_past_recording()
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
 
 __all__ = ["MaglevCausalLMOutput", "MaglevForCausalLM", "MaglevModel", "MaglevModelOutput", "MaglevPreTrainedModel"]
