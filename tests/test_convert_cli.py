@@ -437,3 +437,43 @@ def test_sizes_and_bad_flags_are_refused_while_parsing(data_dir, tmp_path, capsy
             convert("kvm", source, tmp_path / "out", *flags)
         assert exit_info.value.code == 2 and "Traceback" not in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+# ----- a SOURCE of the wrong kind: said first, with what was expected ------------------------------------------
+@pytest.mark.parametrize("architecture, relative, says", [
+    ("kvm", "nanochat/tiny_sl/base_checkpoints/d2",
+     ["is a nanochat checkpoint folder", "expects a KVM research checkpoint", "convert maglev"]),
+    ("kvm", "nanochat/tiny_sl", ["is nanochat's base folder", "convert maglev"]),
+    ("kvm", "kvm/kvm_fixed/research", ["is a KVM research run folder", "model_step000050.pt --config",
+                                       "config.yaml"]),
+    ("maglev", "kvm/kvm_fixed/research_final",
+     ["is a KVM research save_pretrained folder", "expects a nanochat checkpoint folder", "convert kvm"]),
+    ("maglev", "kvm/kvm_fixed/research/model_step000050.pt", ["is a KVM research trainer checkpoint", "convert kvm"]),
+    ("maglev", "nanochat/tiny_sl", ["is nanochat's base folder", "tiny_sl/base_checkpoints/d2"]),
+    ("maglev", "nanochat/tiny_sl/base_checkpoints", ["is a folder of nanochat checkpoint folders",
+                                                     "base_checkpoints/d2"]),
+    ("maglev", "nanochat/tiny_sl/base_checkpoints/d2/model_000010.pt",
+     ["is a nanochat checkpoint file", "base_checkpoints/d2 (with --step 10)"]),
+])
+def test_a_source_of_the_wrong_kind_is_named_first(data_dir, tmp_path, capsys, architecture, relative, says):
+    err = fails_cleanly(capsys, tmp_path / "out", architecture, data_dir / relative, tmp_path / "out")
+    assert f"{data_dir / relative} is " in err and all(text in err for text in says), err
+    assert "no tokenizer" not in err and "could not find" not in err  # never a missing tokenizer first
+
+
+def test_a_converted_or_empty_folder_is_named(tmp_path, capsys):
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "config.json").write_text(json.dumps({"model_type": "kvm"}))
+    err = fails_cleanly(capsys, tmp_path / "out", "maglev", converted, tmp_path / "out")
+    assert "already converted by kvm-maglev (model_type kvm)" in err and "kvm-maglev push" in err
+    (tmp_path / "empty").mkdir()
+    err = fails_cleanly(capsys, tmp_path / "out", "kvm", tmp_path / "empty", tmp_path / "out")
+    assert "is a folder with no checkpoint in it" in err
+
+
+def test_the_source_argument_has_one_name(capsys):
+    for architecture in ("kvm", "maglev"):
+        with pytest.raises(SystemExit):
+            convert(architecture, "--help")
+        assert "usage:" in (usage := capsys.readouterr().out) and " source out" in usage, usage

@@ -1,6 +1,6 @@
-"""`kvm-maglev convert kvm SRC OUT`: research KVM checkpoint -> Hub-ready transformers folder.
+"""`kvm-maglev convert kvm SOURCE OUT`: research KVM checkpoint -> Hub-ready transformers folder.
 
-SRC is a research trainer checkpoint (`model_stepNNNNNN.pt`, with `--config` naming its
+SOURCE is a research trainer checkpoint (`model_stepNNNNNN.pt`, with `--config` naming its
 research YAML) or the research code's final `save_pretrained` folder. The steps are small
 functions: read_research_checkpoint -> kvm_config_from_research + convert_state_dict ->
 build_model (checked against the config) -> export_model (card, tokenizer, checked write).
@@ -31,6 +31,7 @@ from kvm_maglev.convert.common import (
     source_provenance,
 )
 from kvm_maglev.convert.export import check_state_dict, expected_shapes
+from kvm_maglev.convert.identify import check_source_kind
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.tokenization.gpt2 import generation_token_fields, load_research_tokenizer
 
@@ -263,7 +264,7 @@ def build_model(config: KVMConfig, state: dict[str, torch.Tensor]) -> KVMForCaus
 
 
 def find_research_tokenizer(source: str | Path, explicit: str | Path | None = None) -> Path | None:
-    """Folder holding the run's tokenizer.json: `explicit`, else SRC (final folder) or the .pt's folder."""
+    """Folder holding the run's tokenizer.json: `explicit`, else SOURCE (final folder) or the .pt's folder."""
     if explicit is not None:
         folder = Path(explicit)
         folder = folder.parent if folder.is_file() else folder
@@ -289,6 +290,7 @@ def convert(source: str | Path, out: str | Path, config_path: str | Path | None 
     out = check_out_dir(out, options.overwrite)
     if not Path(source).exists():
         raise ValueError(f"{source} does not exist")
+    check_source_kind(source, "kvm")
     tokenizer_dir = find_research_tokenizer(source, tokenizer)
     if tokenizer_dir is None and require_tokenizer:
         raise ValueError(
@@ -320,7 +322,7 @@ def convert(source: str | Path, out: str | Path, config_path: str | Path | None 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="research model_stepNNNNNN.pt or final save_pretrained folder")
+    parser.add_argument("source", help="research model_stepNNNNNN.pt or final save_pretrained folder")
     parser.add_argument("out", help="output folder (must not exist unless --overwrite)")
     parser.add_argument("--config", help="research YAML of a .pt checkpoint (its 'model:' section is read)")
     add_output_arguments(parser, tokenizer_help="folder with the run's tokenizer.json (needed for a .pt trainer "
@@ -328,5 +330,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_conversion(args, lambda: convert(args.src, args.out, config_path=args.config, tokenizer=args.tokenizer,
+    return run_conversion(args, lambda: convert(args.source, args.out, config_path=args.config, tokenizer=args.tokenizer,
                                                 require_tokenizer=True, options=ExportOptions.from_args(args)))

@@ -1,4 +1,4 @@
-"""`kvm-maglev convert maglev SRC OUT`: a nanochat / Maglev research checkpoint -> a Hub-ready transformers folder.
+"""`kvm-maglev convert maglev SOURCE OUT`: a nanochat / Maglev research checkpoint -> a Hub-ready transformers folder.
 
 Small steps that a caller can compose: `load_checkpoint` (folder -> state dict + meta),
 `build_config` (meta -> MaglevConfig), `convert_state_dict` (research keys -> ours),
@@ -25,6 +25,7 @@ from kvm_maglev.convert.common import (
     source_provenance,
 )
 from kvm_maglev.convert.export import check_state_dict, expected_shapes
+from kvm_maglev.convert.identify import check_source_kind
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
 from kvm_maglev.tokenization.gpt2 import padded_token_ids
@@ -281,8 +282,9 @@ def convert(source: str | Path, out: str | Path, step: int | None = None, keep_p
     """
     options = options or ExportOptions(overwrite=overwrite)
     out = check_out_dir(out, options.overwrite)
-    if not Path(source).is_dir():
+    if not Path(source).exists():
         raise FileNotFoundError(f"checkpoint folder {source} does not exist")
+    check_source_kind(source, "maglev")
     tokenizer_path = find_tokenizer(source, tokenizer, required=require_tokenizer)
     stages = options.stages(READ_STAGES)
     try:
