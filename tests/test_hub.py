@@ -441,6 +441,73 @@ def test_push_refuses_a_bad_folder(tmp_path, breakage, message):
     assert SECRET not in str(error.value)
 
 
+TRAINING_STATE = ("optimizer.pt", "rng_state.pth", "scheduler.pt", "training_args.bin", "trainer_state.json")
+
+
+def trainer_checkpoint(tmp_path: Path) -> Path:
+    """What Trainer writes at a save step: the model folder plus its training state."""
+    folder = converted_folder(tmp_path)
+    for name in TRAINING_STATE:
+        (folder / name).write_bytes(b"state")
+    return folder
+
+
+def test_push_refuses_training_state_unless_asked(tmp_path):
+    from kvm_maglev.hub import push_folder
+
+    with pytest.raises(ValueError, match="holds training state") as error:
+        push_folder(trainer_checkpoint(tmp_path), "test-org/model", token=SECRET)
+    assert all(name in str(error.value) for name in TRAINING_STATE) and "--include-training-state" in str(error.value)
+
+
+PUSH_TRAINER_CHECKPOINT = """
+import contextlib, io
+from kvm_maglev.cli import main
+result = {}
+for name, flags in (("refused", []), ("asked", ["--include-training-state"])):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        result[name] = [main(["push", ARGS["folder"], "test-org/trainer-checkpoint", *flags]), err.getvalue()]
+print(json.dumps(result))
+"""
+
+
+def test_push_command_uploads_training_state_only_with_the_flag(hub, tmp_path):
+    folder = trainer_checkpoint(tmp_path)
+    before = len(hub.requests)
+    result = run_client(PUSH_TRAINER_CHECKPOINT, client_env(hub, tmp_path / "home"), {"folder": str(folder)},
+                        block_package=False)
+    rc, err = result["refused"]
+    assert rc == 2 and err.count("\n") == 1 and "optimizer.pt" in err
+    assert result["asked"][0] == 0
+    creates = [r for r in hub.requests[before:] if r[1:3] == ("POST", "/api/repos/create")]
+    assert len(creates) == 1  # only the asked-for push reached the Hub
+    assert set(TRAINING_STATE) <= set(hub.repo("test-org/trainer-checkpoint").resolve("main").files)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({}, "not a model config"),
+    ({"model_type": "rwkv7backbone"}, "convert it first with `kvm-maglev convert kvm"),
+    ({"model_type": "not-a-model"}, "transformers has no model_type 'not-a-model'"),
+])
+def test_push_refuses_a_folder_that_would_not_load(tmp_path, config, message):
+    from kvm_maglev.hub import push_folder
+
+    folder = converted_folder(tmp_path)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        push_folder(folder, "test-org/model", token=SECRET)
+
+
+def test_push_accepts_remote_code_and_built_in_configs(tmp_path):
+    from kvm_maglev.hub import _check_folder
+
+    folder = converted_folder(tmp_path)
+    for config in ({"model_type": "llama"}, {"model_type": "mine", "auto_map": {"AutoConfig": "c.C"}}):
+        (folder / "config.json").write_text(json.dumps(config))
+        assert _check_folder(folder) == folder
+
+
 def test_push_builds_the_hub_folder_of_a_folder_without_code(tmp_path):
     """A kept demo model (config, weights, task) is pushed with the package's code; the folder is untouched."""
     import shutil

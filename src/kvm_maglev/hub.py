@@ -1,7 +1,9 @@
 """Publish a converted model folder to the Hugging Face Hub.
 
 `kvm-maglev push OUT ORG/NAME [--private] [--revision BRANCH]` creates the repo (and the
-branch) when missing and commits the folder's files in one commit. Re-running with an
+branch) when missing and commits the folder's files in one commit. A folder that would not load
+(no model config, research code only) is refused, and so is training state (a Trainer
+checkpoint's optimizer, scheduler, RNG states) unless `--include-training-state` asks for it. Re-running with an
 unchanged folder makes no new commit. The token comes from HF_TOKEN or the file written by
 `hf auth login` (or `token=` in Python); it is never printed, and a folder that contains it
 is refused. A folder of our architectures without its code files (a kept demo model: config,
@@ -33,6 +35,9 @@ _SOURCE_README_PATTERNS = (
     re.compile(r"(?i)converted\s+from\s+`(?P<source>[^`\n]+)`"),
 )
 _TOKEN_SCAN_MAX_BYTES = 4 * 1024 * 1024
+# What a Trainer checkpoint (or a DeepSpeed one) holds beside the model: never published unasked.
+TRAINING_STATE_PATTERNS = ["optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt", "rng_state*.pth",
+                           "training_args.bin", "trainer_state.json", "global_step*", "zero_to_fp32.py"]
 
 
 def push_folder(
@@ -43,16 +48,20 @@ def push_folder(
     revision: Optional[str] = None,
     commit_message: Optional[str] = None,
     token: Optional[str] = None,
+    include_training_state: bool = False,
 ) -> str:
     """Upload a converted model folder to `repo_id` (on branch `revision`); returns the commit id.
 
     The repo and branch are created when missing (`private` also turns an existing public repo
     private; a private repo is never made public); unchanged files are not re-uploaded and an
-    unchanged folder makes no new commit (the current commit id is returned).
+    unchanged folder makes no new commit (the current commit id is returned). A folder holding
+    training state (a Trainer checkpoint's optimizer, scheduler, RNG states) is refused unless
+    `include_training_state`.
     """
     from huggingface_hub import HfApi, get_token
 
     folder = _check_folder(folder)
+    _check_training_state(folder, include_training_state)
     _check_repo_id(repo_id)
     if revision is not None and not revision.strip():
         raise ValueError("--revision must be a non-empty branch name")
@@ -78,7 +87,7 @@ def push_folder(
             folder_path=str(upload),
             revision=revision,
             commit_message=commit_message,
-            ignore_patterns=_IGNORED_PATTERNS,
+            ignore_patterns=_IGNORED_PATTERNS + ([] if include_training_state else TRAINING_STATE_PATTERNS),
             delete_patterns=_MIRRORED_PATTERNS,
         )
     return commit.oid
@@ -137,6 +146,7 @@ def _check_folder(folder: Union[str, Path]) -> Path:
         raise ValueError(f"{folder} is not a folder: pass the output folder of `kvm-maglev convert`")
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json: it is not a converted model folder")
+    _check_loadable_config(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shards = set((_read_json(index) or {}).get("weight_map", {}).values())
@@ -146,6 +156,40 @@ def _check_folder(folder: Union[str, Path]) -> Path:
     elif not (folder / "model.safetensors").is_file():
         raise ValueError(f"{folder} has no model.safetensors (or index): the conversion looks incomplete")
     return folder
+
+
+def _check_loadable_config(folder: Path) -> None:
+    """config.json must name a model_type that transformers (or the folder's auto_map, or our package) can load."""
+    from transformers import CONFIG_MAPPING
+
+    from kvm_maglev.convert.export import is_package_architecture
+
+    config = _read_json(folder / "config.json")
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ValueError(f"{folder / 'config.json'} is not a model config (no model_type): not a loadable model folder")
+    model_type = config["model_type"]
+    if model_type == "rwkv7backbone":
+        raise ValueError(f"{folder} is a KVM research folder (model_type rwkv7backbone), which loads only with the "
+                         f"research code: convert it first with `kvm-maglev convert kvm {folder} OUT`")
+    if model_type not in CONFIG_MAPPING and not is_package_architecture(model_type) and not config.get("auto_map"):
+        raise ValueError(f"{folder}: transformers has no model_type {model_type!r} and config.json has no auto_map "
+                         "naming code for it, so the pushed folder would not load")
+
+
+def training_state_files(folder: Union[str, Path]) -> list[str]:
+    """Names in `folder` that are training state (optimizer, scheduler, RNG, trainer arguments), sorted."""
+    folder = Path(folder)
+    return sorted({path.name for pattern in TRAINING_STATE_PATTERNS for path in folder.glob(pattern)})
+
+
+def _check_training_state(folder: Path, include: bool) -> None:
+    found = training_state_files(folder)
+    if found and not include:
+        raise ValueError(
+            f"{folder} holds training state ({', '.join(found)}), as a Trainer checkpoint does; refusing to publish "
+            "it: push the folder written by trainer.save_model() or model.save_pretrained(), or pass "
+            "--include-training-state to upload the training state too"
+        )
 
 
 def _check_repo_id(repo_id: str) -> None:
@@ -178,6 +222,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("repo_id", type=_repo_id_argument, help="Hub repository, ORG/NAME")
     _add_repo_options(parser)
     parser.add_argument("--commit-message", default=None, help="defaults to naming the source checkpoint")
+    parser.add_argument("--include-training-state", action="store_true",
+                        help="also upload a Trainer checkpoint's optimizer, scheduler, RNG states and arguments")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         commit = push_folder(
-            args.folder, args.repo_id, private=args.private, revision=args.revision, commit_message=args.commit_message
+            args.folder, args.repo_id, private=args.private, revision=args.revision, commit_message=args.commit_message,
+            include_training_state=args.include_training_state,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
