@@ -16,8 +16,6 @@ instead of copying the window; the state changes once per chunk. While recording
 
 from __future__ import annotations
 
-import json
-import os
 from collections import deque
 from typing import Iterable
 
@@ -25,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .configuration_kvm import KVMConfig
+from .saved_cache import SavedCache, tensors_under
 
 CACHE_FORMAT = "kvm-cache"
 CACHE_FORMAT_VERSION = 1
@@ -42,17 +41,6 @@ CACHE_CONFIG_FIELDS = (
     "sliding_window_value_residual_mode", "sliding_window_share_value_residual", "block_lambdas",
     "residual_scale", "logit_softcap",
 )
-
-
-def config_fingerprint(config: KVMConfig) -> dict:
-    """The config fields a cache depends on, as plain JSON values."""
-    return {name: getattr(config, name) for name in CACHE_CONFIG_FIELDS}
-
-
-def fingerprint_mismatch(expected: dict, found: dict) -> list[str]:
-    """Fields where two fingerprints differ, with both values."""
-    names = sorted(set(expected) | set(found))
-    return [f"{n}: cache {found.get(n)!r} vs model {expected.get(n)!r}" for n in names if expected.get(n) != found.get(n)]
 
 
 class TokenBuffer:
@@ -461,17 +449,22 @@ class ForwardRecord:
         self.journals: list | None = None  # per layer (layer journal, carries journal), single-group forwards only
 
 
-class KVMCache(Cache):
+class KVMCache(SavedCache, Cache):
     """Cache of a KVM model; created by the model (`generate` or a forward with use_cache).
 
     `get_seq_length()` counts columns (padding included), as generate() slices its inputs by it;
     each row's own token count is in `row_lengths()`.
     """
 
+    MODEL_NAME = "KVM"
+    CACHE_FORMAT, CACHE_FORMAT_VERSION = CACHE_FORMAT, CACHE_FORMAT_VERSION
+    TENSORS_FILE, META_FILE = TENSORS_FILE, META_FILE
+    CACHE_CONFIG_FIELDS = CACHE_CONFIG_FIELDS
+
     def __init__(self, config: KVMConfig, max_rollback: int = 256, **kwargs) -> None:
         super().__init__(layers=[])
         self.config = config
-        self.fingerprint = config_fingerprint(config)
+        self.fingerprint = self.config_fingerprint(config)
         self.max_rollback = max_rollback
         self.groups: list[RowGroup] = []
         self.carries = [ShiftCarries() for _ in range(config.num_hidden_layers)]
@@ -481,14 +474,6 @@ class KVMCache(Cache):
         self.history: deque[ForwardRecord] = deque()
 
     # ---- what the model uses ----------------------------------------------------------------
-    def check_compatible(self, config: KVMConfig) -> None:
-        """Refuse a cache made for a model with another architecture."""
-        if config is self.config:
-            return
-        differences = fingerprint_mismatch(config_fingerprint(config), self.fingerprint)
-        if differences:
-            raise ValueError("this KVMCache was made for another KVM config: " + "; ".join(differences))
-
     def plan(self, batch: int, length: int, valid: torch.Tensor | None, device) -> StepPlan:
         """Start rows on the first forward, check the batch size after; split groups by this forward's
         per-row token counts; record what the forward will replace while recording."""
@@ -749,10 +734,8 @@ class KVMCache(Cache):
         raise NotImplementedError("KVMCache does not support offloading.")
 
     # ---- saved caches ("prompt caching") ------------------------------------------------------
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the cache to folder `path`: tensors as safetensors plus a JSON with the config fingerprint."""
-        from safetensors.torch import save_file
-
+    def saved_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The tensors and JSON fields `save` writes."""
         if not self.groups or self.columns == 0:
             raise ValueError("the cache is empty: read some tokens before saving it")
         tensors, groups = {}, []
@@ -766,47 +749,24 @@ class KVMCache(Cache):
         for i, carries in enumerate(self.carries):
             tensors.update({f"carries.{i}.{name}": t for name, t in carries.values.items()})
         dtype = next(iter(tensors.values())).dtype
-        meta = {"format": CACHE_FORMAT, "version": CACHE_FORMAT_VERSION, "columns": self.columns,
-                "batch_size": self.rows, "dtype": str(dtype).removeprefix("torch."), "groups": groups,
-                "config": self.fingerprint}
-        os.makedirs(path, exist_ok=True)
-        tensor_path, meta_path = os.path.join(path, TENSORS_FILE), os.path.join(path, META_FILE)
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tensor_path + ".tmp")
-        with open(meta_path + ".tmp", "w") as handle:
-            json.dump(meta, handle, indent=2)
-        os.replace(tensor_path + ".tmp", tensor_path)
-        os.replace(meta_path + ".tmp", meta_path)
+        fields = {"columns": self.columns, "batch_size": self.rows, "dtype": str(dtype).removeprefix("torch."),
+                  "groups": groups}
+        return tensors, fields
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model) -> "KVMCache":
-        """Read a cache written by `save` for `model` (onto its device); refuses one made for another config."""
-        from safetensors.torch import load_file
-
-        meta_path, tensor_path = os.path.join(path, META_FILE), os.path.join(path, TENSORS_FILE)
-        if not (os.path.isfile(meta_path) and os.path.isfile(tensor_path)):
-            raise ValueError(f"{path} is not a saved KVMCache (needs {META_FILE} and {TENSORS_FILE})")
-        with open(meta_path) as handle:
-            meta = json.load(handle)
-        if meta.get("format") != CACHE_FORMAT or meta.get("version") != CACHE_FORMAT_VERSION:
-            raise ValueError(f"{meta_path} is not a {CACHE_FORMAT} version {CACHE_FORMAT_VERSION} file")
-        config = model.config
-        differences = fingerprint_mismatch(config_fingerprint(config), meta.get("config", {}))
-        if differences:
-            raise ValueError(f"the cache in {path} was made for another KVM config: " + "; ".join(differences))
-        tensors = load_file(tensor_path, device=str(model.device))
+    def from_saved(cls, config: KVMConfig, meta: dict, tensors: dict[str, torch.Tensor], dtype) -> "KVMCache":
+        """The cache `saved_state` described (its tensors keep their saved dtypes)."""
         cache = cls(config)
         cache.columns, cache.rows = meta["columns"], meta["batch_size"]
         for g, group_meta in enumerate(meta["groups"]):
             layers = []
             for i, layer_meta in enumerate(group_meta["layers"]):
-                prefix = f"groups.{g}.layers.{i}."
                 layer = new_layer_cache(config, i)
-                layer.load({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, layer_meta)
+                layer.load(tensors_under(tensors, f"groups.{g}.layers.{i}."), layer_meta)
                 layers.append(layer)
             cache.groups.append(RowGroup(group_meta["rows"], layers))
         for i, carries in enumerate(cache.carries):
-            prefix = f"carries.{i}."
-            carries.values = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            carries.values = tensors_under(tensors, f"carries.{i}.")
         return cache
 
     def __repr__(self) -> str:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 
-from .onednn_linear import onednn_linears
+from .runtime_switch import speedups_switched_on
 from .state_kvm import (
     Overflow,
     append_slots,
@@ -191,26 +191,7 @@ class FastKVMAttention:
         return y
 
 
-FAST_CLASSES: dict[type, type] = {}
-
-
-def fast_class(cls: type) -> type:
-    """`cls` with FastKVMAttention's methods in front, made once per class."""
-    if cls not in FAST_CLASSES:
-        FAST_CLASSES[cls] = type(f"Fast{cls.__name__}", (FastKVMAttention, cls), {})
-    return FAST_CLASSES[cls]
-
-
-@contextlib.contextmanager
-def runtime_speedups(model: nn.Module, attention_class: type) -> Iterator[nn.Module]:
+def runtime_speedups(model: nn.Module, attention_class: type) -> contextlib.AbstractContextManager:
     """A block in which `model` runs with the speed-ups above (its `attention_class` modules take
     FastKVMAttention's methods); on leaving it the model is plain again. Nested blocks are free."""
-    attentions = [module for module in model.modules() if type(module) is attention_class]
-    for attention in attentions:
-        attention.__class__ = fast_class(attention_class)
-    try:
-        with onednn_linears(model):
-            yield model
-    finally:
-        for attention in attentions:
-            attention.__class__ = attention_class
+    return speedups_switched_on(model, attention_class, FastKVMAttention)
