@@ -144,6 +144,7 @@ push_after_convert(hook.parse_args(["--push-to-hub", "test-user/maglev-tiny", "-
 assert push_after_convert(hook.parse_args([]), maglev_dir) is None
 reference(kvm_dir, prompt, "kvm")
 reference(maglev_dir, prompt, "maglev")
+out["work"] = str(work)
 out["code_files"] = {key: sorted(p.name for p in folder.glob("*.py")) for key, folder in (("kvm", kvm_dir), ("maglev", maglev_dir))}
 print(json.dumps(out))
 """
@@ -232,7 +233,7 @@ def test_push_creates_repo_and_commit_naming_the_source(hub, published):
     repo = hub.repo("test-org/tiny-llama")
     main = repo.resolve("main")
     assert main.oid == published["llama_first"]
-    assert main.title == "Upload llama model converted from runs/llama/step_000100.pt"
+    assert main.title == "Upload llama model converted from step_000100.pt"  # no local path goes to the Hub
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(main.files)
     assert main.files["model.safetensors"].lfs_sha256 is not None  # weights went through LFS
     assert not repo.private
@@ -241,7 +242,7 @@ def test_push_creates_repo_and_commit_naming_the_source(hub, published):
 def test_second_push_of_same_folder_makes_no_commit(hub, published):
     assert published["llama_again"] == published["llama_first"]
     history = [c.title for c in hub.repo("test-org/tiny-llama").commits.values()]
-    assert history.count("Upload llama model converted from runs/llama/step_000100.pt") == 1
+    assert history.count("Upload llama model converted from step_000100.pt") == 1
 
 
 def test_revision_branch_holds_the_changed_model(hub, published):
@@ -249,7 +250,7 @@ def test_revision_branch_holds_the_changed_model(hub, published):
     dev = repo.resolve("dev")
     assert repo.resolve("main").oid == published["llama_first"]  # main untouched
     assert dev.parent == published["llama_first"]
-    assert dev.title.endswith("runs/llama/step_000200.pt")
+    assert dev.title.endswith("from step_000200.pt")
     assert dev.files["model.safetensors"].lfs_sha256 != repo.resolve("main").files["model.safetensors"].lfs_sha256
 
 
@@ -269,7 +270,7 @@ def test_private_flag_hides_the_repo_without_token(hub, published, tmp_path):
 
 
 def test_converted_models_are_published_with_their_card_tokenizer_and_code(hub, published, data_dir):
-    sources = {"kvm": data_dir / "kvm" / "kvm_fixed" / "research_final", "maglev": data_dir / "nanochat" / "tiny_sl"}
+    sources = {"kvm": "model.safetensors", "maglev": "model_000011.pt"}
     for repo_id, key in (("test-org/kvm-tiny", "kvm"), ("test-user/maglev-tiny", "maglev")):
         repo = hub.repo(repo_id)
         main, dev = repo.resolve("main"), repo.resolve("dev")
@@ -279,8 +280,10 @@ def test_converted_models_are_published_with_their_card_tokenizer_and_code(hub, 
         # the card and tokenizer go up in the same commit as the weights
         assert {"config.json", "model.safetensors", "generation_config.json", "README.md", "tokenizer.json"} <= set(main.files)
         recorded = published[f"{key}_recorded_source"]  # read back from the card by push
-        assert Path(recorded).is_relative_to(sources[key]) and Path(recorded).is_file()
+        assert recorded == sources[key]  # the file name: no local path goes to the Hub
         assert main.title == f"Upload {key} model converted from {recorded}"
+        card = repo.blobs[main.files["README.md"].git_oid].decode()
+        assert f'repo = "{repo_id}"' in card and published["work"] not in card and str(data_dir) not in card
 
 
 def test_token_is_never_published_nor_sent_to_storage(hub, published, downloaded):
@@ -616,10 +619,31 @@ def test_source_checkpoint_is_read_from_config_or_card(tmp_path):
     assert find_source_checkpoint(folder) == "ckpt/model_000011.pt"
     (folder / "README.md").write_text("Weights converted from `hf://org/run` with kvm-maglev.\n")
     assert find_source_checkpoint(folder) == "hf://org/run"
+    assert default_commit_message(folder) == "Upload kvm model converted from hf://org/run"
     (folder / "README.md").write_text("# Card\n\n## Weights\n\n- source: `/runs/kvm/model_step000050.pt`\n- step: 50\n")
-    assert default_commit_message(folder) == "Upload kvm model converted from /runs/kvm/model_step000050.pt"
+    assert default_commit_message(folder) == "Upload kvm model converted from model_step000050.pt"  # no local path
     (folder / "config.json").write_text(json.dumps({"model_type": "maglev", "source_checkpoint": "d2/model_000011.pt"}))
-    assert default_commit_message(folder) == "Upload maglev model converted from d2/model_000011.pt"
+    assert default_commit_message(folder) == "Upload maglev model converted from model_000011.pt"
+
+
+def test_card_is_published_with_the_repo_id_and_no_local_path(tmp_path):
+    """A card converted earlier (local repo path, full source path) goes up naming the repo; the folder is untouched."""
+    from kvm_maglev.hub import _upload_view
+
+    folder = converted_folder(tmp_path)
+    card = ('```python\nrepo = "out/kvm_final"\n```\n\n## Provenance\n\n'
+            "- source: `/home/me/runs/kvm/model_step000050.pt`\n- training step: 50\n")
+    (folder / "README.md").write_text(card)
+    with _upload_view(folder, "test-org/kvm-tiny") as upload:
+        assert upload != folder
+        published = (upload / "README.md").read_text()
+        assert (upload / "model.safetensors").read_bytes() == b"weights"
+    assert 'repo = "test-org/kvm-tiny"' in published and "- source: `model_step000050.pt`" in published
+    assert "/home/me" not in published and "out/kvm_final" not in published
+    assert (folder / "README.md").read_text() == card and not upload.exists()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a card not of ours: as it is
+    with _upload_view(folder, "test-org/kvm-tiny") as upload:
+        assert upload == folder
 
 
 # --- the double's HTTP contract, checked directly (what the client relies on) ---------------------

@@ -13,11 +13,13 @@ weights, task) is pushed as the Hub folder `build_hub_folder` makes of it, code 
 import argparse
 import contextlib
 import json
+import os
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Optional, Union
 
 # Remote files of these kinds that are absent from the folder are deleted by the push, so a
@@ -35,6 +37,9 @@ _SOURCE_README_PATTERNS = (
     re.compile(r"(?i)converted\s+from\s+`(?P<source>[^`\n]+)`"),
 )
 _TOKEN_SCAN_MAX_BYTES = 4 * 1024 * 1024
+# Lines of our model cards that name where the folder is: rewritten for the repo pushed to.
+_CARD_REPO_LINE = re.compile(r'(?m)^repo = "[^"\n]*"$')
+_CARD_SOURCE_LINE = re.compile(r"(?m)^(- source: `)([^`\n]+)(`)$")
 # What a Trainer checkpoint (or a DeepSpeed one) holds beside the model: never published unasked.
 TRAINING_STATE_PATTERNS = ["optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt", "rng_state*.pth",
                            "training_args.bin", "trainer_state.json", "global_step*", "zero_to_fp32.py"]
@@ -75,7 +80,7 @@ def push_folder(
     commit_message = commit_message or default_commit_message(folder)
 
     api = HfApi(token=token)
-    with _with_package_code(folder) as upload:  # built before anything is sent
+    with _upload_view(folder, repo_id) as upload:  # built before anything is sent
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if private and not api.repo_info(repo_id, repo_type="model").private:
             # asked for private but the repo already existed as public: never publish by surprise
@@ -101,23 +106,86 @@ def _with_package_code(folder: Path) -> Iterator[Path]:
     if not lacks_package_code(folder):
         yield folder
         return
-    try:  # beside the folder, so the weights are hard-linked rather than copied
+    with _work_folder(folder) as path:
+        yield build_hub_folder(folder, path / folder.name, progress=False)
+
+
+@contextlib.contextmanager
+def _upload_view(folder: Path, repo_id: str) -> Iterator[Path]:
+    """What is uploaded: the folder with our code files, and our card naming `repo_id` and no local path."""
+    with _with_package_code(folder) as upload:
+        card = upload / "README.md"
+        if not _is_package_folder(upload) or not card.is_file():
+            yield upload
+            return
+        text = card.read_text(encoding="utf-8")
+        published = card_for_repo(text, repo_id)
+        if published == text:
+            yield upload
+            return
+        if upload != folder:  # already a private staging copy
+            _replace_file(card, published)
+            yield upload
+            return
+        with _work_folder(folder) as path:
+            staged = path / folder.name
+            shutil.copytree(folder, staged, copy_function=_link_or_copy)
+            _replace_file(staged / "README.md", published)
+            yield staged
+
+
+def card_for_repo(text: str, repo_id: str) -> str:
+    """Our card as published to `repo_id`: its loading snippet names the repo, its source line no local folder."""
+    text = _CARD_REPO_LINE.sub(lambda _: f'repo = "{repo_id}"', text)
+    return _CARD_SOURCE_LINE.sub(lambda m: m.group(1) + public_source(m.group(2)) + m.group(3), text)
+
+
+def public_source(source: str) -> str:
+    """A recorded source as it may be published: a Hub reference (hf://...) as it is, a local path as its file name."""
+    return source if source.startswith("hf://") else PurePath(source).name
+
+
+def _is_package_folder(folder: Path) -> bool:
+    from kvm_maglev.convert.export import is_package_architecture
+
+    config = _read_json(folder / "config.json")
+    return isinstance(config, dict) and is_package_architecture(config.get("model_type"))
+
+
+@contextlib.contextmanager
+def _work_folder(folder: Path) -> Iterator[Path]:
+    """A temporary folder beside `folder` (so weights are hard-linked, not copied), else in the system's."""
+    try:
         work = tempfile.TemporaryDirectory(prefix=f".{folder.name}.push-", dir=folder.resolve().parent)
     except OSError:
         work = tempfile.TemporaryDirectory(prefix=f"{folder.name}.push-")
     with work as path:
-        yield build_hub_folder(folder, Path(path) / folder.name, progress=False)
+        yield Path(path)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write a fresh file: never through a hard link into the user's folder."""
+    path.unlink()
+    path.write_text(text, encoding="utf-8")
 
 
 def default_commit_message(folder: Union[str, Path]) -> str:
-    """'Upload <model> converted from <source checkpoint>', or naming the folder when unrecorded."""
+    """'Upload <model> converted from <source checkpoint>' (its file name or Hub reference, never a local
+    path), or naming the folder when unrecorded."""
     folder = Path(folder)
     config = _read_json(folder / "config.json")
     model_type = config.get("model_type") if isinstance(config, dict) else None
     what = f"{model_type} model" if model_type else "model"
     source = find_source_checkpoint(folder)
     if source:
-        return f"Upload {what} converted from {source}"
+        return f"Upload {what} converted from {public_source(source)}"
     return f"Upload {what} from {folder.resolve().name}"
 
 

@@ -163,15 +163,19 @@ def add_output_arguments(parser: argparse.ArgumentParser, tokenizer_help: str) -
 
 # ----- writing ----------------------------------------------------------------------------------
 def source_provenance(weights_files: list[Path], shown_path: str | Path, step: int | None) -> Provenance:
-    """Provenance for the card: one file's sha256, or for shards the sha256 of their bytes in name order."""
+    """Provenance for the card: one file's sha256, or for shards the sha256 of their bytes in name order.
+
+    A local source is shown by its file name only: the card goes to the Hub, the user's folders do not.
+    """
+    shown_path = str(shown_path) if str(shown_path).startswith("hf://") else Path(shown_path).name
     if len(weights_files) == 1:
-        return Provenance(str(shown_path), file_sha256(weights_files[0]), step)
+        return Provenance(shown_path, file_sha256(weights_files[0]), step)
     digest = hashlib.sha256()
     for path in sorted(weights_files):
         with open(path, "rb") as handle:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
-    return Provenance(str(shown_path), digest.hexdigest(), step)
+    return Provenance(shown_path, digest.hexdigest(), step)
 
 
 def export_model(model, out: str | Path, *, architecture: str, tokenizer, generation_fields: dict,
