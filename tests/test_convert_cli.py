@@ -478,3 +478,45 @@ def test_the_source_argument_has_one_name(capsys):
         with pytest.raises(SystemExit):
             convert(architecture, "--help")
         assert "usage:" in (usage := capsys.readouterr().out) and " source out" in usage, usage
+
+
+# ----- the output folder: the user's umask; a stopped conversion leaves nothing --------------------------------
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_out_is_created_with_the_users_umask(data_dir, tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        assert convert("kvm", data_dir / "kvm" / "kvm_fixed" / "research_final", tmp_path / "out") == 0
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+# Runs the command line and sends the process a signal while the folder is being written.
+STOPPED = r"""
+import os, signal, sys
+from kvm_maglev.cli import main
+from kvm_maglev.convert import export
+
+written = export._check_written
+def check_then_signal(*args, **kwargs):
+    written(*args, **kwargs)
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+export._check_written = check_then_signal
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("signal_name, exit_code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_stopped_conversion_cleans_up_and_says_so_in_one_line(data_dir, tmp_path, signal_name, exit_code):
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-c", STOPPED, signal_name, "convert", "kvm",
+         str(data_dir / "kvm" / "kvm_fixed" / "research_final"), str(out)],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == exit_code, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: kvm-maglev convert stopped by {signal_name}; its temporary files were removed"]
+    assert "Traceback" not in result.stderr
+    assert os.listdir(tmp_path) == []  # neither OUT nor the hidden temporary folder

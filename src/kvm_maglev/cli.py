@@ -1,9 +1,12 @@
 """`kvm-maglev` command line: one subcommand per task; each lives in its own module."""
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Optional, Sequence
 
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
@@ -37,13 +40,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an exception, so the cleanup that Ctrl-C runs (temporary folders removed) runs for it too."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """Within the block SIGTERM raises Terminated; the previous handler comes back after."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv == ["--version"]:  # answered before the subcommands (and torch) are imported
         print(f"kvm-maglev {version()}")
         return 0
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        with _terminate_as_interrupt():
+            return int(args._run(args) or 0)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: cleaned up on the way out, one line, no traceback
+        signum = signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT
+        print(f"error: kvm-maglev {args.command} stopped by {signum.name}; its temporary files were removed",
+              file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

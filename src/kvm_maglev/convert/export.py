@@ -281,6 +281,13 @@ def _check_written(folder: Path, needs_tokenizer: bool, custom_code: bool, needs
         raise ValueError("the tokenizer wrote no tokenizer_config.json")
 
 
+def folder_mode() -> int:
+    """Permissions of a new folder under the user's umask (as mkdir would make it)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o777 & ~umask
+
+
 def move_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
     """Rename the finished folder to OUT; an old OUT (overwrite) is set aside first and removed last."""
     if not out_dir.exists():
@@ -415,6 +422,7 @@ def build_hub_folder(
                 not from_folder and not type(source).__module__.startswith("transformers."))
             _check_written(staging, tokenizer is not None, custom_code, needs_generation_config=not from_folder)
             stages.start("move into place")
+            os.chmod(staging, folder_mode())  # mkdtemp made it 0700
             move_into_place(staging, out_dir, overwrite)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
