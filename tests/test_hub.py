@@ -140,7 +140,7 @@ assert cli_main(["convert", "maglev", ARGS["maglev_source"], str(maglev_dir),
 out["maglev_commit"] = push_folder(maglev_dir, "test-user/maglev-tiny")
 hook = argparse.ArgumentParser()
 add_push_arguments(hook)
-push_after_convert(hook.parse_args(["--push-to-hub", "test-user/maglev-tiny", "--revision", "dev"]), maglev_dir)
+push_after_convert(hook.parse_args(["--push-to-hub", "test-user/maglev-tiny", "--push-revision", "dev"]), maglev_dir)
 assert push_after_convert(hook.parse_args([]), maglev_dir) is None
 reference(kvm_dir, prompt, "kvm")
 reference(maglev_dir, prompt, "maglev")
@@ -718,3 +718,93 @@ def test_double_resolve_headers_ranges_and_error_codes():
         stale = commit.replace(b'"summary": "add data"', b'"summary": "again", "parentCommit": "' + b"0" * 40 + b'"')
         assert _http(server, "POST", "/api/models/test-org/demo/commit/main", stale)[0] == 412
         assert server.unrouted == [] and server.crashes == []
+
+
+# --- converting straight from the Hub -------------------------------------------------------------
+
+FROM_HUB = r"""
+import contextlib, io
+from huggingface_hub import HfApi
+from kvm_maglev.cli import main
+
+api = HfApi()
+if ARGS["upload"]:
+    for repo_id, folder in ARGS["repos"].items():
+        api.create_repo(repo_id)
+        api.upload_folder(repo_id=repo_id, folder_path=folder)
+result = {}
+for name, argv in ARGS["runs"].items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        result[name] = [main(argv), err.getvalue()]
+print(json.dumps(result))
+"""
+
+
+def kvm_authors_repo(data_dir: Path, folder: Path, marker: Path) -> Path:
+    """The KVM authors' Hub layout: the final folder with auto_map into a bundled modeling_rwkv7_backbone.py."""
+    import shutil
+
+    shutil.copytree(data_dir / "kvm" / "kvm_fixed" / "research_final", folder, ignore=shutil.ignore_patterns("*.py"))
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "modeling_rwkv7_backbone.Config",
+                          "AutoModelForCausalLM": "modeling_rwkv7_backbone.Model"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_rwkv7_backbone.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    return folder
+
+
+def nanochat_repo(data_dir: Path, folder: Path) -> Path:
+    """A nanochat checkpoint shared on the Hub: model_<step>.pt, meta_<step>.json and tokenizer.pkl at the top."""
+    import shutil
+
+    nanochat = data_dir / "nanochat" / "tiny_sl"
+    shutil.copytree(nanochat / "base_checkpoints" / "d2", folder)
+    shutil.copy(nanochat / "tokenizer" / "tokenizer.pkl", folder / "tokenizer.pkl")
+    return folder
+
+
+def test_convert_straight_from_a_hub_repo(hub, tmp_path, data_dir):
+    from safetensors.torch import load_file
+
+    from kvm_maglev.cli import main
+
+    marker, out, hf_home = tmp_path / "code_ran", tmp_path / "out", tmp_path / "home"
+    repos = {"test-org/kvm-research": str(kvm_authors_repo(data_dir, tmp_path / "kvm_repo", marker)),
+             "test-user/nanochat-d2": str(nanochat_repo(data_dir, tmp_path / "nano_repo"))}
+    runs = {"kvm": ["convert", "kvm", "test-org/kvm-research", str(out / "kvm"), "--revision", "main"],
+            "maglev": ["convert", "maglev", "test-user/nanochat-d2", str(out / "maglev")],
+            "step10": ["convert", "maglev", "test-user/nanochat-d2", str(out / "step10"), "--step", "10"],
+            "wrong_kind": ["convert", "maglev", "test-org/kvm-research", str(out / "wrong")],
+            "no_repo": ["convert", "kvm", "nobody/nothing", str(out / "none")],
+            "no_revision": ["convert", "kvm", "test-org/kvm-research", str(out / "none"), "--revision", "v9"]}
+    env = client_env(hub, hf_home)
+    result = run_client(FROM_HUB, env, {"upload": True, "repos": repos, "runs": runs}, block_package=False)
+    assert [result[name][0] for name in ("kvm", "maglev", "step10")] == [0, 0, 0], result
+    assert "test-org/kvm-research is a KVM research save_pretrained folder" in result["wrong_kind"][1]
+    assert "the Hub has no model repo nobody/nothing" in result["no_repo"][1]
+    assert "has no revision 'v9'" in result["no_revision"][1]
+    for name in ("wrong_kind", "no_repo", "no_revision"):
+        assert result[name][0] == 2 and result[name][1].count("error:") == 1 and "Traceback" not in result[name][1]
+    assert not marker.exists() and not list(hf_home.rglob("*.py"))  # the repo's code was never fetched nor run
+
+    before = len(hub.requests)  # offline: the same conversion again, from the cache alone
+    offline = run_client(FROM_HUB, client_env(hub, hf_home, offline=True),
+                         {"upload": False, "runs": {"maglev": runs["maglev"][:-1] + [str(out / "offline")]}},
+                         block_package=False)
+    assert offline["maglev"][0] == 0 and len(hub.requests) == before
+
+    local = tmp_path / "local"
+    assert main(["convert", "kvm", repos["test-org/kvm-research"], str(local / "kvm")]) == 0
+    assert main(["convert", "maglev", repos["test-user/nanochat-d2"], str(local / "maglev")]) == 0
+    for name, repo_id, source_file in (("kvm", "test-org/kvm-research", "model.safetensors"),
+                                       ("maglev", "test-user/nanochat-d2", "model_000011.pt")):
+        ours, theirs = load_file(out / name / "model.safetensors"), load_file(local / name / "model.safetensors")
+        assert ours.keys() == theirs.keys() and all((ours[k] == theirs[k]).all() for k in ours)
+        card = (out / name / "README.md").read_text()
+        assert f"base_model:\n- {repo_id}\n" in card
+        commit = hub.repo(repo_id).resolve("main").oid
+        assert f"- source: `hf://{repo_id}@{commit}/{source_file}`" in card
+    assert "training step: 10" in (out / "step10" / "README.md").read_text()
+    assert (out / "maglev" / "tokenizer.json").is_file()
+    assert load_file(out / "offline" / "model.safetensors").keys() == load_file(out / "maglev" / "model.safetensors").keys()

@@ -313,18 +313,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_push_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds `--push-to-hub ORG/NAME [--private] [--revision BRANCH]` to a converter's parser."""
+    """Adds `--push-to-hub ORG/NAME [--private] [--push-revision BRANCH]` to a converter's parser
+    (a converter's own `--revision` is the revision of a Hub SOURCE)."""
     parser.add_argument(
         "--push-to-hub", metavar="ORG/NAME", type=_repo_id_argument, default=None, help="publish OUT to this Hub repo"
     )
-    _add_repo_options(parser)
+    parser.add_argument("--private", action="store_true", help="make the repo private (also an existing public one)")
+    parser.add_argument("--push-revision", metavar="BRANCH", default=None,
+                        help="branch to push to (created from main)")
 
 
 def push_after_convert(args: argparse.Namespace, out_dir: Union[str, Path]) -> Optional[str]:
     """Pushes `out_dir` when the converter was given `--push-to-hub`; returns the commit id."""
     if not getattr(args, "push_to_hub", None):
         return None
-    private, revision = getattr(args, "private", False), getattr(args, "revision", None)
+    private, revision = getattr(args, "private", False), getattr(args, "push_revision", None)
     commit = push_folder(out_dir, args.push_to_hub, private=private, revision=revision)
     _report(args.push_to_hub, revision, commit)
     return commit

@@ -31,6 +31,7 @@ from kvm_maglev.convert.common import (
     source_provenance,
 )
 from kvm_maglev.convert.export import check_state_dict, expected_shapes
+from kvm_maglev.convert.hub_source import resolve_source
 from kvm_maglev.convert.identify import check_source_kind
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.tokenization.gpt2 import generation_token_fields, load_research_tokenizer
@@ -279,18 +280,21 @@ def find_research_tokenizer(source: str | Path, explicit: str | Path | None = No
 
 def convert(source: str | Path, out: str | Path, config_path: str | Path | None = None, overwrite: bool = False, *,
             tokenizer: str | Path | None = None, require_tokenizer: bool = False, options: ExportOptions | None = None,
-            **overrides: Any) -> Path:
+            revision: str | None = None, **overrides: Any) -> Path:
     """Whole conversion: research checkpoint at `source` -> checked Hub folder at `out`.
 
     The tokenizer comes from `tokenizer` or is found beside `source` (none written when absent,
     unless `require_tokenizer`). `options` sets dtype, shards, card metadata and dry run;
-    without it `overwrite` alone applies. `overrides` are KVMConfig fields.
+    without it `overwrite` alone applies. `overrides` are KVMConfig fields. `source` may be a Hub
+    repo id (at `revision`): its files are downloaded, its code never run, and the card's base_model names it.
     """
     options = options or ExportOptions(overwrite=overwrite)
     out = check_out_dir(out, options.overwrite)
-    if not Path(source).exists():
-        raise ValueError(f"{source} does not exist")
-    check_source_kind(source, "kvm")
+    resolved = resolve_source(source, revision, "kvm")
+    source = resolved.path
+    check_source_kind(source, "kvm", shown=resolved.name)
+    if resolved.repo_id and not options.base_model:
+        options = replace(options, base_model=[resolved.repo_id])
     tokenizer_dir = find_research_tokenizer(source, tokenizer)
     if tokenizer_dir is None and require_tokenizer:
         raise ValueError(
@@ -313,7 +317,7 @@ def convert(source: str | Path, out: str | Path, config_path: str | Path | None 
         tokenizer_object = load_research_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
         fields = generation_token_fields(tokenizer_object, config.vocab_size) if tokenizer_object is not None else {}
         shown = checkpoint.weights_files[0] if len(checkpoint.weights_files) == 1 else Path(source)
-        provenance = source_provenance(checkpoint.weights_files, shown, checkpoint.step)
+        provenance = source_provenance(checkpoint.weights_files, resolved.reference(shown), checkpoint.step)
         dtype = options.dtype or source_dtype(checkpoint.state)
         return export_model(model, out, architecture="kvm", tokenizer=tokenizer_object, generation_fields=fields,
                             provenance=provenance, options=replace(options, dtype=dtype), stages=stages)
@@ -322,7 +326,9 @@ def convert(source: str | Path, out: str | Path, config_path: str | Path | None 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", help="research model_stepNNNNNN.pt or final save_pretrained folder")
+    parser.add_argument("source", help="research model_stepNNNNNN.pt or final save_pretrained folder, "
+                                       "or the Hub repo id of a final folder")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hub SOURCE")
     parser.add_argument("out", help="output folder (must not exist unless --overwrite)")
     parser.add_argument("--config", help="research YAML of a .pt checkpoint (its 'model:' section is read)")
     add_output_arguments(parser, tokenizer_help="folder with the run's tokenizer.json (needed for a .pt trainer "
@@ -331,4 +337,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return run_conversion(args, lambda: convert(args.source, args.out, config_path=args.config, tokenizer=args.tokenizer,
-                                                require_tokenizer=True, options=ExportOptions.from_args(args)))
+                                                require_tokenizer=True, options=ExportOptions.from_args(args),
+                                                revision=args.revision))

@@ -25,6 +25,7 @@ from kvm_maglev.convert.common import (
     source_provenance,
 )
 from kvm_maglev.convert.export import check_state_dict, expected_shapes
+from kvm_maglev.convert.hub_source import resolve_source
 from kvm_maglev.convert.identify import check_source_kind
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
@@ -273,18 +274,23 @@ def generation_fields(tokenizer, config: MaglevConfig) -> dict:
 
 def convert(source: str | Path, out: str | Path, step: int | None = None, keep_prefiller: bool = False,
             key_map: dict[str, str] | None = None, overwrite: bool = False, *, tokenizer: str | Path | None = None,
-            require_tokenizer: bool = False, options: ExportOptions | None = None) -> Path:
+            require_tokenizer: bool = False, options: ExportOptions | None = None, revision: str | None = None) -> Path:
     """The whole conversion: read -> config -> weights (checked) -> model -> card + tokenizer -> atomic write.
 
     The tokenizer is `tokenizer` (tokenizer.pkl or its folder) or found in the nanochat layout;
     without one nothing tokenizer-related is written unless `require_tokenizer`. `options` sets
-    dtype, shards, card metadata and dry run; without it `overwrite` alone applies.
+    dtype, shards, card metadata and dry run; without it `overwrite` alone applies. `source` may be a
+    Hub repo id (at `revision`): its files are downloaded, and the card's base_model names it.
     """
     options = options or ExportOptions(overwrite=overwrite)
     out = check_out_dir(out, options.overwrite)
-    if not Path(source).exists():
-        raise FileNotFoundError(f"checkpoint folder {source} does not exist")
-    check_source_kind(source, "maglev")
+    resolved = resolve_source(source, revision, "maglev", step)
+    source = resolved.path
+    check_source_kind(source, "maglev", shown=resolved.name)
+    if resolved.repo_id and not options.base_model:
+        options = replace(options, base_model=[resolved.repo_id])
+    if tokenizer is None and (source / "tokenizer.pkl").is_file():  # a Hub repo keeps it at the top
+        tokenizer = source
     tokenizer_path = find_tokenizer(source, tokenizer, required=require_tokenizer)
     stages = options.stages(READ_STAGES)
     try:
@@ -304,7 +310,8 @@ def convert(source: str | Path, out: str | Path, step: int | None = None, keep_p
         if tokenizer_path is not None:
             tokenizer_object = load_nanochat_tokenizer(tokenizer_path, model_max_length=config.max_position_embeddings)
             fields = generation_fields(tokenizer_object, config)
-        provenance = source_provenance([checkpoint.weights_file], checkpoint.weights_file, checkpoint.step)
+        provenance = source_provenance([checkpoint.weights_file], resolved.reference(checkpoint.weights_file),
+                                       checkpoint.step)
         dtype = options.dtype or source_dtype(checkpoint.state)
         return export_model(model, out, architecture="maglev", tokenizer=tokenizer_object,
                             generation_fields=fields or {},
@@ -327,7 +334,9 @@ def load_key_map(path: str | None) -> dict[str, str]:
 
 # ----- command line -----------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", help="nanochat/Maglev checkpoint folder (model_<step>.pt, meta_<step>.json)")
+    parser.add_argument("source", help="nanochat/Maglev checkpoint folder (model_<step>.pt, meta_<step>.json), "
+                                       "or the Hub repo id of one")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hub SOURCE")
     parser.add_argument("out", help="output folder (written atomically; must not exist unless --overwrite)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     parser.add_argument("--keep-prefiller", action="store_true", help="keep the prefiller Q (training, 'prefiller' prefill)")
@@ -340,5 +349,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     return run_conversion(args, lambda: convert(
         args.source, args.out, step=args.step, keep_prefiller=args.keep_prefiller, key_map=load_key_map(args.key_map),
-        tokenizer=args.tokenizer, require_tokenizer=True, options=ExportOptions.from_args(args),
+        tokenizer=args.tokenizer, require_tokenizer=True, options=ExportOptions.from_args(args), revision=args.revision,
     ))
