@@ -108,6 +108,7 @@ def test_folders_are_complete_hub_repositories(folders):
         assert str(Path(info["source"]).parent) not in card and f'repo = "{folder}"' in card  # no path but OUT
         assert (f"training step: {info['step']}" in card) == (info["step"] is not None)
         assert "**Parameters:**" in card and "| 1M |" in card and "| 128k |" in card
+        assert "Needs `transformers>=5.17`" in card
         assert find_source_checkpoint(folder) == Path(info["source"]).name  # --push-to-hub's commit message names it
     kvm_tokenizer_config = json.loads((Path(folders["kvm_fixed_pt"]["path"]) / "tokenizer_config.json").read_text())
     assert "tokenizer_class" in kvm_tokenizer_config and "auto_map" not in kvm_tokenizer_config
@@ -402,7 +403,7 @@ def test_existing_out_needs_overwrite(data_dir, tmp_path, capsys):
 
 
 def test_push_to_hub_after_converting(data_dir, tmp_path):
-    """`--push-to-hub ORG/NAME --private --revision dev` publishes OUT (to the local Hub test double)."""
+    """`--push-to-hub ORG/NAME --private --push-revision dev` publishes OUT (to the local Hub test double)."""
     from hub_server import HubServer
 
     source = data_dir / "nanochat" / "tiny_sl" / "base_checkpoints" / "d2"
@@ -413,7 +414,7 @@ def test_push_to_hub_after_converting(data_dir, tmp_path):
                    HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
         result = subprocess.run(
             [sys.executable, "-m", "kvm_maglev", "convert", "maglev", str(source), str(out),
-             "--push-to-hub", "test-user/maglev-tiny", "--private", "--revision", "dev"],
+             "--push-to-hub", "test-user/maglev-tiny", "--private", "--push-revision", "dev"],
             env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
         )
         assert result.returncode == 0, result.stderr[-3000:]
@@ -520,3 +521,29 @@ def test_a_stopped_conversion_cleans_up_and_says_so_in_one_line(data_dir, tmp_pa
     assert errors == [f"error: kvm-maglev convert stopped by {signal_name}; its temporary files were removed"]
     assert "Traceback" not in result.stderr
     assert os.listdir(tmp_path) == []  # neither OUT nor the hidden temporary folder
+
+
+# ----- the folder's code on a transformers too old for it: one clear line --------------------------------------
+OLD_TRANSFORMERS = r"""
+import importlib.util, sys
+import transformers
+transformers.__version__ = "4.57.1"
+spec = importlib.util.spec_from_file_location("configuration_under_test", sys.argv[1])
+try:
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    print("imported")
+except ImportError as error:
+    print(f"ImportError: {error}")
+"""
+
+
+@pytest.mark.parametrize("architecture, name", [("kvm", "KVM"), ("maglev", "Maglev")])
+def test_remote_code_names_the_transformers_it_needs(architecture, name):
+    from kvm_maglev.convert.export import MODELS_DIR
+
+    path = MODELS_DIR / architecture / f"configuration_{architecture}.py"
+    result = subprocess.run([sys.executable, "-c", OLD_TRANSFORMERS, str(path)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.strip().splitlines() == [
+        f"ImportError: {name} models need transformers >= 5.17 (installed: 4.57.1); "
+        "upgrade with: pip install -U 'transformers>=5.17'"], result.stdout + result.stderr

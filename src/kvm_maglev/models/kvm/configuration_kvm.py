@@ -63,6 +63,14 @@ import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
+# ----- version guard: this file is the first of the folder's code transformers imports -----
+import transformers as _transformers
+
+if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.isdigit()) < (5, 17):
+    raise ImportError(f"KVM models need transformers >= 5.17 (installed: {_transformers.__version__}); "
+                      "upgrade with: pip install -U 'transformers>=5.17'")
+# ----- end of version guard -----
+
 logger = logging.get_logger(__name__)
 
 STATE_BUDGET_MODES = ("fixed", "power_law", "kvm_saturation")

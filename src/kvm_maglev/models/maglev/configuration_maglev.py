@@ -5,6 +5,14 @@ import math
 import torch
 from transformers import PretrainedConfig
 
+# ----- version guard: this file is the first of the folder's code transformers imports -----
+import transformers as _transformers
+
+if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.isdigit()) < (5, 17):
+    raise ImportError(f"Maglev models need transformers >= 5.17 (installed: {_transformers.__version__}); "
+                      "upgrade with: pip install -U 'transformers>=5.17'")
+# ----- end of version guard -----
+
 WINDOW_LETTERS = "SL"
 CONSISTENCY_LOSSES = ("mse", "cosine")
 MEMORY_PREFILL_MODES = ("recurrent", "prefiller")
