@@ -180,3 +180,13 @@ def test_switches_round_trip_and_validate(tmp_path):
         with pytest.raises(ValueError, match=name):
             tiny_config(**fields)
 
+
+
+def test_model_card_names_the_training_recipe():
+    from kvm_maglev.convert.cards import render_model_card
+
+    paper = render_model_card(tiny_config(), num_parameters=10)
+    fed = render_model_card(tiny_config(memory_self_feed_steps=2, memory_residual_injection=True,
+                                        weight_init="torch"), num_parameters=10)
+    assert "training recipe" in paper and "own memories" not in paper
+    assert "P fed its own memories in 2 more passes" in fed and "block input" in fed and "torch init" in fed
