@@ -81,10 +81,26 @@ def summarize(groups: Dict[tuple, List[dict]]) -> List[dict]:
     return summary
 
 
+def plot_medians(summary: List[dict], folder: Path) -> None:
+    """recall_facts<N>.png: median recall per distance of every model (Maglev also prefiller-fed)."""
+    from kvm_maglev.recall import plot_recall
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for facts in sorted({entry["facts"] for entry in summary}):
+        curves = {}
+        for entry in (e for e in summary if e["facts"] == facts):
+            curves[entry["model"]] = {int(d): r for d, r in entry["recurrent_median"].items()}
+            if entry["prefiller_median"] is not None:
+                curves[f"{entry['model']} (prefiller-fed)"] = {int(d): r for d, r in entry["prefiller_median"].items()}
+        first = next(e for e in summary if e["facts"] == facts)
+        plot_recall(curves, first["chance"], first["window"], folder / f"recall_facts{facts}.png")
+
+
 def main(argv: List[str] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="folder for one PNG of median recall per fact count")
     parser.add_argument("--alias", action="append", default=[], metavar="NAME=AS",
                         help="count model NAME as AS (e.g. maglev=maglev_self_feed2: the demo's model is that recipe)")
     args = parser.parse_args(argv)
@@ -97,6 +113,8 @@ def main(argv: List[str] = None) -> None:
         print(f"facts {entry['facts']} {entry['model']:<28} seeds {entry['seeds']}  {cells}{fed_cells}")
         for target, met in entry.get("targets", {}).items():
             print(f"    {'met ' if met else 'MISS'} {target}")
+    if args.plot is not None:
+        plot_medians(summary, args.plot)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"command": "python examples/summarize_recall.py "
