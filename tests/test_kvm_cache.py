@@ -3,7 +3,6 @@ the state stays within its budget, sizes match the closed form, batch operations
 
 from __future__ import annotations
 
-import inspect
 import itertools
 
 import pytest
