@@ -70,7 +70,7 @@ def main(argv: List[str] = None) -> None:
             line += f"  prefiller-fed {entry['prefiller']['all']['mean']:.4f}"
         if "vs_baseline" in entry:
             vs = entry["vs_baseline"]
-            line += f"  vs baseline -{100 * vs['relative']:.2f}% ({'met' if vs['target_met'] else 'MISS'})"
+            line += f"  vs baseline {-100 * vs['relative']:+.2f}% ({'met' if vs['target_met'] else 'MISS'})"
         print(line)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
