@@ -20,8 +20,8 @@ SHARED_MODULES: dict[str, tuple[str, ...]] = {
     "onednn_linear.py": ("kvm", "maglev"),
     "runtime_switch.py": ("kvm", "maglev"),
     "saved_cache.py": ("kvm", "maglev"),
-    "model_inputs.py": ("maglev",),
-    "generation_cache.py": ("maglev",),
+    "model_inputs.py": ("kvm", "maglev"),
+    "generation_cache.py": ("kvm", "maglev"),
 }
 HEADER = "# Generated from kvm_maglev/models/common/{name} (python -m kvm_maglev.models.sync_shared); do not edit by hand.\n"
 

@@ -11,9 +11,7 @@ The full forward and cached decoding run the same chunk loop, so they agree.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,11 +23,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .cache_kvm import KVMCache, KVMLayerCache, RowGroup, SlidingWindowLayerCache, StepPlan, new_layer_cache
 from .configuration_kvm import KVMConfig, state_dtype_for
+from .generation_cache import OwnCacheGenerationMixin
+from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
 from .runtime_kvm import runtime_speedups
 from .state_kvm import Overflow, fold_overflow, readable_state, slot_norms, state_keys
 
-# transformers 5.24 renamed the output/cache keyword `past_key_values` to `cache`.
-CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
 # ---- small math helpers --------------------------------------------------------------------
@@ -492,13 +490,9 @@ class KVMModel(KVMPreTrainedModel):
         boundaries and state follow its own real tokens. Without a mask every token is real and the
         model is strictly causal (right padding needs no mask). `position_ids` are used only by
         forwards without a cache or padding; otherwise positions come from each row's length."""
-        if cache is not None and past_key_values is not None and cache is not past_key_values:
-            raise ValueError("Pass the cache once, as `cache` or `past_key_values`, not both.")
-        cache = cache if cache is not None else past_key_values
+        cache = take_cache(past_key_values, cache)
         if cache is not None:
-            if not isinstance(cache, KVMCache):
-                raise TypeError(f"KVM models need a KVMCache, got {type(cache).__name__}.")
-            cache.check_compatible(self.config)
+            check_cache(cache, KVMCache, self.config)
         check_input_ids(input_ids, inputs_embeds, self.config.vocab_size, cache)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -510,6 +504,8 @@ class KVMModel(KVMPreTrainedModel):
         x0 = self.embed_norm(inputs_embeds)
         batch, length = x0.shape[:2]
         valid = real_tokens(attention_mask, batch, length, cache.columns if cache is not None else 0, x0.device)
+        if valid is not None and bool(valid.all()):
+            valid = None  # all tokens real: the unpadded path
         if cache is not None:
             plan = cache.plan(batch, length, valid, x0.device)
         else:
@@ -543,65 +539,35 @@ class KVMModel(KVMPreTrainedModel):
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            **{CACHE_FIELD: cache if use_cache else None},
+            **{CACHE_NAME: cache if use_cache else None},
         )
 
 
 def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache: KVMCache | None) -> None:
-    """Clear errors for inputs the model cannot read. Token ids are range-checked on CPU always, and on
-    accelerators for prompts (checking each decoding step's ids would stall the device every token)."""
+    """Clear errors for inputs the model cannot read: exactly one of input_ids and inputs_embeds, of the
+    right shape (token ids checked as `check_token_ids` does)."""
     if input_ids is not None and inputs_embeds is not None:
         raise ValueError("Pass either input_ids or inputs_embeds, not both.")
     if input_ids is None and inputs_embeds is None:
         raise ValueError("Pass input_ids or inputs_embeds.")
-    if inputs_embeds is not None:
-        if inputs_embeds.ndim != 3 or inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
-            raise ValueError(f"inputs_embeds must be a non-empty [batch, length, hidden] tensor, "
-                             f"got shape {tuple(inputs_embeds.shape)}")
-        return
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool \
-            or input_ids.is_complex():
-        raise TypeError(f"input_ids must be an integer tensor, got {getattr(input_ids, 'dtype', type(input_ids))}")
-    if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got shape {tuple(input_ids.shape)}")
-    prompt = cache is None or cache.get_seq_length() == 0 or input_ids.shape[1] > 1
-    if input_ids.device.type == "cpu" or prompt:
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= vocab_size:
-            raise ValueError(f"input_ids must be in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
+    if inputs_embeds is None:
+        check_token_ids(input_ids, vocab_size, cache)
+    elif inputs_embeds.ndim != 3 or inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
+        raise ValueError(f"inputs_embeds must be a non-empty [batch, length, hidden] tensor, "
+                         f"got shape {tuple(inputs_embeds.shape)}")
 
 
-def real_tokens(attention_mask, batch: int, length: int, cached: int, device) -> torch.Tensor | None:
-    """[B, T] booleans for this forward's real tokens, or None when all are real. The mask covers the new
-    tokens or, as generate() passes it, the cached columns and the new tokens."""
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
-    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (length,
-                                                                                                     cached + length):
-        expected = f"[{batch}, {length}]" + (f" or [{batch}, {cached + length}]" if cached else "")
-        raise ValueError(f"attention_mask must have shape {expected} (batch, cached + new tokens), "
-                         f"got {tuple(attention_mask.shape)}")
-    valid = attention_mask[:, -length:].to(device=device) != 0
-    return None if bool(valid.all()) else valid
-
-
-class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
+class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixin):
     """KVM model with a language-modelling head (optional logit soft-cap)."""
 
     _tied_weights_keys = {}
+    cache_class = KVMCache
 
     def __init__(self, config: KVMConfig):
         super().__init__(config)
         self.model = KVMModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """transformers' generate() inside `runtime_speedups()`."""
-        with self.runtime_speedups():
-            return super().generate(*args, **kwargs)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -614,29 +580,6 @@ class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
-
-    def _prepare_cache_for_generation(
-        self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
-    ):
-        """generate() gets a KVMCache (never a DynamicCache) unless use_cache=False."""
-        user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-        if user_cache is not None:
-            if not isinstance(user_cache, KVMCache):
-                raise TypeError(f"KVM models need a KVMCache, got {type(user_cache).__name__}.")
-            user_cache.check_compatible(self.config)
-            if getattr(generation_config, "is_assistant", False):
-                user_cache.activate_past_recording()
-            return
-        if generation_config.use_cache is False:
-            return
-        if generation_config.cache_implementation not in (None, "dynamic"):
-            raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
-                "KVM models always use their own KVMCache."
-            )
-        model_kwargs[CACHE_FIELD] = KVMCache(self.config)
-        if getattr(generation_config, "is_assistant", False):
-            model_kwargs[CACHE_FIELD].activate_past_recording()
 
     def forward(
         self,
@@ -676,7 +619,7 @@ class KVMForCausalLM(KVMPreTrainedModel, GenerationMixin):
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
-            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
 
 

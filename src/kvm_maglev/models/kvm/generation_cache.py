@@ -1,0 +1,36 @@
+# Generated from kvm_maglev/models/common/generation_cache.py (python -m kvm_maglev.models.sync_shared); do not edit by hand.
+"""generate() for a model with a cache class of its own, run inside the model's runtime speed-ups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .model_inputs import GENERATE_CACHE_KWARG, check_cache
+
+
+class OwnCacheGenerationMixin:
+    """Put before GenerationMixin: generate() opens `runtime_speedups()` and gets a `cache_class` cache
+    (never a DynamicCache) unless the user passed one or disabled caching; an assistant's cache records
+    its steps so that rejected draft tokens can be cropped."""
+
+    cache_class: type
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' generate() inside `runtime_speedups()`."""
+        with self.runtime_speedups():
+            return super().generate(*args, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        user_cache = model_kwargs.get(GENERATE_CACHE_KWARG)
+        if user_cache is not None:
+            check_cache(user_cache, self.cache_class, self.config)
+            super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        elif generation_config.use_cache is False:
+            return
+        elif generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
+                             f"{self.cache_class.MODEL_NAME} models always use their own {self.cache_class.__name__}.")
+        else:
+            model_kwargs[GENERATE_CACHE_KWARG] = self.cache_class(self.config)
+        if getattr(generation_config, "is_assistant", False):
+            model_kwargs[GENERATE_CACHE_KWARG].activate_past_recording()
