@@ -38,7 +38,7 @@ def package_free_path() -> list[str]:
     transformers' module cache (an earlier test's remote code puts it there; the child has its own)."""
     spec = importlib.util.find_spec("kvm_maglev")
     package_root = Path(spec.origin).resolve().parent.parent
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1]
     kept = []
     for entry in sys.path:
         resolved = Path(entry or os.getcwd()).resolve()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CORPUS = REPO_ROOT / "examples" / "data" / "tiny_corpus.txt"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_determinism import MODELS, PAD, VOCAB, build
+from tests.generation.test_determinism import MODELS, PAD, VOCAB, build
 from transformers import DynamicCache
 
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM

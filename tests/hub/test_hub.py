@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hub_server import HubServer
+from tests.hub.hub_server import HubServer
 
 CLIENT_TIMEOUT_S = 240
 # Loading steps must work without our package, like on a user's machine.

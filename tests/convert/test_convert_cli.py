@@ -404,7 +404,7 @@ def test_existing_out_needs_overwrite(data_dir, tmp_path, capsys):
 
 def test_push_to_hub_after_converting(data_dir, tmp_path):
     """`--push-to-hub ORG/NAME --private --push-revision dev` publishes OUT (to the local Hub test double)."""
-    from hub_server import HubServer
+    from tests.hub.hub_server import HubServer
 
     source = data_dir / "nanochat" / "tiny_sl" / "base_checkpoints" / "d2"
     out = tmp_path / "out"

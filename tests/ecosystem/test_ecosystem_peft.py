@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import ecosystem_support as support
+from tests.ecosystem import ecosystem_support as support
 from kvm_maglev.training import lora_target_modules
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

@@ -4,7 +4,7 @@ Each test compares against a simpler path that must agree."""
 
 import pytest
 import torch
-from test_maglev_model import VOCAB, random_ids, tiny_model
+from tests.models.maglev.test_maglev_model import VOCAB, random_ids, tiny_model
 from transformers import DynamicCache
 
 from kvm_maglev.cache_monitor import CacheMonitor, describe_cache

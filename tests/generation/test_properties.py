@@ -31,7 +31,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_maglev_model import randomize as randomize_maglev
+from tests.models.maglev.test_maglev_model import randomize as randomize_maglev
 
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache

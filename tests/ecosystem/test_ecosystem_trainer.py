@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, default_data_collator
 
-import ecosystem_support as support
+from tests.ecosystem import ecosystem_support as support
 from kvm_maglev.training import (
     MAGLEV_RECIPE,
     MAGLEV_RECIPES,

@@ -10,7 +10,7 @@ import torch
 from accelerate.utils import compute_module_sizes
 from transformers import AutoModelForCausalLM
 
-import ecosystem_support as support
+from tests.ecosystem import ecosystem_support as support
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
