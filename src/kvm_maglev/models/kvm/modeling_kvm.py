@@ -20,13 +20,17 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
 
 from .cache_kvm import KVMCache, KVMLayerCache, RowGroup, SlidingWindowLayerCache, StepPlan, new_layer_cache
+from .carried_card import CarriedCardMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
 from .runtime_kvm import runtime_speedups
 from .state_kvm import Overflow, fold_overflow, readable_state, slot_norms, state_keys
+
+logger = logging.get_logger(__name__)
 
 
 
@@ -390,7 +394,7 @@ class KVMDecoderLayer(GradientCheckpointingLayer):
 
 
 # ---- models --------------------------------------------------------------------------------
-class KVMPreTrainedModel(PreTrainedModel):
+class KVMPreTrainedModel(CarriedCardMixin, PreTrainedModel):
     config_class = KVMConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -441,6 +445,12 @@ class KVMPreTrainedModel(PreTrainedModel):
         if isinstance(module, KVMAttention) and config.head_temperatures:
             init.ones_(module.window_temperature)
             init.ones_(module.state_temperature)
+
+
+def state_training_length(config: KVMConfig) -> int:
+    """Shortest sequence that trains every KVM weight: block 1 is merged into the state when the first token of
+    chunk `window_chunks + 1` arrives, and that token's prediction has a label only if one more token follows."""
+    return config.chunk_size * (config.window_chunks + 1) + 2
 
 
 class KVMModel(KVMPreTrainedModel):
@@ -503,6 +513,12 @@ class KVMModel(KVMPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         x0 = self.embed_norm(inputs_embeds)
         batch, length = x0.shape[:2]
+        seen = (cache.columns if cache is not None else 0) + length
+        if self.training and torch.is_grad_enabled() and seen < state_training_length(self.config):
+            logger.warning_once(
+                f"Training KVM on {seen}-token sequences: blocks enter the state only once a chunk has left the "
+                f"attention window, so the merge gate and state norm get no gradient below "
+                f"{state_training_length(self.config)} tokens ((window_chunks + 1) * chunk_size + 2).")
         valid = real_tokens(attention_mask, batch, length, cache.columns if cache is not None else 0, x0.device)
         if valid is not None and bool(valid.all()):
             valid = None  # all tokens real: the unpadded path

@@ -18,6 +18,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .cache_maglev import GrowingKeyValues, MaglevCache, RingKeyValues, StepPlan, gather_columns, previous_real_index
+from .carried_card import CarriedCardMixin
 from .configuration_maglev import MaglevConfig
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
@@ -263,7 +264,7 @@ class MaglevBlock(GradientCheckpointingLayer):
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
-class MaglevPreTrainedModel(PreTrainedModel):
+class MaglevPreTrainedModel(CarriedCardMixin, PreTrainedModel):
     config_class = MaglevConfig
     config: MaglevConfig
     base_model_prefix = "model"
