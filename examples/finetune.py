@@ -30,6 +30,7 @@ from kvm_maglev.training import (
     group_texts_dataset,
     lora_target_modules,
     parameter_digest,
+    training_block_size,
 )
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "tiny_corpus.txt"
@@ -43,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="model folder (or Hub id) loaded with trust_remote_code")
     parser.add_argument("--output-dir", required=True, help="where checkpoints and the final model go")
     parser.add_argument("--train-file", default=str(DEFAULT_TEXT), help="plain text, one document per line")
-    parser.add_argument("--block-size", type=int, default=128, help="tokens per packed training block")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per packed training block (default: 128, or for KVM the shortest whole number "
+                             "of chunks that trains its state, if longer)")
     parser.add_argument("--eval-fraction", type=float, default=0.1, help="share of blocks held out (0 = no eval)")
     parser.add_argument("--max-steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=4, help="per-device micro-batch size")
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         model.gradient_checkpointing_enable()
     if args.lora:
         model = add_lora(model, args)
+    if args.block_size is None:
+        args.block_size = training_block_size(model.config)
     train_dataset, eval_dataset = build_datasets(args, tokenizer)
 
     training_args = TrainingArguments(

@@ -5,6 +5,7 @@
   `loss` (Maglev: `lm_loss` and `consistency_loss`), for training and evaluation.
 - `LORA_TARGET_MODULES` / `lora_target_modules`: the documented LoRA targets per architecture.
 - `parameter_digest`: one hash over all parameters, to check replicas and resumed runs agree.
+- `training_block_size`: a block length that trains every weight (KVM's state needs one chunk past its window).
 - `MaglevStepCallback`: tells a Maglev model the optimizer step, for its step-dependent training switches.
 - `MAGLEV_RECIPES` / `MAGLEV_RECIPE`: named Maglev memory-training recipes, and the one the examples use.
 """
@@ -81,6 +82,17 @@ def lora_target_modules(model: nn.Module, groups: Sequence[str] | None = None) -
     if not names:
         raise ValueError(f"none of the documented LoRA targets is a linear layer of this {model_type} model")
     return names
+
+
+def training_block_size(config: Any, default: int = 128) -> int:
+    """Packed-block length for fine-tuning: for KVM the shortest whole number of chunks that trains the state
+    (its merge gate and norm get no gradient from shorter blocks), at least `default`; `default` otherwise."""
+    if getattr(config, "model_type", None) != "kvm":
+        return default
+    from .models.kvm.modeling_kvm import state_training_length
+
+    chunk = config.chunk_size
+    return max(default, -(-state_training_length(config) // chunk) * chunk)
 
 
 def group_texts_dataset(
