@@ -20,11 +20,14 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import can_return_tuple
 from transformers.utils import logging
 
 from .cache_kvm import KVMCache, KVMLayerCache, RowGroup, SlidingWindowLayerCache, StepPlan, new_layer_cache
 from .carried_card import CarriedCardMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
+from .conventions import (attention, check_attn_implementation, check_position_ids, config_default,
+                          refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
 from .runtime_kvm import runtime_speedups
@@ -35,6 +38,12 @@ logger = logging.get_logger(__name__)
 
 
 # ---- small math helpers --------------------------------------------------------------------
+# why the models refuse what transformers offers for plain attention
+KVM_NO_KERNELS = "one softmax spans a compressed key-value state and a block window; flash, flex and paged kernels take neither"
+KVM_NO_WEIGHTS = ("KVM models return no attention weights: a query's softmax spans merged state slots and a block "
+                  "window, which no [batch, heads, query, key] tensor over the tokens describes")
+
+
 def rotary_tables(
     positions: torch.Tensor, rotary_dim: int, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -152,6 +161,11 @@ class KVMAttentionBase(nn.Module):
     def output(self, y: torch.Tensor) -> torch.Tensor:
         return self.o_proj(y.transpose(1, 2).flatten(2))
 
+    @property
+    def eager(self) -> bool:
+        """attn_implementation="eager": window attention as explicit products instead of torch's fused kernel."""
+        return self.config._attn_implementation == "eager"
+
 
 class KVMSlidingWindowAttention(KVMAttentionBase):
     """Plain causal attention over the last `sliding_window` tokens (research 'swa' mixer)."""
@@ -179,7 +193,7 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         q_pos = torch.arange(start, start + length, device=q.device).unsqueeze(1)
         k_pos = torch.arange(first_key, start + length, device=q.device).unsqueeze(0)
         mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        y = attention(q, keys, values, mask, self.eager)
         cache.window.drop_before(start + length - self.window)
         cache.seen = start + length
         return y
@@ -264,10 +278,10 @@ class KVMAttention(KVMAttentionBase):
     def attend_window(self, q, keys, values) -> torch.Tensor:
         """Causal attention inside the front window (no state yet); temperature on the queries."""
         q = q * self.temperature("window_temperature")
-        if q.shape[2] == keys.shape[2]:
+        if q.shape[2] == keys.shape[2] and not self.eager:
             return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
         mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device) if q.shape[2] > 1 else None
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return attention(q, keys, values, mask, self.eager)
 
     def attend_state_and_window(self, q, keys, values, state_keys, state_value_columns) -> torch.Tensor:
         """One softmax over state slots and window keys, without concatenating keys/values.
@@ -401,6 +415,16 @@ class KVMPreTrainedModel(CarriedCardMixin, PreTrainedModel):
     _no_split_modules = ["KVMDecoderLayer"]
     _supports_sdpa = True
 
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """set_attn_implementation may switch "sdpa" and "eager": the attention reads the config at every call."""
+        return True
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
+        """transformers' check, after refusing what the attention cannot run (at load and on a switch)."""
+        check_attn_implementation(attn_implementation or "sdpa", "KVM", KVM_NO_KERNELS)
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+
     def runtime_speedups(self) -> contextlib.AbstractContextManager:
         """A block in which inference takes runtime_kvm's speed-ups (oneDNN linears, one-query CPU attention,
         folds computed ahead) and outside which the model is plain; same results up to float rounding.
@@ -484,6 +508,7 @@ class KVMModel(KVMPreTrainedModel):
         kvm_anchor = sliding_anchor if self.config.sliding_window_share_value_residual else anchor(self.layers[1])
         return kvm_anchor, sliding_anchor
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -492,19 +517,22 @@ class KVMModel(KVMPreTrainedModel):
         past_key_values: KVMCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         cache: KVMCache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        """Padding (attention_mask == 0, anywhere) is skipped per row: each row's positions, chunk
-        boundaries and state follow its own real tokens. Without a mask every token is real and the
-        model is strictly causal (right padding needs no mask). `position_ids` are used only by
-        forwards without a cache or padding; otherwise positions come from each row's length."""
+        """Padding (attention_mask == 0, anywhere) is skipped per row: each row's chunk boundaries and state
+        follow its own real tokens. Without a mask every token is real and the model is strictly causal
+        (right padding needs no mask). Rotary positions are `position_ids` when given (a restart inside a row,
+        as packed sequences have, is refused), else each row's count of real tokens before."""
         cache = take_cache(past_key_values, cache)
         if cache is not None:
             check_cache(cache, KVMCache, self.config)
         check_input_ids(input_ids, inputs_embeds, self.config.vocab_size, cache)
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        refuse_attention_weights(output_attentions, self.config, KVM_NO_WEIGHTS)
+        output_hidden_states = config_default(output_hidden_states, self.config, "output_hidden_states")
+        use_cache = config_default(use_cache, self.config, "use_cache")
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache, cache = False, None  # the cache would be updated again by the recomputation
         if use_cache and cache is None:
@@ -528,8 +556,9 @@ class KVMModel(KVMPreTrainedModel):
             fresh = [new_layer_cache(self.config, i) for i in range(self.config.num_hidden_layers)]
             plan = StepPlan(batch, length, valid, [RowGroup(list(range(batch)), fresh)], x0.device)
         positions = plan.positions
-        if position_ids is not None and cache is None and valid is None:
-            positions = position_ids if position_ids.shape[0] > 1 else position_ids[0]
+        if position_ids is not None:
+            check_position_ids(position_ids, positions, valid, batch, "KVM", "state and token shifts")
+            positions = position_ids.to(x0.device)
         head = self.config.qk_head_dim
         kvm_rotary = rotary_tables(positions, self.config.rotary_dim, head, self.config.rope_theta)
         sliding_rotary = None
@@ -597,6 +626,7 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -606,13 +636,13 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         cache: KVMCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        for ignored in ("output_attentions", "return_dict"):
-            kwargs.pop(ignored, None)
+        """transformers' causal-LM forward; `return_dict=False` (argument or config) returns the tuple."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -620,8 +650,10 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             cache=cache,
+            return_dict=True,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

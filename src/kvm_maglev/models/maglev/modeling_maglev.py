@@ -16,13 +16,22 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import can_return_tuple
 
 from .cache_maglev import GrowingKeyValues, MaglevCache, RingKeyValues, StepPlan, gather_columns, previous_real_index
 from .carried_card import CarriedCardMixin
 from .configuration_maglev import MaglevConfig
+from .conventions import (attention, check_attn_implementation, check_position_ids, config_default,
+                          refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
 from .runtime_maglev import runtime_speedups
+
+# why the models refuse what transformers offers for plain attention
+MAGLEV_NO_KERNELS = ("decoding attends over a ring of cached window keys with per-row positions under masks of "
+                     "its own; flash, flex and paged kernels do not run them")
+MAGLEV_NO_WEIGHTS = ("Maglev models return no attention weights: decoding attends token by token over a ring of "
+                     "cached keys whose slots are not token positions")
 
 # Queries per attention call when a long chunk runs in parallel (prefiller prompts, training). Each call
 # computes its block's queries against QUERY_BLOCK + window keys, masked, so smaller blocks waste less.
@@ -86,11 +95,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
-def sdpa(q, keys, values, mask):
-    """Scaled dot-product attention with a boolean mask (grouped KV heads allowed)."""
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-
-
 def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
     """[B, 1, Tq, Tk]: a query sees real keys (position >= 0) from `left` positions back up to its own."""
     q = query_positions[:, :, None]
@@ -130,9 +134,9 @@ def block_mask(plan: StepPlan, left: int, block: tuple[int, int, int]) -> torch.
     return plan.mask(("block", left, begin), build)
 
 
-def windowed_attention(plan: StepPlan, q, k, v, left: int, prefix_mask=None, prefix=None) -> torch.Tensor:
+def windowed_attention(plan: StepPlan, q, k, v, left: int, eager: bool, prefix_mask=None, prefix=None) -> torch.Tensor:
     """Attention of the chunk's queries over `prefix` keys/values (a ring, with `prefix_mask(begin, end)`) and
-    the chunk's own keys within `left`, block by block of queries."""
+    the chunk's own keys within `left`, block by block of queries (`eager`: as explicit products)."""
     outputs = []
     for block in query_blocks(plan, left):
         lo, begin, end = block
@@ -141,7 +145,7 @@ def windowed_attention(plan: StepPlan, q, k, v, left: int, prefix_mask=None, pre
         if prefix is not None:
             mask = torch.cat([prefix_mask(begin, end), mask], dim=-1)
             keys, values = torch.cat([prefix[0], keys], dim=2), torch.cat([prefix[1], values], dim=2)
-        outputs.append(sdpa(q[:, :, begin:end], keys, values, mask))
+        outputs.append(attention(q[:, :, begin:end], keys, values, mask, eager))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
@@ -198,10 +202,15 @@ class MaglevAttention(nn.Module):
         y = self.attend(q, k, v, window, store, plan)
         return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
 
+    @property
+    def eager(self) -> bool:
+        """attn_implementation="eager": attention as explicit products instead of torch's fused kernel."""
+        return self.config._attn_implementation == "eager"
+
     def attend(self, q, k, v, window: int, store, plan: StepPlan) -> torch.Tensor:
         """The chunk's queries over the keys the layer's cache holds and the chunk's own; the chunk is stored."""
         if store is None:
-            return windowed_attention(plan, q, k, v, window)
+            return windowed_attention(plan, q, k, v, window, self.eager)
         if isinstance(store, RingKeyValues):
             y = self.attend_ring(q, k, v, store, plan)
             store.write(k, v, plan)
@@ -217,7 +226,7 @@ class MaglevAttention(nn.Module):
         def ring_mask(begin: int, end: int) -> torch.Tensor:
             return plan.mask(("ring", capacity, begin), lambda: visible_keys(
                 plan.query_positions[:, begin:end], slot_positions, capacity))
-        return windowed_attention(plan, q, k, v, capacity, ring_mask, (keys, values))
+        return windowed_attention(plan, q, k, v, capacity, self.eager, ring_mask, (keys, values))
 
     def attend_columns(self, q, store: GrowingKeyValues, window: int, plan: StepPlan) -> torch.Tensor:
         """Over every stored column within `window` (nanochat's "L" layers), the chunk's last among them."""
@@ -229,7 +238,7 @@ class MaglevAttention(nn.Module):
             query_columns = (end - plan.length + torch.arange(plan.length, device=q.device))[:, None]
             seen = visible_keys(plan.query_positions, positions, window)
             return (seen & (columns <= query_columns)) | (columns == query_columns)
-        return sdpa(q, keys, values, plan.mask(("all", window), build))
+        return attention(q, keys, values, plan.mask(("all", window), build), self.eager)
 
 
 class MaglevMLP(nn.Module):
@@ -273,6 +282,16 @@ class MaglevPreTrainedModel(CarriedCardMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _can_compile_fullgraph = False
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """set_attn_implementation may switch "sdpa" and "eager": the attention reads the config at every call."""
+        return True
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
+        """transformers' check, after refusing what the attention cannot run (at load and on a switch)."""
+        check_attn_implementation(attn_implementation or "sdpa", "Maglev", MAGLEV_NO_KERNELS)
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
     def runtime_speedups(self) -> contextlib.AbstractContextManager:
         """A block in which inference runs its speed-ups (runtime_maglev: oneDNN linears, blocked weight copies
@@ -588,14 +607,28 @@ class MaglevModel(MaglevPreTrainedModel):
             return self.config.has_prefiller
         return self.config.memory_prefill == "prefiller" and length > 1
 
+    def check_positions(self, position_ids, cache: MaglevCache | None, valid, input_ids: torch.Tensor) -> None:
+        """Maglev's positions are each row's count of real tokens before (as generate() passes them): its
+        windows and its memory run over consecutive tokens, so other position_ids are refused."""
+        batch, length = input_ids.shape
+        start = cache.positions if cache is not None else input_ids.new_zeros(batch)
+        own = StepPlan(start, valid, length).query_positions
+        if check_position_ids(position_ids, own, valid, batch, "Maglev", "memory"):
+            raise ValueError("position_ids differ from Maglev's own positions (each row's count of real tokens "
+                             "before, cached ones included): its sliding windows and recurrent memory run over "
+                             "consecutive tokens, so positions cannot skip or shift. Leave position_ids unset.")
+
     # ----- forward ------------------------------------------------------------------------------
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
         past_key_values: MaglevCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         lifted: bool | None = None,
         memory_inputs: torch.Tensor | None = None,
@@ -605,12 +638,15 @@ class MaglevModel(MaglevPreTrainedModel):
         kept; `memory_inputs` (tests, research) runs P in parallel on the given `mu`.
 
         Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
-        and the model is strictly causal (right padding needs no mask)."""
+        and the model is strictly causal (right padding needs no mask). `position_ids`, when given, must be
+        the model's own (`check_positions`)."""
         cache = take_cache(past_key_values, kwargs.pop("cache", None))
         config = self.config
         check_input_ids(input_ids, inputs_embeds, config.vocab_size, cache)
         if cache is not None:
             check_cache(cache, MaglevCache, config)
+        refuse_attention_weights(output_attentions, config, MAGLEV_NO_WEIGHTS)
+        output_hidden_states = config_default(output_hidden_states, config, "output_hidden_states")
         use_cache = (config.use_cache and not self.training) if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
@@ -624,6 +660,8 @@ class MaglevModel(MaglevPreTrainedModel):
         memory_init = self.memory_init if config.use_memory else None
         if cache is not None:
             cache.prepare(batch, memories_like(self), memory_init)
+        if position_ids is not None:
+            self.check_positions(position_ids, cache, valid, input_ids)
         if lifted is None:
             lifted = self.training
         hidden_states = [] if output_hidden_states else None
@@ -726,33 +764,39 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         cap = self.config.logit_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
         past_key_values: MaglevCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         memory_inputs: torch.Tensor | None = None,
         **kwargs,
     ) -> MaglevCausalLMOutput:
         """Training forward (labels given or training mode): lifted parallel training with the
-        consistency loss; otherwise inference with `config.memory_prefill`."""
+        consistency loss; otherwise inference with `config.memory_prefill`. `return_dict=False` (argument or
+        config) returns the tuple."""
         cache = take_cache(past_key_values, kwargs.pop("cache", None))
-        for ignored in ("output_attentions", "return_dict", "cache_position", "position_ids"):
-            kwargs.pop(ignored, None)
+        kwargs.pop("cache_position", None)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            position_ids=position_ids,
             past_key_values=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             lifted=self.training or labels is not None,
             memory_inputs=memory_inputs,
+            return_dict=True,
         )
         logits = self.logits(kept_positions(outputs.last_hidden_state, logits_to_keep))
         loss = lm_loss = None
