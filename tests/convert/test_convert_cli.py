@@ -324,7 +324,7 @@ class _RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_pickle_with_code_is_refused(data_dir, tmp_path, capsys):
+def test_checkpoint_pickle_with_code_is_refused(data_dir, tmp_path, capsys):
     case_dir = data_dir / "kvm" / "kvm_fixed"
     checkpoint = torch.load(case_dir / "research" / "model_step000050.pt", weights_only=True)
     marker = tmp_path / "code_ran"

@@ -136,7 +136,7 @@ def test_non_finite_logits_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_dry_run_writes_nothing(tmp_path, tokenizer, capsys):
+def test_folder_writer_dry_run_writes_nothing(tmp_path, tokenizer, capsys):
     out = write_model_folder(_tiny_llama(), tmp_path / "out", tokenizer=tokenizer, card_text="card",
                              dtype="float16", max_shard_size="40KB", dry_run=True)
     printed = capsys.readouterr().out
