@@ -15,7 +15,7 @@ forward calls. The properties:
   cache holds only sliding windows.
 
 Profiles: the fast one (fixed examples, `derandomize`) runs in CI; the large one (300 cases per model,
-every property on each case) runs with `pytest -m slow tests/test_properties.py`. Setting
+every property on each case) runs with `pytest -m slow tests/generation/test_properties.py`. Setting
 KVM_MAGLEV_PROPERTY_PROFILE=large runs the per-property tests with the large profile too, and
 KVM_MAGLEV_PROPERTY_EXAMPLES=N changes the large profile's case count. A failure prints the drawn
 case, config fields included.
