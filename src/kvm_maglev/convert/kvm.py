@@ -174,7 +174,7 @@ def _check_supported(fields: dict) -> None:
 
 
 def kvm_config_from_research(fields: dict, **overrides: Any) -> KVMConfig:
-    """Map research MixerConfig fields (see configuration_kvm's table) to a KVMConfig."""
+    """Map research MixerConfig fields (the research names in configuration_kvm.KVM_FIELDS) to a KVMConfig."""
     _check_supported(fields)
     get = fields.get
     hidden, heads = int(get("hidden_size", 768)), int(get("num_attention_heads", 6))

@@ -17,6 +17,7 @@ MODELS_DIR = Path(__file__).resolve().parent
 COMMON_DIR = MODELS_DIR / "common"
 # shared module -> the model folders that carry a copy
 SHARED_MODULES: dict[str, tuple[str, ...]] = {
+    "config_fields.py": ("kvm", "maglev"),
     "onednn_linear.py": ("kvm", "maglev"),
     "runtime_switch.py": ("kvm", "maglev"),
     "saved_cache.py": ("kvm", "maglev"),

@@ -22,25 +22,13 @@ from typing import Iterable
 import torch
 from transformers.cache_utils import Cache
 
-from .configuration_kvm import KVMConfig
+from .configuration_kvm import CACHE_CONFIG_FIELDS, KVMConfig
 from .saved_cache import SavedCache, tensors_under
 
 CACHE_FORMAT = "kvm-cache"
 CACHE_FORMAT_VERSION = 1
 TENSORS_FILE = "kvm_cache.safetensors"
 META_FILE = "kvm_cache.json"
-# Config fields that decide what a cache holds and how a model reads it.
-CACHE_CONFIG_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "value_head_dim",
-    "intermediate_size", "layer_norm_eps", "rope_theta", "rotary_dim", "chunk_size", "window_chunks", "sink_slots",
-    "state_budget_mode", "state_budget_min", "state_budget_factor", "state_budget_exponent",
-    "state_budget_saturation", "state_budget_round_to", "state_max_chunks", "merge_gate_keys", "merge_gate_values",
-    "merge_gate_appends", "merge_gate_initial_state", "head_temperatures", "state_value_norms", "kvm_token_shift",
-    "ffn_token_shift", "value_residual", "kvm_value_residual_mode", "sliding_window_every", "sliding_window",
-    "sliding_window_rope_theta", "sliding_window_rotary_dim", "sliding_window_token_shift",
-    "sliding_window_value_residual_mode", "sliding_window_share_value_residual", "block_lambdas",
-    "residual_scale", "logit_softcap",
-)
 
 
 class TokenBuffer:

@@ -1,58 +1,9 @@
 """KVM (Key-Value Means) model configuration.
 
-Mapping from the research code's `MixerConfig` (github recursal/KVM-paper,
-`model/rwkv7_backbone.py`) to `KVMConfig`. The converter applies it; the README
-section "KVM config fields" repeats it.
-
-| research `MixerConfig` field | `KVMConfig` field | notes |
-|---|---|---|
-| vocab_size | vocab_size | |
-| hidden_size | hidden_size | |
-| num_hidden_layers | num_hidden_layers | |
-| num_attention_heads | num_attention_heads | |
-| d_qk_head / d_head | head_dim | default hidden_size // num_attention_heads |
-| d_v_head / d_head | value_head_dim | default hidden_size // num_attention_heads |
-| ffn_expansion | intermediate_size | int(ffn_expansion * hidden_size) // 32 * 32 |
-| rope_theta | rope_theta | |
-| rope_partial_dim | rotary_dim | rotated channels of a head (KVM layers), zeroed in state keys; default: half the head (research: 64 of 128) |
-| alt_rope_theta | sliding_window_rope_theta | |
-| alt_rope_partial_dim | sliding_window_rotary_dim | 0 = no rotary in sliding-window layers; default: whole head |
-| alt_layer_every | sliding_window_every | layers with index % n == 0 are sliding-window; 0 = none |
-| alt_token_mixer | - | only "swa" (rejected otherwise) |
-| token_mixer | - | only "kvm" (rejected otherwise) |
-| alt_share_v0 | sliding_window_share_value_residual | KVM layers use the first sliding layer's value anchor |
-| swa_window_size | sliding_window | <= 0 in research means chunk_len |
-| chunk_len | chunk_size | |
-| n_bswa_chunks | window_chunks | chunk-aligned blocks in the sliding window |
-| sink_len | sink_slots | state slots never merged into |
-| n_max_d_chunks | state_max_chunks | state cap = chunk_size * state_max_chunks |
-| state_budget_mode | state_budget_mode | "fixed", "power_law", "kvm_saturation" |
-| state_growth_factor | state_budget_factor | power_law: factor * N ** exponent |
-| state_growth_exponent | state_budget_exponent | |
-| state_saturation_n | state_budget_saturation | kvm_saturation: n * N / (n + N) |
-| state_min_len | state_budget_min | fixed: the budget; others: the floor |
-| state_round_down | state_budget_round_to | budget rounded down to a multiple |
-| kvm_use_merge_gate_keys | merge_gate_keys | scale merged keys by 1 + elu(W x) |
-| kvm_use_merge_gate_values | merge_gate_values | scale merged values by the gate |
-| kvm_apply_merge_gate_to_appends | merge_gate_appends | appended slots gated too |
-| kvm_apply_merge_gate_to_initial_state | merge_gate_initial_state | first chunk gated too |
-| kvm_use_head_temps | head_temperatures | per-head window/state key scales |
-| kvm_use_vlens | state_value_norms | True: renormalise to slot norm; False: divide by counts (research: +1 on every slot per merged block; only with a one-chunk state) |
-| use_tokenshift_att + kvm_token_shift_mode | kvm_token_shift | token shift of q/k/v in KVM layers |
-| use_tokenshift_att + swa_token_shift_mode | sliding_window_token_shift | same, sliding-window layers |
-| use_tokenshift_ffn | ffn_token_shift | |
-| use_value_residual | value_residual | |
-| kvm_value_residual_mode | kvm_value_residual_mode | "linear", "rwkv", "rwkv_post_tokenshift" |
-| swa_value_residual_mode | sliding_window_value_residual_mode | same values |
-| use_block_lambdas | block_lambdas | x <- a * x + b * x0 before attention |
-| residual_scale | residual_scale | None in research means 1.0 |
-| logit_softcap | logit_softcap | 0 = off |
-| use_skip_connections | - | rejected when set (no published model uses it) |
-| use_l2wrap | - | rejected when set (training-only gradient trick) |
-| token_mixer_class_path / alt_token_mixer_class_path | - | must be unset or the KVM/SWA mixers |
-| param_dtype | torch_dtype | |
-| mup_base_dim, use_overflow_v_key_weighting, use_state_deltarule, use_state_decay, gptalpha_*, ovq_*, kda_*, gated_deltanet_*, lact_* | - | not read by the KVM or SWA layers; ignored |
-| (fixed) | layer_norm_eps | 1e-5, PyTorch LayerNorm default used by the research code |
+`KVM_FIELDS` declares every field once: type, default, meaning, its name in the research code's
+`MixerConfig` (github recursal/KVM-paper, `model/rwkv7_backbone.py`; the converter applies the mapping) and
+whether a saved cache depends on it. `KVMConfig.__init__` and its docstring, `CACHE_CONFIG_FIELDS` and the
+table in docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from it.
 """
 
 from __future__ import annotations
@@ -71,6 +22,8 @@ if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.
                       "upgrade with: pip install -U 'transformers>=5.17'")
 # ----- end of version guard -----
 
+from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields
+
 logger = logging.get_logger(__name__)
 
 STATE_BUDGET_MODES = ("fixed", "power_law", "kvm_saturation")
@@ -87,114 +40,122 @@ BUDGET_FIELDS = (
     "sink_slots",
 )
 
+# In `__init__` order (positional arguments follow it). Switches are stored as bools: research YAML gives 0/1.
+KVM_FIELDS = (
+    ConfigField("vocab_size", int, 50304, "tokenizer size", "vocab_size", cache=True),
+    ConfigField("hidden_size", int, 768, "model width", "hidden_size", cache=True),
+    ConfigField("num_hidden_layers", int, 12, "decoder layers", "num_hidden_layers", cache=True),
+    ConfigField("num_attention_heads", int, 6, "attention heads", "num_attention_heads", cache=True),
+    ConfigField("head_dim", int | None, None, "query/key channels per head "
+                "(None: hidden_size // num_attention_heads)", "d_qk_head / d_head", cache=True),
+    ConfigField("value_head_dim", int | None, None, "value channels per head "
+                "(None: hidden_size // num_attention_heads)", "d_v_head / d_head", cache=True),
+    ConfigField("intermediate_size", int | None, None, "MLP width; converted: int(ffn_expansion * hidden_size) // 32 * 32 "
+                "(None: 4 * hidden_size, rounded down to a multiple of 32)", "ffn_expansion", cache=True),
+    ConfigField("layer_norm_eps", float, 1e-5, "LayerNorm epsilon: PyTorch's default, as the research code uses",
+                cache=True),
+    ConfigField("rope_theta", float, 10000.0, "rotary base of the KVM layers", "rope_theta", cache=True),
+    ConfigField("rotary_dim", int | None, None, "rotated channels of a head in KVM layers, zeroed in state keys; the "
+                "whole head leaves state keys all zero (warned) (None: half the head; research: 64 of 128)",
+                "rope_partial_dim", cache=True),
+    ConfigField("chunk_size", int, 256, "tokens per chunk: the window slides and the state merges a chunk at a time",
+                "chunk_len", cache=True),
+    ConfigField("window_chunks", int, 2, "chunk-aligned blocks in the sliding window", "n_bswa_chunks", cache=True),
+    ConfigField("sink_slots", int, 1, "state slots never merged into", "sink_len", cache=True),
+    ConfigField("state_budget_mode", str, "fixed", 'how the state grows: "fixed", "power_law" or "kvm_saturation"',
+                "state_budget_mode", cache=True),
+    ConfigField("state_budget_min", int, 256, "fixed: the budget; others: the floor (-1: no appends after the "
+                "first chunk)", "state_min_len", cache=True),
+    ConfigField("state_budget_factor", float, 1.0, "power_law: budget = factor * N ** exponent",
+                "state_growth_factor", cache=True),
+    ConfigField("state_budget_exponent", float, 0.5, "power_law: the exponent, in [0, 1]", "state_growth_exponent",
+                cache=True),
+    ConfigField("state_budget_saturation", int | None, None, "kvm_saturation: budget = n * N / (n + N)",
+                "state_saturation_n", cache=True),
+    ConfigField("state_budget_round_to", int, 1, "budget rounded down to a multiple of this", "state_round_down",
+                cache=True),
+    ConfigField("state_max_chunks", int, 1, "state cap = chunk_size * state_max_chunks", "n_max_d_chunks", cache=True),
+    ConfigField("merge_gate_keys", bool, True, "scale merged keys by 1 + elu(W x)", "kvm_use_merge_gate_keys",
+                cache=True, coerce=bool),
+    ConfigField("merge_gate_values", bool, True, "scale merged values by the gate", "kvm_use_merge_gate_values",
+                cache=True, coerce=bool),
+    ConfigField("merge_gate_appends", bool, True, "appended slots gated too", "kvm_apply_merge_gate_to_appends",
+                cache=True, coerce=bool),
+    ConfigField("merge_gate_initial_state", bool, False, "first chunk gated too",
+                "kvm_apply_merge_gate_to_initial_state", cache=True, coerce=bool),
+    ConfigField("head_temperatures", bool, True, "per-head window/state key scales", "kvm_use_head_temps",
+                cache=True, coerce=bool),
+    ConfigField("state_value_norms", bool, True, "True: renormalise merged values to the slot norm; False: divide "
+                "by counts (research: +1 on every slot per merged block; only with a one-chunk state)",
+                "kvm_use_vlens", cache=True, coerce=bool),
+    ConfigField("kvm_token_shift", bool, True, "token shift of q/k/v in KVM layers",
+                "use_tokenshift_att + kvm_token_shift_mode", cache=True, coerce=bool),
+    ConfigField("ffn_token_shift", bool, True, "token shift before the MLP", "use_tokenshift_ffn", cache=True,
+                coerce=bool),
+    ConfigField("value_residual", bool, True, "mix each layer's values with an anchor from the first layer",
+                "use_value_residual", cache=True, coerce=bool),
+    ConfigField("kvm_value_residual_mode", str, "rwkv", 'how, in KVM layers: "linear", "rwkv" or '
+                '"rwkv_post_tokenshift"', "kvm_value_residual_mode", cache=True),
+    ConfigField("sliding_window_every", int, 0, "layers with index % n == 0 are sliding-window layers; 0: none",
+                "alt_layer_every", cache=True),
+    ConfigField("sliding_window", int | None, None, "keys of a sliding-window layer (<= 0 or None: chunk_size)",
+                "swa_window_size", cache=True),
+    ConfigField("sliding_window_rope_theta", float, 10000.0, "rotary base of the sliding-window layers",
+                "alt_rope_theta", cache=True),
+    ConfigField("sliding_window_rotary_dim", int | None, None, "rotated channels of a head in sliding-window layers, "
+                "0: no rotary (None: the whole head)", "alt_rope_partial_dim", cache=True),
+    ConfigField("sliding_window_token_shift", bool, True, "token shift of q/k/v in sliding-window layers",
+                "use_tokenshift_att + swa_token_shift_mode", cache=True, coerce=bool),
+    ConfigField("sliding_window_value_residual_mode", str, "rwkv", "kvm_value_residual_mode of the sliding-window "
+                "layers", "swa_value_residual_mode", cache=True),
+    ConfigField("sliding_window_share_value_residual", bool, False, "KVM layers use the first sliding-window "
+                "layer's value anchor", "alt_share_v0", cache=True, coerce=bool),
+    ConfigField("block_lambdas", bool, False, "x <- a * x + b * x0 before attention", "use_block_lambdas",
+                cache=True, coerce=bool),
+    ConfigField("residual_scale", float, 1.0, "scale of each residual branch (research None: 1.0)", "residual_scale",
+                cache=True),
+    ConfigField("logit_softcap", float, 0.0, "tanh soft-capping of the logits; 0: off", "logit_softcap", cache=True),
+    ConfigField("max_position_embeddings", int, 1 << 30, "usable context: windows and a bounded state keep the "
+                "cost per token flat at any length"),
+    ConfigField("tie_word_embeddings", bool, False, "share the embedding and output weights"),
+    ConfigField("use_cache", bool, True, "forward returns a KVMCache"),
+)
+# Research `MixerConfig` fields with no KVMConfig field, and what the converter does with them.
+RESEARCH_ONLY_FIELDS = (
+    ("token_mixer", 'only "kvm" (rejected otherwise)'),
+    ("alt_token_mixer", 'only "swa" (rejected otherwise)'),
+    ("token_mixer_class_path / alt_token_mixer_class_path", "must be unset or the KVM/SWA mixers"),
+    ("use_skip_connections", "rejected when set (no published model uses it)"),
+    ("use_l2wrap", "rejected when set (training-only gradient trick)"),
+    ("param_dtype", "becomes `dtype`"),
+    ("mup_base_dim, use_overflow_v_key_weighting, use_state_deltarule, use_state_decay, gptalpha_*, ovq_*, kda_*, "
+     "gated_deltanet_*, lact_*", "not read by the KVM or SWA layers; ignored"),
+)
+# Config fields that decide what a cache holds and how a model reads it.
+CACHE_CONFIG_FIELDS = cache_fields(KVM_FIELDS)
+
 
 def _round_down(value: int, multiple: int) -> int:
     return (max(value, 0) // max(multiple, 1)) * max(multiple, 1)
 
 
+@declare_fields(KVM_FIELDS)
 class KVMConfig(PretrainedConfig):
     """Configuration of a KVM language model: block sliding window plus key-value-means state."""
 
     model_type = "kvm"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
-    def __init__(
-        self,
-        vocab_size: int = 50304,
-        hidden_size: int = 768,
-        num_hidden_layers: int = 12,
-        num_attention_heads: int = 6,
-        head_dim: int | None = None,
-        value_head_dim: int | None = None,
-        intermediate_size: int | None = None,
-        layer_norm_eps: float = 1e-5,
-        rope_theta: float = 10000.0,
-        rotary_dim: int | None = None,
-        chunk_size: int = 256,
-        window_chunks: int = 2,
-        sink_slots: int = 1,
-        state_budget_mode: str = "fixed",
-        state_budget_min: int = 256,
-        state_budget_factor: float = 1.0,
-        state_budget_exponent: float = 0.5,
-        state_budget_saturation: int | None = None,
-        state_budget_round_to: int = 1,
-        state_max_chunks: int = 1,
-        merge_gate_keys: bool = True,
-        merge_gate_values: bool = True,
-        merge_gate_appends: bool = True,
-        merge_gate_initial_state: bool = False,
-        head_temperatures: bool = True,
-        state_value_norms: bool = True,
-        kvm_token_shift: bool = True,
-        ffn_token_shift: bool = True,
-        value_residual: bool = True,
-        kvm_value_residual_mode: str = "rwkv",
-        sliding_window_every: int = 0,
-        sliding_window: int | None = None,
-        sliding_window_rope_theta: float = 10000.0,
-        sliding_window_rotary_dim: int | None = None,
-        sliding_window_token_shift: bool = True,
-        sliding_window_value_residual_mode: str = "rwkv",
-        sliding_window_share_value_residual: bool = False,
-        block_lambdas: bool = False,
-        residual_scale: float = 1.0,
-        logit_softcap: float = 0.0,
-        max_position_embeddings: int = 1 << 30,
-        tie_word_embeddings: bool = False,
-        use_cache: bool = True,
-        **kwargs,
-    ):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.head_dim = head_dim
-        self.value_head_dim = value_head_dim
-        self.intermediate_size = intermediate_size
-        self.layer_norm_eps = layer_norm_eps
-        self.rope_theta = rope_theta
-        self.rotary_dim = rotary_dim
-        self.chunk_size = chunk_size
-        self.window_chunks = window_chunks
-        self.sink_slots = sink_slots
-        self.state_budget_mode = state_budget_mode
-        self.state_budget_min = state_budget_min
-        self.state_budget_factor = state_budget_factor
-        self.state_budget_exponent = state_budget_exponent
-        self.state_budget_saturation = state_budget_saturation
-        self.state_budget_round_to = state_budget_round_to
-        self.state_max_chunks = state_max_chunks
-        self.merge_gate_keys = bool(merge_gate_keys)
-        self.merge_gate_values = bool(merge_gate_values)
-        self.merge_gate_appends = bool(merge_gate_appends)
-        self.merge_gate_initial_state = bool(merge_gate_initial_state)
-        self.head_temperatures = bool(head_temperatures)
-        self.state_value_norms = bool(state_value_norms)
-        self.kvm_token_shift = bool(kvm_token_shift)
-        self.ffn_token_shift = bool(ffn_token_shift)
-        self.value_residual = bool(value_residual)
-        self.kvm_value_residual_mode = kvm_value_residual_mode
-        self.sliding_window_every = sliding_window_every
-        self.sliding_window = sliding_window
-        self.sliding_window_rope_theta = sliding_window_rope_theta
-        self.sliding_window_rotary_dim = sliding_window_rotary_dim
-        self.sliding_window_token_shift = bool(sliding_window_token_shift)
-        self.sliding_window_value_residual_mode = sliding_window_value_residual_mode
-        self.sliding_window_share_value_residual = bool(sliding_window_share_value_residual)
-        self.block_lambdas = bool(block_lambdas)
-        self.residual_scale = residual_scale
-        self.logit_softcap = logit_softcap
-        self.max_position_embeddings = max_position_embeddings
-        self.use_cache = use_cache
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+    def __init__(self, *args, **kwargs):
+        kwargs = assign_fields(self, KVM_FIELDS, args, kwargs)
+        super().__init__(**kwargs)
         if self.hidden_size and self.num_attention_heads:
             # None: rotate half the head, as the published models do (64 of 128). State keys keep only
             # the unrotated channels, so a whole-head rotary would leave the state unaddressable.
-            self.rotary_dim = max(2, self.qk_head_dim // 4 * 2) if rotary_dim is None else rotary_dim
-            self.sliding_window_rotary_dim = (
-                self.qk_head_dim if sliding_window_rotary_dim is None else sliding_window_rotary_dim
-            )
+            if self.rotary_dim is None:
+                self.rotary_dim = max(2, self.qk_head_dim // 4 * 2)
+            if self.sliding_window_rotary_dim is None:
+                self.sliding_window_rotary_dim = self.qk_head_dim
         self.validate_kvm()
 
     # ---- derived sizes -------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 import torch
 from transformers.cache_utils import Cache
 
-from .configuration_maglev import MaglevConfig, growing_capacity
+from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_capacity
 from .saved_cache import SavedCache, tensors_under
 
 CACHE_FORMAT = "maglev-cache"
@@ -20,15 +20,6 @@ CACHE_FORMAT_VERSION = 1
 TENSORS_FILE = "maglev_cache.safetensors"
 META_FILE = "maglev_cache.json"
 
-# Config fields that decide what a cache holds and how a model reads it (training-only fields excluded).
-CACHE_CONFIG_FIELDS = (
-    "vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "sequence_len", "window_pattern",
-    "rope_theta",
-    "rms_norm_eps", "qk_norm_scale", "use_value_embeddings", "value_embedding_gate_channels",
-    "value_embedding_gate_scale", "use_smear", "smear_gate_channels", "use_backout", "backout_layer",
-    "use_layer_lambdas", "use_memory", "sliding_window", "memory_gate_channels",
-)
 
 
 def last_real_index(valid: torch.Tensor) -> torch.Tensor:

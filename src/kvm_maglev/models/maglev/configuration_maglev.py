@@ -1,4 +1,10 @@
-"""Configuration of Maglev (Sliding Recurrent Memory) on a nanochat GPT backbone."""
+"""Configuration of Maglev (Sliding Recurrent Memory) on a nanochat GPT backbone.
+
+`MAGLEV_FIELDS` declares every field once: type, default, meaning, where a nanochat checkpoint's meta json
+gives it (`model_config.*` for nanochat's GPT, `maglev.*` for the Maglev fields) and whether a saved cache
+depends on it. `MaglevConfig.__init__` and its docstring, `CACHE_CONFIG_FIELDS` and the table in
+docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from it.
+"""
 
 import math
 
@@ -13,16 +19,106 @@ if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.
                       "upgrade with: pip install -U 'transformers>=5.17'")
 # ----- end of version guard -----
 
+from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields
+
 WINDOW_LETTERS = "SL"
 CONSISTENCY_LOSSES = ("mse", "cosine")
 MEMORY_PREFILL_MODES = ("recurrent", "prefiller")
 WEIGHT_INITS = ("nanochat", "torch")
+
+# In `__init__` order (positional arguments follow it).
+MAGLEV_FIELDS = (
+    ConfigField("vocab_size", int, 32768, "tokenizer size; logits are sliced to it", "model_config.vocab_size",
+                cache=True),
+    ConfigField("pad_vocab_size_to", int, 64, "embedding / lm_head rows padded to a multiple of this", cache=True),
+    ConfigField("hidden_size", int, 768, "model width; also the memory dimension", "model_config.n_embd", cache=True),
+    ConfigField("intermediate_size", int | None, None, "relu^2 MLP width (None: 4 * hidden_size)", cache=True),
+    ConfigField("num_hidden_layers", int, 12, "decoder layers", "model_config.n_layer", cache=True),
+    ConfigField("num_attention_heads", int, 6, "attention heads; head_dim = hidden_size / num_attention_heads",
+                "model_config.n_head", cache=True),
+    ConfigField("num_key_value_heads", int | None, None, "key/value heads (GQA), a divisor of num_attention_heads "
+                "(None: num_attention_heads)", "model_config.n_kv_head", cache=True),
+    ConfigField("max_position_embeddings", int, 2048, "usable context, which lm-eval and generate() read "
+                "(converted models: 2**30)", cache=True),
+    ConfigField("sequence_len", int | None, None, "nanochat's training length: the L window; S = a quarter, rounded "
+                "up to a multiple of 128 (None: max_position_embeddings)", "model_config.sequence_len", cache=True),
+    ConfigField("window_pattern", str, "L", "S/L letters per layer, repeated (the last layer is L), used when "
+                "sliding_window is None", "model_config.window_pattern", cache=True),
+    ConfigField("rope_theta", float, 100000.0, "rotary base", cache=True),
+    ConfigField("rms_norm_eps", float | None, None, "epsilon of the weightless RMSNorm (None: the dtype's epsilon, "
+                "as nanochat)", cache=True),
+    ConfigField("qk_norm_scale", float, 1.2, "q and k are multiplied by it after QK-norm", cache=True),
+    ConfigField("logit_softcap", float | None, 15.0, "tanh soft-capping of the logits (None: off)"),
+    ConfigField("use_value_embeddings", bool, True, "value embeddings on alternating layers, the last included",
+                cache=True),
+    ConfigField("value_embedding_gate_channels", int, 12, "input channels of the value-embedding gate "
+                "scale * sigmoid(W x[:channels]), one per KV head", cache=True),
+    ConfigField("value_embedding_gate_scale", float, 3.0, "scale of the value-embedding gate", cache=True),
+    ConfigField("use_smear", bool, True, "mix in the previous token's embedding (smear)", cache=True),
+    ConfigField("smear_gate_channels", int, 24, "input channels of the smear gate", cache=True),
+    ConfigField("use_backout", bool, True, "subtract backout_lambda x backout_layer's output before the final norm",
+                cache=True),
+    ConfigField("backout_layer", int | None, None, "the layer backout subtracts (None: num_hidden_layers // 2)",
+                cache=True),
+    ConfigField("use_layer_lambdas", bool, True, "per-layer resid_lambdas / x0_lambdas mixing", cache=True),
+    ConfigField("use_memory", bool, True, "Maglev memory injected into keys and values", cache=True),
+    ConfigField("sliding_window", int | None, 256, "keys per query including itself, in every layer of P (required "
+                "with the memory)", "maglev.sliding_window", cache=True),
+    ConfigField("memory_gate_channels", int, 12, "input channels of the per-KV-head memory gate",
+                "maglev.memory_gate_channels", cache=True),
+    ConfigField("memory_init_std", float, 0.02, "init std of the memory projections W_k, W_v"),
+    ConfigField("has_prefiller", bool, True, "the checkpoint carries the prefiller Q (converter: --keep-prefiller)"),
+    ConfigField("prefiller_window_pattern", str, "SSSL", "Q's windows, S/L letters as window_pattern",
+                "maglev.prefiller_window_pattern"),
+    ConfigField("prefiller_shares_blocks", bool, True, "Q runs P's blocks (else its own prefiller_layers)",
+                "maglev.prefiller_shares_blocks"),
+    ConfigField("consistency_weight", float, 1.0, "loss = lm_loss + consistency_weight * consistency_loss",
+                "maglev.consistency_weight"),
+    ConfigField("consistency_loss", str, "mse", '"mse" or "cosine"', "maglev.consistency_loss"),
+    ConfigField("consistency_detach_target", bool, False, "stop the consistency gradient into Q's memories",
+                "maglev.consistency_detach_target"),
+    ConfigField("memory_prefill", str, "recurrent", 'prompt processing: "recurrent" (token after token) or '
+                '"prefiller" (needs Q)'),
+    ConfigField("memory_source_layer", int | None, None, "block whose output the memory is read from (None: the "
+                "head input)", "maglev.memory_source_layer"),
+    ConfigField("memory_projection", bool, False, "memory m = rms_norm(W_m source), a learned projection",
+                "maglev.memory_projection"),
+    ConfigField("memory_residual_injection", bool, False, "the memory also enters P's block input, through a "
+                "zero-initialised projection", "maglev.memory_residual_injection"),
+    ConfigField("memory_self_feed_steps", int, 0, "training: passes that feed P its own shifted memories after the "
+                "prefiller-fed one", "maglev.memory_self_feed_steps"),
+    ConfigField("memory_self_feed_detach", bool, False, "training: no gradient through the fed-back memories",
+                "maglev.memory_self_feed_detach"),
+    ConfigField("memory_self_feed_mix", float, 1.0, "training: chance per position that a self-fed pass reads P's "
+                "own memory rather than the prefiller's, in [0, 1]", "maglev.memory_self_feed_mix"),
+    ConfigField("memory_self_feed_mix_ramp_steps", int, 0, "training: steps over which that chance ramps up from 0 "
+                "(0: no ramp)", "maglev.memory_self_feed_mix_ramp_steps"),
+    ConfigField("memory_noise_std", float, 0.0, "training: Gaussian noise on the memory inputs",
+                "maglev.memory_noise_std"),
+    ConfigField("consistency_weight_final", float | None, None, "training: the consistency weight a linear ramp "
+                "ends at (with consistency_weight_ramp_steps)", "maglev.consistency_weight_final"),
+    ConfigField("consistency_weight_ramp_steps", int, 0, "training: steps of that ramp (0: constant weight)",
+                "maglev.consistency_weight_ramp_steps"),
+    ConfigField("consistency_detach_target_after", int | None, None, "training: from this step on Q is a frozen "
+                "teacher (None: never)", "maglev.consistency_detach_target_after"),
+    ConfigField("consistency_weight_after_detach", float | None, None, "training: the consistency weight once Q "
+                "is frozen (None: unchanged)", "maglev.consistency_weight_after_detach"),
+    ConfigField("weight_init", str, "nanochat", 'fresh weights: "nanochat" (its per-layer inits) or "torch" '
+                "(PyTorch's layer defaults)"),
+    ConfigField("initializer_range", float, 0.02, "transformers' conventional init std; the model's own init does "
+                "not read it"),
+    ConfigField("use_cache", bool, True, "forward returns a MaglevCache"),
+    ConfigField("tie_word_embeddings", bool, False, "share the embedding and output weights"),
+)
+# Config fields that decide what a cache holds and how a model reads it (training-only fields excluded).
+CACHE_CONFIG_FIELDS = cache_fields(MAGLEV_FIELDS)
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+@declare_fields(MAGLEV_FIELDS)
 class MaglevConfig(PretrainedConfig):
     """Every nanochat GPT feature as a switch, plus the Maglev memory and prefiller fields.
 
@@ -35,108 +131,18 @@ class MaglevConfig(PretrainedConfig):
     model_type = "maglev"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
-    def __init__(
-        self,
-        vocab_size: int = 32768,
-        pad_vocab_size_to: int = 64,
-        hidden_size: int = 768,
-        intermediate_size: int | None = None,
-        num_hidden_layers: int = 12,
-        num_attention_heads: int = 6,
-        num_key_value_heads: int | None = None,
-        max_position_embeddings: int = 2048,
-        sequence_len: int | None = None,
-        window_pattern: str = "L",
-        rope_theta: float = 100000.0,
-        rms_norm_eps: float | None = None,
-        qk_norm_scale: float = 1.2,
-        logit_softcap: float | None = 15.0,
-        use_value_embeddings: bool = True,
-        value_embedding_gate_channels: int = 12,
-        value_embedding_gate_scale: float = 3.0,
-        use_smear: bool = True,
-        smear_gate_channels: int = 24,
-        use_backout: bool = True,
-        backout_layer: int | None = None,
-        use_layer_lambdas: bool = True,
-        use_memory: bool = True,
-        sliding_window: int | None = 256,
-        memory_gate_channels: int = 12,
-        memory_init_std: float = 0.02,
-        has_prefiller: bool = True,
-        prefiller_window_pattern: str = "SSSL",
-        prefiller_shares_blocks: bool = True,
-        consistency_weight: float = 1.0,
-        consistency_loss: str = "mse",
-        consistency_detach_target: bool = False,
-        memory_prefill: str = "recurrent",
-        memory_source_layer: int | None = None,
-        memory_projection: bool = False,
-        memory_residual_injection: bool = False,
-        memory_self_feed_steps: int = 0,
-        memory_self_feed_detach: bool = False,
-        memory_self_feed_mix: float = 1.0,
-        memory_self_feed_mix_ramp_steps: int = 0,
-        memory_noise_std: float = 0.0,
-        consistency_weight_final: float | None = None,
-        consistency_weight_ramp_steps: int = 0,
-        consistency_detach_target_after: int | None = None,
-        consistency_weight_after_detach: float | None = None,
-        weight_init: str = "nanochat",
-        initializer_range: float = 0.02,
-        use_cache: bool = True,
-        tie_word_embeddings: bool = False,
-        **kwargs,
-    ):
-        self.vocab_size = vocab_size
-        self.pad_vocab_size_to = pad_vocab_size_to
-        self.hidden_size = hidden_size
-        self.intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        self.max_position_embeddings = max_position_embeddings
-        self.sequence_len = max_position_embeddings if sequence_len is None else sequence_len
-        self.window_pattern = window_pattern
-        self.rope_theta = rope_theta
-        self.rms_norm_eps = rms_norm_eps
-        self.qk_norm_scale = qk_norm_scale
-        self.logit_softcap = logit_softcap
-        self.use_value_embeddings = use_value_embeddings
-        self.value_embedding_gate_channels = value_embedding_gate_channels
-        self.value_embedding_gate_scale = value_embedding_gate_scale
-        self.use_smear = use_smear
-        self.smear_gate_channels = smear_gate_channels
-        self.use_backout = use_backout
-        self.backout_layer = num_hidden_layers // 2 if backout_layer is None else backout_layer
-        self.use_layer_lambdas = use_layer_lambdas
-        self.use_memory = use_memory
-        self.sliding_window = sliding_window
-        self.memory_gate_channels = memory_gate_channels
-        self.memory_init_std = memory_init_std
-        self.has_prefiller = has_prefiller
-        self.prefiller_window_pattern = prefiller_window_pattern
-        self.prefiller_shares_blocks = prefiller_shares_blocks
-        self.consistency_weight = consistency_weight
-        self.consistency_loss = consistency_loss
-        self.consistency_detach_target = consistency_detach_target
-        self.memory_prefill = memory_prefill
-        self.memory_source_layer = memory_source_layer
-        self.memory_projection = memory_projection
-        self.memory_residual_injection = memory_residual_injection
-        self.memory_self_feed_steps = memory_self_feed_steps
-        self.memory_self_feed_detach = memory_self_feed_detach
-        self.memory_self_feed_mix = memory_self_feed_mix
-        self.memory_self_feed_mix_ramp_steps = memory_self_feed_mix_ramp_steps
-        self.memory_noise_std = memory_noise_std
-        self.consistency_weight_final = consistency_weight_final
-        self.consistency_weight_ramp_steps = consistency_weight_ramp_steps
-        self.consistency_detach_target_after = consistency_detach_target_after
-        self.consistency_weight_after_detach = consistency_weight_after_detach
-        self.weight_init = weight_init
-        self.initializer_range = initializer_range
-        self.use_cache = use_cache
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+    def __init__(self, *args, **kwargs):
+        kwargs = assign_fields(self, MAGLEV_FIELDS, args, kwargs)
+        # None: a size that follows from the others
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.hidden_size
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.sequence_len is None:
+            self.sequence_len = self.max_position_embeddings
+        if self.backout_layer is None:
+            self.backout_layer = self.num_hidden_layers // 2
+        super().__init__(**kwargs)
         self.validate_maglev()
 
     # ----- validation -------------------------------------------------------------------

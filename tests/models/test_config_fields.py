@@ -1,0 +1,85 @@
+"""Config fields are declared once (models/common/config_fields.py): `__init__`'s signature and defaults, the
+docstring, the saved config.json, CACHE_CONFIG_FIELDS and the docs' tables all follow the declaration."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+
+from kvm_maglev.convert.maglev import MAGLEV_META_FIELDS
+from kvm_maglev.models import config_tables
+from kvm_maglev.models.common.config_fields import ConfigField, cache_fields, init_signature
+from kvm_maglev.models.kvm import KVMCache, KVMConfig
+from kvm_maglev.models.kvm.configuration_kvm import KVM_FIELDS
+from kvm_maglev.models.maglev import MaglevCache, MaglevConfig
+from kvm_maglev.models.maglev.configuration_maglev import MAGLEV_FIELDS
+
+MODELS = [(KVMConfig, KVM_FIELDS, KVMCache), (MaglevConfig, MAGLEV_FIELDS, MaglevCache)]
+IDS = ["kvm", "maglev"]
+
+
+@pytest.mark.parametrize("config_class, fields, cache_class", MODELS, ids=IDS)
+def test_every_init_keyword_is_declared_once(config_class, fields, cache_class):
+    names = [field.name for field in fields]
+    assert len(names) == len(set(names))
+    parameters = list(inspect.signature(config_class).parameters.values())
+    assert [p.name for p in parameters] == [*names, "kwargs"]
+    assert [p.default for p in parameters[:-1]] == [field.default for field in fields]
+    assert parameters[-1].kind is inspect.Parameter.VAR_KEYWORD
+
+
+def test_a_field_declared_twice_is_refused():
+    field = ConfigField("size", int, 1, "a size")
+    with pytest.raises(TypeError, match="declared more than once: \\['size'\\]"):
+        init_signature((field, field))
+
+
+@pytest.mark.parametrize("config_class, fields, cache_class", MODELS, ids=IDS)
+def test_defaults_docstring_and_saved_keys_follow_the_declaration(config_class, fields, cache_class, tmp_path):
+    config = config_class()
+    for field in fields:
+        if field.default is not None:  # None defaults are resolved from other fields
+            assert getattr(config, field.name) == field.default, field.name
+        assert f"    {field.name} (`" in config_class.__doc__
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert {field.name for field in fields} <= set(saved)
+    assert config_class.from_pretrained(tmp_path).to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize("config_class, fields, cache_class", MODELS, ids=IDS)
+def test_cache_fingerprint_fields_are_the_flagged_ones(config_class, fields, cache_class):
+    assert cache_class.CACHE_CONFIG_FIELDS == cache_fields(fields)
+    flagged = set(cache_class.CACHE_CONFIG_FIELDS)
+    assert {"use_cache", "tie_word_embeddings"}.isdisjoint(flagged) and {"vocab_size", "hidden_size"} <= flagged
+
+
+def test_arguments_bind_as_a_written_signature_would():
+    config = KVMConfig(64, 32, 2, 2, merge_gate_keys=0, chunk_size=4, state_budget_min=4, custom_note="kept")
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (64, 32, 2)
+    assert config.merge_gate_keys is False and config.custom_note == "kept"  # switches coerced; extras kept
+    assert config.rotary_dim == 8 and config.sliding_window_rotary_dim == 16  # None: derived from the head
+    with pytest.raises(TypeError, match="KVMConfig.__init__\\(\\): multiple values for argument 'vocab_size'"):
+        KVMConfig(64, vocab_size=64)
+    maglev = MaglevConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=4, max_position_embeddings=512)
+    assert (maglev.intermediate_size, maglev.num_key_value_heads, maglev.sequence_len, maglev.backout_layer) == (
+        256, 4, 512, 2)
+
+
+def test_converter_reads_the_declared_maglev_meta_fields():
+    declared = {field.name for field in MAGLEV_FIELDS if field.research.startswith("maglev.")}
+    assert declared == set(MAGLEV_META_FIELDS)
+    assert all(field.research == f"maglev.{field.name}" for field in MAGLEV_FIELDS if field.name in declared)
+
+
+def test_docs_tables_are_generated_from_the_declarations(tmp_path, capsys):
+    assert config_tables.main(["--check"]) == 0, "run `python -m kvm_maglev.models.config_tables`"
+    docs = tmp_path / "conversion.md"
+    docs.write_text(config_tables.DOCS_FILE.read_text().replace("| `chunk_size` | `int` | `256` |",
+                                                                "| `chunk_size` | `int` | `128` |"))
+    assert config_tables.main(["--check", "--docs", str(docs)]) == 1
+    assert "config tables differ" in capsys.readouterr().err
+    assert config_tables.main(["--docs", str(docs)]) == 0
+    assert docs.read_text() == config_tables.DOCS_FILE.read_text()
