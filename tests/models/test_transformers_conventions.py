@@ -197,6 +197,11 @@ def test_maglev_refuses_other_position_ids():
     for positions in (torch.arange(LENGTH) + 3, torch.cat([torch.arange(12), torch.arange(52, 64)])):
         with pytest.raises(ValueError, match="position_ids differ from Maglev's own positions"):
             model(tokens, position_ids=positions[None])
+    cache = MaglevCache(model.config)
+    model(tokens[:, :10], past_key_values=cache)
+    with pytest.raises(ValueError, match="position_ids differ from Maglev's own positions"):  # a decoding step
+        model(tokens[:, 10:11], position_ids=torch.full((2, 1), 12), past_key_values=cache)
+    model(tokens[:, 10:11], position_ids=torch.full((2, 1), 10), past_key_values=cache)
 
 
 @kinds
@@ -216,6 +221,8 @@ def test_packed_sequences_refused(kind):
     model(ids(1, 8), past_key_values=cache)
     with pytest.raises(ValueError, match="restart inside a row"):  # a new sequence on a used cache
         model(ids(1, 4), position_ids=torch.arange(4)[None], past_key_values=cache)
+    with pytest.raises(ValueError, match="restart inside a row"):  # the same in a one-token step
+        model(ids(1, 1), position_ids=torch.zeros(1, 1, dtype=torch.long), past_key_values=cache)
     with pytest.raises(ValueError, match="position_ids must be an integer"):
         model(ids(1, 4), position_ids=torch.arange(5)[None])
 

@@ -64,16 +64,35 @@ def check_position_ids(position_ids, positions: torch.Tensor, valid: torch.Tenso
             or position_ids.shape[0] not in (1, batch) or position_ids.dtype.is_floating_point:
         raise ValueError(f"position_ids must be an integer [{batch}, {length}] tensor, got "
                          f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
-    if position_ids.device.type != "cpu" and length == 1:
-        return False
+    if length == 1:
+        if position_ids.device.type != "cpu":
+            return False
+        return step_position_differs(position_ids, positions, valid, batch, model_name, carried)
     given = position_ids.to(positions.device).long().expand(batch, length)
     own = positions.expand(batch, length)
     real = valid if valid is not None else torch.ones_like(given, dtype=torch.bool)
     reached = torch.where(real, given, -1).cummax(dim=1).values
     previous = torch.cat([reached.new_full((batch, 1), -1), reached[:, :-1]], dim=1)
     if bool((real & ((given <= previous) | ((given == 0) & (own > 0)))).any()):
-        raise ValueError(f"position_ids restart inside a row (packed sequences, as DataCollatorWithFlattening "
-                         f"makes, or a new sequence on a used cache): {model_name} carries its {carried} from one "
-                         "token to the next, so the documents would read each other's. Pass each document as a row "
-                         "of its own (padded, with an attention_mask) or in a forward of its own.")
+        raise restart_error(model_name, carried)
     return bool((real & (given != own)).any())
+
+
+def step_position_differs(position_ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None,
+                          batch: int, model_name: str, carried: str) -> bool:
+    """`check_position_ids` for a one-token step, on Python numbers: a decoding step is a handful of small
+    operations, which tensor checks would slow down measurably."""
+    given, own = position_ids.view(-1).tolist(), positions.reshape(-1).tolist()
+    given, own = given * (batch // len(given)), own * (batch // len(own))
+    real = valid.view(-1).tolist() if valid is not None else [True] * batch
+    if any(r and g == 0 and o > 0 for r, g, o in zip(real, given, own)):
+        raise restart_error(model_name, carried)
+    return any(r and g != o for r, g, o in zip(real, given, own))
+
+
+def restart_error(model_name: str, carried: str) -> ValueError:
+    """The error for position ids that restart inside a row."""
+    return ValueError(f"position_ids restart inside a row (packed sequences, as DataCollatorWithFlattening "
+                      f"makes, or a new sequence on a used cache): {model_name} carries its {carried} from one "
+                      "token to the next, so the documents would read each other's. Pass each document as a row "
+                      "of its own (padded, with an attention_mask) or in a forward of its own.")
