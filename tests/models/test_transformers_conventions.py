@@ -139,10 +139,14 @@ def test_eager_and_sdpa_agree_and_take_their_own_paths(kind, monkeypatch):
 
 @kinds
 @pytest.mark.parametrize("implementation", ["flash_attention_2", "flex_attention", "paged|eager"])
-def test_other_attention_implementations_refused_at_load_and_on_switch(kind, implementation):
+def test_other_attention_implementations_refused_at_load_and_on_switch(kind, implementation, tmp_path):
     with pytest.raises(ValueError, match=f"attn_implementation='{implementation}' is not supported"):
         tiny(kind, attn_implementation=implementation)
     model = tiny(kind)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"attn_implementation='{implementation}' is not supported"):
+        type(model).from_pretrained(tmp_path, attn_implementation=implementation)
+    assert type(model).from_pretrained(tmp_path, attn_implementation="eager").config._attn_implementation == "eager"
     with pytest.raises(ValueError, match=f"attn_implementation='{implementation}' is not supported"):
         model.set_attn_implementation(implementation)
     assert model.config._attn_implementation == "sdpa"
