@@ -242,11 +242,12 @@ def check_maglev_saved_equals_live(case: Case) -> None:
 
 @torch.no_grad()
 def check_maglev_cache_size(case: Case) -> None:
-    """nbytes() equals the closed form after every forward; with only sliding windows it never changes."""
+    """nbytes() equals the closed form after every forward; with a sliding window it never changes, with
+    nanochat's window pattern it never shrinks and stays within the windows."""
     model = maglev_model(case)
     config = model.config
     cache = MaglevCache(config)
-    flat = not any(config.layer_keeps_all_tokens(i) for i in range(config.num_hidden_layers))
+    flat = not config.windows_grow
     sizes = []
 
     def after_each(columns: int) -> None:
@@ -258,6 +259,7 @@ def check_maglev_cache_size(case: Case) -> None:
     run_spans(model, case, cache, case.ids(), None, after_each)
     if flat:
         assert len(set(sizes)) == 1, sizes
+    assert sizes == sorted(sizes) and all(n <= w for n, w in zip(cache.layer_lengths(), config.decoder_windows))
 
 
 MAGLEV_CHECKS = (check_maglev_cached_equals_uncached, check_maglev_padded_equals_unbatched,

@@ -22,6 +22,28 @@ def test_prefiller_refuses_chunked_prefill():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("helper", ["same_model", "small_model", "prompt_lookup"])
+def test_assisted_decoding_with_the_prefiller_equals_greedy(helper):
+    """The first verification forward carries the prompt and the first drafts: the prefiller reads the prompt
+    only and P decodes the drafts recurrently, so tokens and scores equal plain greedy decoding's."""
+    model = tiny_model(**VARIANTS["prefiller"])
+    prompt = random_ids(1, 6, seed=4).repeat(1, 2)  # repeats give prompt-lookup candidates
+    common = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    if helper == "prompt_lookup":
+        assist = dict(prompt_lookup_num_tokens=3)
+    else:
+        assist = dict(assistant_model=model if helper == "same_model" else tiny_model(
+            seed=3, num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+            **VARIANTS["prefiller"]))
+    greedy = model.generate(prompt, **common)
+    assisted = model.generate(prompt, **common, **assist)
+    assert torch.equal(assisted.sequences, greedy.sequences)
+    assert len(assisted.scores) == len(greedy.scores) == 12
+    for ours, plain in zip(assisted.scores, greedy.scores):
+        assert torch.allclose(ours, plain, atol=1e-5)
+
+
+@torch.no_grad()
 def test_crop_inside_a_step_after_a_left_padded_prompt():
     """Maglev crops inside a multi-token step whatever the rows' padding (KVM needs aligned rows): the cache
     equals one that read only the kept tokens, and continues like it."""

@@ -605,7 +605,7 @@ def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache: KVMCache |
 class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixin):
     """KVM model with a language-modelling head (optional logit soft-cap)."""
 
-    _tied_weights_keys = {}
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # when config.tie_word_embeddings
     cache_class = KVMCache
 
     def __init__(self, config: KVMConfig):

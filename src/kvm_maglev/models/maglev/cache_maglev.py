@@ -16,7 +16,7 @@ from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_cap
 from .saved_cache import SavedCache, tensors_under
 
 CACHE_FORMAT = "maglev-cache"
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: nanochat window patterns keep growing rings, no longer every column
 TENSORS_FILE = "maglev_cache.safetensors"
 META_FILE = "maglev_cache.json"
 
@@ -83,12 +83,40 @@ def _tracks_grad(*tensors: torch.Tensor) -> bool:
 
 
 class RingKeyValues:
-    """The last `capacity` (= window) keys/values of one layer per row; position p lives in slot p % capacity."""
+    """The last `window` keys/values of one layer per row; position p lives in slot p % capacity.
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    A growing ring (nanochat's window pattern, whose windows span the training context) starts small and doubles
+    up to its window with the columns read, so a short sequence keeps a short cache; until it reaches its window
+    it holds every position read in the slot of that number (none has wrapped around).
+    """
+
+    def __init__(self, window: int, grows: bool = False):
+        self.window = window
+        self.grows = grows
+        self.capacity = min(window, growing_capacity(0)) if grows else window
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+
+    def reserve(self, columns: int) -> None:
+        """Make room before a forward that ends at `columns` columns: a growing ring takes more slots (up to its
+        window), its written slots kept in place."""
+        if not self.grows or self.capacity == self.window:
+            return
+        capacity = min(self.window, growing_capacity(columns))
+        if capacity > self.capacity and self.keys is not None:
+            extra = self.keys.new_zeros(*self.keys.shape[:2], capacity - self.capacity, self.keys.shape[3])
+            self.keys, self.values = torch.cat([self.keys, extra], dim=2), torch.cat([self.values, extra], dim=2)
+        self.capacity = max(capacity, self.capacity)
+
+    def shrink(self, columns: int) -> None:
+        """After a crop to `columns` columns: a growing ring gives back the slots only removed columns took (they
+        hold zeros again), so its state is that of a ring that never read them."""
+        capacity = min(self.window, growing_capacity(columns))
+        if not self.grows or capacity >= self.capacity:
+            return
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :capacity].clone(), self.values[:, :, :capacity].clone()
+        self.capacity = capacity
 
     def read(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, capacity, D] before this chunk is written (zeros shaped like `like` at first)."""
@@ -176,82 +204,11 @@ class RingKeyValues:
 
     def load_state(self, state: dict) -> None:
         self.keys, self.values = state["keys"].contiguous(), state["values"].contiguous()
+        self.capacity = self.keys.shape[2]
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.keys is not None:
             self.keys, self.values = fn(self.keys), fn(self.values)
-
-
-class GrowingKeyValues:
-    """Every column's keys/values of one layer (nanochat's "L" layers), in a buffer that doubles when full.
-
-    Padding columns are stored too (position -1, never seen), so all rows share one length.
-    """
-
-    def __init__(self, window: int):
-        self.window = window
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
-        self.used = 0
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan") -> None:
-        """Store the chunk's columns after the used ones (padding columns as zeros, at position -1)."""
-        end = self.used + plan.length
-        if self.keys is None or end > self.keys.shape[2]:
-            self._grow(k, growing_capacity(end))
-        if plan.valid is not None:  # padding columns hold zeros: saved and compared states do not depend on them
-            real = plan.valid[:, None, :, None]
-            k, v = torch.where(real, k, 0.0), torch.where(real, v, 0.0)
-        self.keys[:, :, self.used:end] = k
-        self.values[:, :, self.used:end] = v
-        self.positions[:, self.used:end] = plan.key_positions
-        self.used = end
-        if plan.records is not None:
-            for record in plan.records:
-                record.append(None)
-
-    def read(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys, values [B, H, used, D] and the positions [B, used] of every stored column."""
-        return self.keys[:, :, :self.used], self.values[:, :, :self.used], self.positions[:, :self.used]
-
-    def _grow(self, like: torch.Tensor, capacity: int) -> None:
-        shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
-        keys, values = like.new_zeros(shape), like.new_zeros(shape)
-        positions = torch.full((like.shape[0], capacity), -1, dtype=torch.long, device=like.device)
-        if self.keys is not None:
-            keys[:, :, :self.used] = self.keys[:, :, :self.used]
-            values[:, :, :self.used] = self.values[:, :, :self.used]
-            positions[:, :self.used] = self.positions[:, :self.used]
-        self.keys, self.values, self.positions = keys, values, positions
-
-    def undo(self, record) -> None:
-        self.used -= 1
-
-    def length(self) -> int:
-        return self.used
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values, self.positions) if t is not None]
-
-    def state(self) -> dict:
-        if self.keys is None:
-            return {}
-        return {"keys": self.keys[:, :, :self.used], "values": self.values[:, :, :self.used],
-                "positions": self.positions[:, :self.used]}
-
-    def load_state(self, state: dict) -> None:
-        keys = state["keys"]
-        self.keys, self.used = None, 0
-        self._grow(keys, growing_capacity(keys.shape[2]))
-        self.used = keys.shape[2]
-        self.keys[:, :, :self.used] = keys
-        self.values[:, :, :self.used] = state["values"]
-        self.positions[:, :self.used] = state["positions"]
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if self.keys is not None:
-            self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
 
 
 class ColumnRecord(NamedTuple):
@@ -267,9 +224,10 @@ class MaglevCache(SavedCache, Cache):
     """Cache of a Maglev decoder: per layer the keys/values its window still needs (memory already
     injected), per row its position, last memory vector and smear's previous-token embedding.
 
-    Its size does not depend on how many tokens were read, except for layers with nanochat's
-    full window (memory off), which keep every token as nanochat does. `get_seq_length()` counts
-    columns (padding included), as generate() slices its inputs by it.
+    Its size is bounded by the windows: a sliding_window ring is whole from the first token; with nanochat's
+    window pattern (memory off) each ring grows with the columns read up to its window (`sequence_len` for
+    an "L" layer), then stays. `get_seq_length()` counts columns (padding included), as generate() slices its
+    inputs by it.
     """
 
     MODEL_NAME = "Maglev"
@@ -282,16 +240,14 @@ class MaglevCache(SavedCache, Cache):
         self.config = config
         self.fingerprint = self.config_fingerprint(config)
         self.max_rollback = max_rollback
-        self.layer_stores = [
-            GrowingKeyValues(window) if config.layer_keeps_all_tokens(i) else RingKeyValues(window)
-            for i, window in enumerate(config.decoder_windows)
-        ]
+        self.layer_stores = [RingKeyValues(window, grows=config.windows_grow) for window in config.decoder_windows]
         self.seen_tokens = 0
         self.positions: torch.Tensor | None = None
         self.last_memory: torch.Tensor | None = None
         self.previous_embedding: torch.Tensor | None = None
         self.recording = False
         self.history: deque[ColumnRecord] = deque(maxlen=max_rollback)
+        self.prompt_length: int | None = None  # set by assisted decoding: its first forward also carries drafts
 
     # ----- what the model uses -----------------------------------------------------------
     def prepare(self, batch_size: int, like: torch.Tensor, memory_init: torch.Tensor | None) -> None:
@@ -307,7 +263,16 @@ class MaglevCache(SavedCache, Cache):
             raise ValueError(f"the cache holds {self.positions.shape[0]} rows but the inputs have {batch_size}; "
                              "use reorder_cache/batch_select_indices/batch_repeat_interleave to change it")
 
+    def take_prompt_length(self, length: int) -> int:
+        """How many of a first forward's `length` tokens are the prompt: all, unless generate() marked fewer
+        (assisted decoding). The mark is used once."""
+        prompt, self.prompt_length = self.prompt_length, None
+        return length if prompt is None else min(prompt, length)
+
     def step_context(self, valid: torch.Tensor | None, length: int) -> StepPlan:
+        """The plan of a forward over `length` new columns; growing rings make room for them first."""
+        for store in self.layer_stores:
+            store.reserve(self.seen_tokens + length)
         return StepPlan(self.positions, valid, length, record=self.recording)
 
     def advance(self, plan: StepPlan, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
@@ -369,7 +334,7 @@ class MaglevCache(SavedCache, Cache):
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [isinstance(store, RingKeyValues) for store in self.layer_stores]
+        return [True] * len(self.layer_stores)
 
     @property
     def is_linear(self) -> list[bool]:
@@ -384,7 +349,7 @@ class MaglevCache(SavedCache, Cache):
         return -1 if self.positions is None else self.positions.shape[0]
 
     def layer_lengths(self) -> list[int]:
-        """Key/value entries each layer holds (ring capacity, or columns for full-window layers)."""
+        """Key/value slots each layer holds (its ring's capacity; 0 before the first forward)."""
         return [store.length() for store in self.layer_stores]
 
     def nbytes(self) -> int:
@@ -443,6 +408,8 @@ class MaglevCache(SavedCache, Cache):
             for store, layer_record in zip(self.layer_stores, record.layers):
                 store.undo(layer_record)
         self.seen_tokens -= remove
+        for store in self.layer_stores:
+            store.shrink(self.seen_tokens)
 
     def update(self, *args, **kwargs):
         raise NotImplementedError("MaglevCache is filled by the Maglev model itself, not through Cache.update")

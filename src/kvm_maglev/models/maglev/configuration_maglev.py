@@ -275,30 +275,25 @@ class MaglevConfig(PretrainedConfig):
     def prefiller_windows(self) -> list[int]:
         return self.pattern_windows(self.prefiller_window_pattern)
 
-    def layer_keeps_all_tokens(self, layer_idx: int) -> bool:
-        """A nanochat "L" layer (no uniform sliding window) keeps every token in the cache, as nanochat."""
-        if self.sliding_window is not None:
-            return False
-        letters = self.window_pattern.upper()
-        return layer_idx == self.num_hidden_layers - 1 or letters[layer_idx % len(letters)] == "L"
+    @property
+    def windows_grow(self) -> bool:
+        """Whether the cache's per-layer rings grow with the tokens read up to their windows: with nanochat's
+        window pattern, whose windows span the training context; a uniform `sliding_window` ring is whole at once."""
+        return self.sliding_window is None
 
     # ----- cache sizes ----------------------------------------------------------------------
     def cache_bytes(self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Bytes of a MaglevCache after reading `num_tokens` tokens (equals `MaglevCache.nbytes()`)."""
+        """Bytes of a MaglevCache after reading `num_tokens` tokens (equals `MaglevCache.nbytes()`): constant from
+        the first token with a sliding window, and once `num_tokens` reaches the widest window otherwise."""
         if num_tokens < 0 or batch_size < 1:
             raise ValueError(f"num_tokens must be >= 0 and batch_size >= 1, got {num_tokens}, {batch_size}")
         if num_tokens == 0:
             return 0
         element = _dtype_bytes(dtype)
         per_token = 2 * self.kv_dim * element * batch_size
-        total = 0
-        position_bytes = 8 * batch_size  # int64 position per row (per stored column in full-window layers)
-        for layer_idx, left in enumerate(self.decoder_windows):
-            if self.layer_keeps_all_tokens(layer_idx):
-                total += (per_token + position_bytes) * growing_capacity(num_tokens)
-            else:
-                total += per_token * left
-        total += position_bytes  # each row's position (real tokens read)
+        slots = growing_capacity(num_tokens)
+        total = sum(per_token * (min(left, slots) if self.windows_grow else left) for left in self.decoder_windows)
+        total += 8 * batch_size  # each row's int64 position (real tokens read)
         total += batch_size * self.hidden_size * element  # smear's previous embedding
         if self.use_memory:
             total += batch_size * self.hidden_size * element  # last memory vector

@@ -18,13 +18,13 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
-from .cache_maglev import GrowingKeyValues, MaglevCache, RingKeyValues, StepPlan, gather_columns, previous_real_index
+from .cache_maglev import MaglevCache, RingKeyValues, StepPlan, gather_columns, previous_real_index
 from .carried_card import CarriedCardMixin
 from .configuration_maglev import MaglevConfig
 from .conventions import (attention, check_attn_implementation, check_position_ids, config_default,
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
-from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
+from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, real_tokens, take_cache
 from .runtime_maglev import runtime_speedups
 
 # why the models refuse what transformers offers for plain attention
@@ -211,34 +211,19 @@ class MaglevAttention(nn.Module):
         """The chunk's queries over the keys the layer's cache holds and the chunk's own; the chunk is stored."""
         if store is None:
             return windowed_attention(plan, q, k, v, window, self.eager)
-        if isinstance(store, RingKeyValues):
-            y = self.attend_ring(q, k, v, store, plan)
-            store.write(k, v, plan)
-            return y
-        store.append(k, v, plan)
-        return self.attend_columns(q, store, window, plan)
+        y = self.attend_ring(q, k, v, store, plan)
+        store.write(k, v, plan)
+        return y
 
     def attend_ring(self, q, k, v, ring: RingKeyValues, plan: StepPlan) -> torch.Tensor:
-        """Over the ring's written slots (the window before the chunk) and the chunk itself."""
+        """Over the ring's written slots within the layer's window before the chunk, and the chunk itself."""
         keys, values = ring.read(k)
-        slot_positions, capacity = ring.slot_positions(plan), ring.capacity
+        slot_positions, capacity, window = ring.slot_positions(plan), ring.capacity, ring.window
 
         def ring_mask(begin: int, end: int) -> torch.Tensor:
-            return plan.mask(("ring", capacity, begin), lambda: visible_keys(
-                plan.query_positions[:, begin:end], slot_positions, capacity))
-        return windowed_attention(plan, q, k, v, capacity, self.eager, ring_mask, (keys, values))
-
-    def attend_columns(self, q, store: GrowingKeyValues, window: int, plan: StepPlan) -> torch.Tensor:
-        """Over every stored column within `window` (nanochat's "L" layers), the chunk's last among them."""
-        keys, values, positions = store.read()
-        end = keys.shape[2]
-
-        def build():
-            columns = torch.arange(end, device=q.device)[None, :]
-            query_columns = (end - plan.length + torch.arange(plan.length, device=q.device))[:, None]
-            seen = visible_keys(plan.query_positions, positions, window)
-            return (seen & (columns <= query_columns)) | (columns == query_columns)
-        return attention(q, keys, values, plan.mask(("all", window), build), self.eager)
+            return plan.mask(("ring", capacity, window, begin), lambda: visible_keys(
+                plan.query_positions[:, begin:end], slot_positions, window))
+        return windowed_attention(plan, q, k, v, window, self.eager, ring_mask, (keys, values))
 
 
 class MaglevMLP(nn.Module):
@@ -320,6 +305,53 @@ class MaglevPreTrainedModel(CarriedCardMixin, PreTrainedModel):
             init.uniform_(weight, -module.init_value, module.init_value)
         else:
             init.normal_(weight, std=module.init_value)
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """transformers' resize over nanochat's padded tables: the vocabulary becomes `new_num_tokens` ids (rounded
+        up to `pad_to_multiple_of`, as transformers does) and every table indexed by token id - embeddings, value
+        embeddings, lm_head - gets the rows of that vocabulary padded to `pad_vocab_size_to`. Ids of both
+        vocabularies keep their rows; added ids start as transformers starts added tokens."""
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return self.get_input_embeddings()
+        vocab = self.config.vocab_size if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None:
+            if not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
+                raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
+            vocab = -(-vocab // pad_to_multiple_of) * pad_to_multiple_of
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+            raise ValueError(f"new_num_tokens must be a positive integer, got {new_num_tokens!r}")
+        old_vocab, self.config.vocab_size = self.config.vocab_size, vocab
+        shape = (old_vocab, vocab, self.config.padded_vocab_size, mean_resizing)
+        self.set_input_embeddings(self.resized_table(self.get_input_embeddings(), *shape))
+        tables = self.base_model.value_embeddings
+        for name in list(tables):
+            tables[name] = self.resized_table(tables[name], *shape)
+        if self.get_output_embeddings() is not None:
+            self.set_output_embeddings(self.resized_table(self.get_output_embeddings(), *shape))
+        self.tie_weights()
+        return self.get_input_embeddings()
+
+    def resized_table(self, table: nn.Module, old_vocab: int, vocab: int, rows: int, mean_resizing: bool) -> nn.Module:
+        """A copy of `table` (an Embedding, or a Linear whose output rows are token ids) with `rows` rows: shared
+        ids keep theirs; the others (added ids, padding) are drawn around the mean of the real rows, never the old
+        padding rows (`mean_resizing`, transformers' rule), or take the table's own init."""
+        weight = table.weight
+        if isinstance(table, nn.Embedding):
+            fresh = nn.Embedding(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
+        else:
+            fresh = nn.Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype)
+        with_init(fresh, table.init_kind, table.init_value)
+        kept = min(old_vocab, vocab)
+        with torch.no_grad():
+            if mean_resizing and rows > kept:
+                real_rows = nn.Embedding.from_pretrained(weight[:old_vocab].detach())
+                self._init_added_embeddings_weights_with_mean(real_rows, fresh, old_vocab, rows - kept)
+            else:
+                self._init_weights(fresh)
+            fresh.weight[:kept] = weight[:kept]
+        fresh.weight.requires_grad_(weight.requires_grad)
+        return fresh
 
 
 def init_model_scalars(model: "MaglevModel") -> None:
@@ -516,6 +548,30 @@ class MaglevModel(MaglevPreTrainedModel):
             hidden_states.extend(torch.cat(states, dim=1) for states in zip(*per_step))
         return torch.cat(heads, dim=1), torch.cat(outputs, dim=1)
 
+    def prefill(self, input_ids, valid, cache, plan, hidden_states=None):
+        """"prefiller" prompt processing: Q reads the prompt, P runs on it in parallel fed Q's shifted memories.
+        Returns (head inputs, P's memories, Q's memories)."""
+        prefiller_memories = self.prefiller_memories(input_ids, valid)
+        mu = self.shifted_memories(prefiller_memories, None, valid)
+        head, memories = self.decode_chunk(input_ids, mu, cache, plan, hidden_states)
+        return head, memories, prefiller_memories
+
+    def prefill_then_decode(self, input_ids, valid, cache, prompt: int, hidden_states=None):
+        """A first forward that carries more than the prompt (assisted decoding: the prompt and the first drafts):
+        the prefiller reads the first `prompt` tokens only, the rest is decoded recurrently by P as plain
+        generation decodes it, so the drafts are verified exactly."""
+        def cut(tensor, begin, end=None):
+            return None if tensor is None else tensor[:, begin:end]
+
+        prompt_states, draft_states = ([], []) if hidden_states is not None else (None, None)
+        prompt_valid = cut(valid, 0, prompt)
+        head, memories, prefiller_memories = self.prefill(
+            input_ids[:, :prompt], prompt_valid, cache, cache.step_context(prompt_valid, prompt), prompt_states)
+        draft_head, draft_memories = self.recurrent(input_ids[:, prompt:], cache, cut(valid, prompt), draft_states)
+        if hidden_states is not None:
+            hidden_states.extend(torch.cat(pair, dim=1) for pair in zip(prompt_states, draft_states))
+        return torch.cat([head, draft_head], dim=1), torch.cat([memories, draft_memories], dim=1), prefiller_memories
+
     # ----- lifted training ----------------------------------------------------------------------
     def lifted_passes(self, input_ids, valid, cache, context, hidden_states=None):
         """Lifted parallel training: pass 0 feeds P the prefiller's shifted memories m'; each of the
@@ -682,9 +738,12 @@ class MaglevModel(MaglevPreTrainedModel):
                 input_ids, valid, cache, context, hidden_states)
             head = pass_heads[-1]
         elif self.uses_prefiller(lifted, start, length):
-            prefiller_memories = self.prefiller_memories(input_ids, valid)
-            mu = self.shifted_memories(prefiller_memories, None, valid)
-            head, memories = self.decode_chunk(input_ids, mu, cache, context(), hidden_states)
+            prompt = length if cache is None else cache.take_prompt_length(length)
+            if prompt == length:
+                head, memories, prefiller_memories = self.prefill(input_ids, valid, cache, context(), hidden_states)
+            else:
+                head, memories, prefiller_memories = self.prefill_then_decode(input_ids, valid, cache, prompt,
+                                                                              hidden_states)
         else:
             recurrent_cache = cache
             if recurrent_cache is None:
@@ -732,7 +791,7 @@ def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
 class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, GenerationMixin):
     """Maglev with nanochat's untied, soft-capped language-model head."""
 
-    _tied_weights_keys = {}
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # when config.tie_word_embeddings
     cache_class = MaglevCache
 
     def __init__(self, config: MaglevConfig):
@@ -835,6 +894,14 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             return consistency_loss
         supervised = (labels[..., 1:] != -100).sum()
         return consistency_loss * supervised.to(consistency_loss.dtype) / num_items_in_batch
+
+    def _assisted_decoding(self, input_ids: torch.LongTensor, *args, **model_kwargs):
+        """transformers' assisted decoding, whose first forward reads the prompt and the first drafts together:
+        the cache is told where the prompt ends, so that in "prefiller" mode Q reads the prompt only."""
+        cache = model_kwargs.get(GENERATE_CACHE_KWARG)
+        if self.config.memory_prefill == "prefiller" and isinstance(cache, MaglevCache) and cache.seen_tokens == 0:
+            cache.prompt_length = input_ids.shape[1]
+        return super()._assisted_decoding(input_ids, *args, **model_kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """A MaglevCache for generate() (OwnCacheGenerationMixin); the prefiller reads a prompt in one piece."""
