@@ -34,6 +34,7 @@ setup(
             "lm-eval==0.4.13",
             "matplotlib>=3.7",
             "tqdm>=4",
+            "parameterized>=0.9",  # transformers' own test_modeling_common.py, run by the suite
         ],
     },
     entry_points={"console_scripts": ["kvm-maglev=kvm_maglev.cli:main"]},
