@@ -4,8 +4,13 @@ Single process:
     python examples/finetune.py --model MODEL_DIR --output-dir runs/ft
 LoRA (attention, MLP and, for Maglev, the memory projections):
     python examples/finetune.py --model MODEL_DIR --output-dir runs/lora --lora
-Several processes (DDP; `--cpu` for a CPU-only machine):
-    accelerate launch --num_processes 2 --cpu examples/finetune.py --model MODEL_DIR --output-dir runs/ddp
+Several processes (DDP; on a machine without GPUs this runs on CPU with gloo):
+    accelerate launch --multi_gpu --num_processes 2 examples/finetune.py --model MODEL_DIR --output-dir runs/ddp
+Sharded weights, gradients and optimizer state (FSDP2, one unit per decoder block):
+    accelerate launch --multi_gpu --num_processes 2 examples/finetune.py --model MODEL_DIR --output-dir runs/fsdp --fsdp
+DeepSpeed ZeRO-3 (also on CPU; docs/distributed.md):
+    accelerate launch --multi_gpu --num_processes 2 examples/finetune.py --model MODEL_DIR --output-dir runs/z3
+        --deepspeed examples/deepspeed_zero3.json   (one command line)
 
 The text file is read with `datasets` (one document per line), tokenised and packed into blocks
 of `--block-size` tokens; a fraction of the blocks is held out for the evaluation loss.
@@ -72,12 +77,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ddp-find-unused-parameters", action="store_true",
                         help="let DDP look for parameters without a gradient each step (slower; needed when a "
                              "step can leave some unused, e.g. KVM on blocks shorter than its attention window)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard weights, gradients and optimizer state across the processes (FSDP2, one unit "
+                             "per decoder block); checkpoints are sharded, the final model is saved whole")
+    parser.add_argument("--deepspeed", default=None, metavar="CONFIG_JSON",
+                        help="train with DeepSpeed (ZeRO) from this config file instead of DDP")
     parser.add_argument("--check-replicas", action="store_true",
                         help="after training, check that every process holds identical parameters "
                              "(writes OUTPUT_DIR/replicas.json)")
     args = parser.parse_args(argv)
     if not 0 <= args.eval_fraction < 1:
         parser.error(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    if args.check_replicas and (args.fsdp or args.deepspeed):
+        parser.error("--check-replicas compares whole replicas: FSDP and DeepSpeed ZeRO shard them")
+    if args.fsdp and args.deepspeed:
+        parser.error("choose one of --fsdp and --deepspeed")
     return args
 
 
@@ -123,6 +137,26 @@ def apply_maglev_recipe(model, recipe: str) -> None:
                              "it applies to models trained from scratch, not to a loaded one")
         setattr(config, field, value)
     config.validate_maglev()
+
+
+def fsdp_config(model) -> dict:
+    """Trainer's FSDP2 settings: each decoder block (`_no_split_modules`) is one sharding unit, gathered for
+    its own forward and backward; checkpoints hold each process's shard (resumable with --resume)."""
+    return {
+        "version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": list(model._no_split_modules),
+        "state_dict_type": "SHARDED_STATE_DICT",
+        "reshard_after_forward": True,
+    }
+
+
+def save_final_model(trainer, output_dir: str) -> None:
+    """Save the trained model as one folder `from_pretrained` reads; under FSDP its shards are gathered
+    first (checkpoints written during training stay sharded)."""
+    if trainer.is_fsdp_enabled:
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    trainer.save_model(output_dir)
 
 
 def check_replicas(model, output_dir: str) -> dict:
@@ -176,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         # by default every parameter must get a gradient each step: DDP then skips the unused-parameter search
         ddp_find_unused_parameters=args.ddp_find_unused_parameters,
         use_cpu=not torch.cuda.is_available(),
+        fsdp=True if args.fsdp else None,
+        fsdp_config=fsdp_config(model) if args.fsdp else None,
+        deepspeed=args.deepspeed,
     )
     trainer = LossComponentsTrainer(
         model=model,
@@ -186,10 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         processing_class=tokenizer,
         callbacks=[MaglevStepCallback()] if model.config.model_type == "maglev" else [],
     )
+    if args.fsdp and not trainer.is_fsdp_enabled:
+        raise SystemExit("--fsdp: accelerate applies FSDP only on GPUs (and other accelerators); on CPU it runs the "
+                         "processes as MULTI_CPU and would train unsharded. See docs/distributed.md for CPU FSDP2.")
     trainer.train(resume_from_checkpoint=args.resume)
     if eval_dataset is not None:
         trainer.evaluate()
-    trainer.save_model(args.output_dir)
+    save_final_model(trainer, args.output_dir)
     if args.check_replicas:
         check_replicas(trainer.model, args.output_dir)
     if args.lora and args.merge_lora and trainer.is_world_process_zero():

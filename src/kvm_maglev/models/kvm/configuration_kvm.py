@@ -145,6 +145,26 @@ class KVMConfig(PretrainedConfig):
 
     model_type = "kvm"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun): attention split by head, so
+    # that each rank keeps its own heads' window and key-value state, and the MLP by hidden unit. The per-head
+    # parameters outside the linear layers are sharded with them (1-D ones like a colwise bias, the [1, 1, n]
+    # gate bias on its last dim); the layers read their part with `tensor_parallel.local_tensor`.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.value_gate_up": "colwise",
+        "layers.*.self_attn.merge_gate_proj": "colwise",
+        "layers.*.self_attn.q_shift": "colwise",
+        "layers.*.self_attn.k_shift": "colwise",
+        "layers.*.self_attn.v_shift": "colwise",
+        "layers.*.self_attn.window_temperature": "colwise",
+        "layers.*.self_attn.state_temperature": "colwise",
+        "layers.*.self_attn.value_gate_bias": "rowwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
 
     def __init__(self, *args, **kwargs):
         kwargs = assign_fields(self, KVM_FIELDS, args, kwargs)

@@ -32,6 +32,7 @@ from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
 from .runtime_kvm import runtime_speedups
 from .state_kvm import Overflow, fold_overflow, readable_state, slot_norms, state_keys
+from .tensor_parallel import full_tensor, local_tensor
 
 logger = logging.get_logger(__name__)
 
@@ -136,7 +137,7 @@ class KVMAttentionBase(nn.Module):
             self.value_gate_up = nn.Linear(rank, vv, bias=False)
 
     def value_gate(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.value_gate_bias + self.value_gate_up(self.value_gate_down(x)))
+        return torch.sigmoid(local_tensor(self.value_gate_bias) + self.value_gate_up(self.value_gate_down(x)))
 
     def project(self, x: torch.Tensor, v_first: torch.Tensor | None, plan: StepPlan, carries) -> tuple[torch.Tensor, ...]:
         """Return q, k [B, H, T, Dqk] (normed, not rotated) and v [B, H, T, Dv]; shifts follow each row's real tokens."""
@@ -147,15 +148,17 @@ class KVMAttentionBase(nn.Module):
         elif self.value_residual_mode == "rwkv":
             v = v + (v_first.to(v.dtype) - v) * self.value_gate(x).to(v.dtype)
         if self.token_shift_on:
-            q = plan.shift(q, self.q_shift, carries, "q", "first")
-            k = plan.shift(k, self.k_shift, carries, "k", "first")
-            v = plan.shift(v, self.v_shift, carries, "v", "first")
+            q = plan.shift(q, local_tensor(self.q_shift), carries, "q", "first")
+            k = plan.shift(k, local_tensor(self.k_shift), carries, "k", "first")
+            v = plan.shift(v, local_tensor(self.v_shift), carries, "v", "first")
         if self.value_residual_mode == "rwkv_post_tokenshift":
-            shifted = plan.shift(x, self.v_shift, carries, "x", "first")
+            # the mix of the (whole) input: all of v_shift, also where tensor parallelism shards it by head
+            shifted = plan.shift(x, full_tensor(self.v_shift), carries, "x", "first")
             v = v + (v_first.to(v.dtype) - v) * self.value_gate(shifted).to(v.dtype)
-        q = self.q_norm(q.view(batch, length, self.num_heads, -1)).transpose(1, 2)
-        k = self.k_norm(k.view(batch, length, self.num_heads, -1)).transpose(1, 2)
-        v = v.view(batch, length, self.num_heads, -1).transpose(1, 2)
+        # -1 heads: under tensor parallelism a rank holds only its share of them
+        q = self.q_norm(q.view(batch, length, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(batch, length, -1, self.head_dim)).transpose(1, 2)
+        v = v.view(batch, length, -1, self.value_head_dim).transpose(1, 2)
         return q, k, v
 
     def output(self, y: torch.Tensor) -> torch.Tensor:
@@ -223,7 +226,7 @@ class KVMAttention(KVMAttentionBase):
         """Per-head temperature `name` shaped to scale [B, H, T, D] keys or queries (1 when off)."""
         if not self.config.head_temperatures:
             return 1.0
-        return getattr(self, name).view(1, self.num_heads, 1, 1)
+        return local_tensor(getattr(self, name)).view(1, -1, 1, 1)
 
     def forward(self, x, v_first, rotary, plan: StepPlan, state) -> torch.Tensor:
         carries, caches = state if state is not None else (None, [KVMLayerCache() for _ in plan.segments])
@@ -392,19 +395,38 @@ class KVMDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = KVMMLP(config, layer_idx)
         self.residual_scale = config.residual_scale
+        self.anchors = value_anchor_layers(config).get(layer_idx, ())
         if config.block_lambdas:
             self.block_lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
 
-    def forward(self, hidden_states, x0, v_first, rotary, plan: StepPlan, state=None) -> torch.Tensor:
+    def forward(
+        self, hidden_states, x0, v_first, rotary, plan: StepPlan, state=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`state`: (carries, per-segment layer caches) from a KVMCache, or None for a fresh per-call
-        state (so that checkpoint recomputation replays identically)."""
+        state (so that checkpoint recomputation replays identically). Returns the new hidden states and, for a
+        layer in `value_anchor_layers`, its value-residual anchor (else None), which it then uses itself."""
+        anchor = None
+        if self.anchors:  # inside the layer's own forward: FSDP gathers its weights only for that
+            anchor = v_first = self.self_attn.v_proj(self.input_layernorm(x0))
         if hasattr(self, "block_lambdas"):
             hidden_states = self.block_lambdas[0] * hidden_states + self.block_lambdas[1] * x0
         attn = self.self_attn(self.input_layernorm(hidden_states), v_first, rotary, plan, state)
         hidden_states = hidden_states + attn * self.residual_scale
         carries = state[0] if state is not None else None
         mlp = self.mlp(self.post_attention_layernorm(hidden_states), plan, carries)
-        return hidden_states + mlp * self.residual_scale
+        return hidden_states + mlp * self.residual_scale, anchor
+
+
+def value_anchor_layers(config: KVMConfig) -> dict[int, tuple[str, ...]]:
+    """The layers whose plain value of x0 anchors the value residual, with the kinds of layer ("kvm",
+    "sliding") that read it: the first layer of each kind, or layer 0 for both when they share it."""
+    if not config.value_residual:
+        return {}
+    if not config.sliding_window_every:
+        return {0: ("kvm",)}
+    if config.sliding_window_share_value_residual:
+        return {0: ("sliding", "kvm")}
+    return {0: ("sliding",), 1: ("kvm",)}
 
 
 # ---- models --------------------------------------------------------------------------------
@@ -496,18 +518,6 @@ class KVMModel(KVMPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def value_anchors(self, x0: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Value-residual anchors (KVM layers, sliding layers): the first such layer's plain value of x0."""
-        if not self.config.value_residual:
-            return None, None
-        def anchor(layer: KVMDecoderLayer) -> torch.Tensor:
-            return layer.self_attn.v_proj(layer.input_layernorm(x0))
-        if not self.config.sliding_window_every:
-            return anchor(self.layers[0]), None
-        sliding_anchor = anchor(self.layers[0])
-        kvm_anchor = sliding_anchor if self.config.sliding_window_share_value_residual else anchor(self.layers[1])
-        return kvm_anchor, sliding_anchor
-
     @can_return_tuple
     def forward(
         self,
@@ -566,16 +576,15 @@ class KVMModel(KVMPreTrainedModel):
             sliding_rotary = rotary_tables(
                 positions, self.config.sliding_window_rotary_dim, head, self.config.sliding_window_rope_theta
             )
-        kvm_anchor, sliding_anchor = self.value_anchors(x0)
+        anchors = {"kvm": None, "sliding": None}  # value-residual anchors, made by `value_anchor_layers`
         hidden_states, all_hidden = x0, []
         for idx, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden.append(hidden_states)
             state = (cache.carries[idx], cache.layer_caches(idx, plan)) if cache is not None else None
-            if layer.sliding:
-                hidden_states = layer(hidden_states, x0, sliding_anchor, sliding_rotary, plan, state)
-            else:
-                hidden_states = layer(hidden_states, x0, kvm_anchor, kvm_rotary, plan, state)
+            kind, rotary = ("sliding", sliding_rotary) if layer.sliding else ("kvm", kvm_rotary)
+            hidden_states, anchor = layer(hidden_states, x0, anchors[kind], rotary, plan, state)
+            anchors.update(dict.fromkeys(layer.anchors, anchor))
         if cache is not None:
             cache.finish(plan)
         hidden_states = self.norm(hidden_states)
@@ -606,6 +615,7 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
     """KVM model with a language-modelling head (optional logit soft-cap)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # when config.tie_word_embeddings
+    _tp_plan = {"lm_head": "colwise_gather_output"}
     cache_class = KVMCache
 
     def __init__(self, config: KVMConfig):

@@ -96,12 +96,12 @@ class HeadFold:
             slot = torch.cat(self.slots, dim=2)
             self.state = merge_into_slots(self.state, self.merge_keys, self.merge_values, slot,
                                           self.attention.config.state_value_norms)
-        self.fold.state = write_head(self.fold.state, self.state, self.heads, self.attention.num_heads)
+        self.fold.state = write_head(self.fold.state, self.state, self.heads, self.fold.num_heads)
 
     def read(self) -> None:
         normed = self.attention.state_key_norm(self.state[0])
         read = self.attention.readable(self.state, normed, self.fold.dtype, self.heads)
-        self.fold.read = write_head(self.fold.read, read, self.heads, self.attention.num_heads)
+        self.fold.read = write_head(self.fold.read, read, self.heads, self.fold.num_heads)
 
 
 def write_head(full: list[torch.Tensor] | None, part, heads: slice, num_heads: int) -> list[torch.Tensor]:
@@ -124,8 +124,9 @@ class PacedFold:
         self.read: list[torch.Tensor] | None = None  # their attention-ready form
         overflow = attention.overflow(cache, block, cache.state_keys.dtype)
         n_append = attention.append_count(block, cache.state_len)
+        self.num_heads = cache.state_keys.shape[1]  # the rank's own heads under tensor parallelism
         heads = [HeadFold(attention, cache.state(), cache.normed_state_keys(), overflow, n_append, head, self)
-                 for head in range(attention.num_heads)]
+                 for head in range(self.num_heads)]
         self.stages = [stage for head in heads for stage in head.stages()]
         self.next_stage = 0
         chunk = attention.config.chunk_size

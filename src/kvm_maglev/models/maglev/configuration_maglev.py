@@ -130,6 +130,21 @@ class MaglevConfig(PretrainedConfig):
 
     model_type = "maglev"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun): attention split by head (K/V
+    # heads with their query groups), the memory projections and gates with the K/V heads they feed, the MLP
+    # by hidden unit; the value-embedding tables stay whole and each rank reads its heads' columns.
+    base_model_tp_plan = {
+        **{f"{blocks}.*.{name}": style
+           for blocks in ("layers", "prefiller_layers")  # the decoder P and, when kept, the prefiller Q
+           for name, style in {
+               "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+               "self_attn.value_gate": "colwise", "self_attn.o_proj": "rowwise",
+               "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+           }.items()},
+        "layers.*.self_attn.memory_k_proj": "colwise",
+        "layers.*.self_attn.memory_v_proj": "colwise",
+        "layers.*.self_attn.memory_gate": "colwise",
+    }
 
     def __init__(self, *args, **kwargs):
         kwargs = assign_fields(self, MAGLEV_FIELDS, args, kwargs)

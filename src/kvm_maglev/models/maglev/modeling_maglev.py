@@ -26,6 +26,7 @@ from .conventions import (attention, check_attn_implementation, check_position_i
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, real_tokens, take_cache
 from .runtime_maglev import runtime_speedups
+from .tensor_parallel import local_columns, local_tensor
 
 # why the models refuse what transformers offers for plain attention
 MAGLEV_NO_KERNELS = ("decoding attends over a ring of cached window keys with per-row positions under masks of "
@@ -184,9 +185,10 @@ class MaglevAttention(nn.Module):
 
     def forward(self, x, value_embedding, memory, rotary, window, store, plan):
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism a rank holds only its share of them (the memory follows its K/V heads)
+        q = self.q_proj(x).view(batch, length, -1, self.head_dim)
+        k = self.k_proj(x).view(batch, length, -1, self.head_dim)
+        v = self.v_proj(x).view(batch, length, -1, self.head_dim)
         if memory is not None:
             # Maglev: the previous token's memory enters keys (before rotary/QK-norm) and values.
             gate = torch.sigmoid(self.memory_gate(x[..., : self.memory_gate_channels])).unsqueeze(-1)
@@ -194,10 +196,11 @@ class MaglevAttention(nn.Module):
             v = v + gate * self.memory_v_proj(memory).view_as(v)
         if value_embedding is not None:
             gate = self.value_gate_scale * torch.sigmoid(self.value_gate(x[..., : self.value_gate_channels]))
+            value_embedding = local_columns(value_embedding, self.v_proj.weight)  # the table is not sharded
             v = v + gate.unsqueeze(-1) * value_embedding.view_as(v)
         # rotary and QK-norm act per head: queries and keys go through them together (fewer small ops per step)
         qk = apply_rotary(torch.cat([q, k], dim=2), *rotary)
-        q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([self.num_heads, self.num_kv_heads], dim=2)
+        q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([q.shape[2], k.shape[2]], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = self.attend(q, k, v, window, store, plan)
         return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
@@ -773,7 +776,7 @@ def kept_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> 
 
 def memories_like(model: MaglevModel) -> torch.Tensor:
     """An empty tensor with the model's device and dtype (what new cache rows are made like)."""
-    return model.embed_tokens.weight.new_empty(0, dtype=model.dtype)
+    return local_tensor(model.embed_tokens.weight).new_empty(0, dtype=model.dtype)  # a plain tensor under TP
 
 
 def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
@@ -792,6 +795,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
     """Maglev with nanochat's untied, soft-capped language-model head."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # when config.tie_word_embeddings
+    _tp_plan = {"lm_head": "colwise_gather_output"}
     cache_class = MaglevCache
 
     def __init__(self, config: MaglevConfig):
