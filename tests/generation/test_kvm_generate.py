@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
-from kvm_maglev.models.kvm.modeling_kvm import CACHE_FIELD
+from kvm_maglev.models.common.model_inputs import CACHE_NAME
 
 CONFIG = dict(
     vocab_size=61, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, rotary_dim=8, chunk_size=4,
@@ -70,7 +70,7 @@ def test_generate_uses_kvm_cache_and_continues_a_user_cache(model):
     assert isinstance(cache, KVMCache)
     assert cache.get_seq_length() == 14  # the last generated token is not fed back
     user_cache = KVMCache(model.config)
-    again = model.generate(inputs, max_new_tokens=10, do_sample=False, pad_token_id=0, **{CACHE_FIELD: user_cache})
+    again = model.generate(inputs, max_new_tokens=10, do_sample=False, pad_token_id=0, **{CACHE_NAME: user_cache})
     assert torch.equal(again, out.sequences)
     assert user_cache.get_seq_length() == 14
 
