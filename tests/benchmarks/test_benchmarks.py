@@ -150,3 +150,21 @@ def test_compile_flag_runs_the_decoding_steps_through_torch_compile(monkeypatch)
     assert row.compiled and calls["step"] == 1 + 4  # the untimed step and the timed ones
     assert calls["forward"] == 3 + 1 + 4  # 69 prompt tokens in chunks of 32, then the steps through the wrapper
     assert not measure("maglev", model, 70, 1, 2, 32).compiled
+
+
+def test_direct_flag_steps_our_models_outside_runtime_speedups(tmp_path, monkeypatch):
+    """`--direct`: the model is stepped as a loop of one's own steps it, without opening its block; each
+    step's CPU time is kept beside its wall time."""
+    from kvm_maglev.benchmarks.decode import measure
+    from kvm_maglev.benchmarks.models import SHAPES
+
+    assert bench_args(tmp_path).direct is False
+    model = MODEL_BUILDERS["kvm_fixed"](SHAPES["tiny"]).eval()
+    opened, real_block = [], model.runtime_speedups
+    monkeypatch.setattr(model, "runtime_speedups", lambda: opened.append(True) or real_block())
+    row = measure("kvm_fixed", model, 70, 1, 3, 32, direct=True)
+    assert row.direct and not opened
+    assert len(row.step_cpu_ms) == 3 and row.cpu_max_over_median >= 1.0
+    assert not measure("kvm_fixed", model, 70, 1, 2, 32).direct and opened
+    checks = [c.target for c in check_targets([row])]
+    assert "kvm_fixed b1 ctx 70: slowest step's CPU time / median's <= 1.5" in checks

@@ -32,6 +32,11 @@ class Measurement:
     step_steal_ms: Optional[List[float]] = None
     # decoding steps ran through torch.compile (the untimed first step compiled them)
     compiled: bool = False
+    # the model was stepped directly, outside its runtime_speedups() block, as a server's own loop may
+    direct: bool = False
+    # CPU time of this process during each step: on a shared machine, unlike wall time, it leaves out the
+    # time other processes held the cores (with one thread it is the step's own compute)
+    step_cpu_ms: Optional[List[float]] = None
 
     @property
     def decode_ms_max_unstolen(self) -> Optional[float]:
@@ -40,6 +45,13 @@ class Measurement:
             return None
         kept = [ms for ms, stolen in zip(self.step_ms, self.step_steal_ms) if stolen == 0]
         return max(kept) if kept else None
+
+    @property
+    def cpu_max_over_median(self) -> Optional[float]:
+        """Slowest step's CPU time over the median step's (None without CPU times)."""
+        if not self.step_cpu_ms:
+            return None
+        return max(self.step_cpu_ms) / statistics.median(self.step_cpu_ms)
 
 
 def _sync(device: torch.device) -> None:
@@ -95,6 +107,7 @@ def measure(
     prefill_chunk: int,
     seed: int = 0,
     compile_decode: bool = False,
+    direct: bool = False,
 ) -> Measurement:
     """Read ``context`` tokens, then time ``decode_steps`` single-token steps.
 
@@ -102,17 +115,20 @@ def measure(
     untimed decoding step. Every model's first one-token step after a long prompt ran slow (one-row
     kernels and allocations after the prompt's large ones), which is not what a decoding step costs;
     the timed steps still start right at position ``context`` (a KVM chunk boundary when ``context``
-    is a multiple of the chunk). Our models run inside their runtime speed-ups, as in `generate()`.
+    is a multiple of the chunk). Our models run inside their runtime speed-ups, as in `generate()`, or,
+    with ``direct``, plainly, as a loop of one's own that never opens the block steps them.
     With ``compile_decode`` the decoding steps (not the prefill) go through `torch.compile(model)`; the
     untimed step compiles them, and a recompilation in a timed step (new shapes or code paths) is timed.
     """
-    with _speedups(model):
-        return _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed, compile_decode)
+    with _speedups(model, direct):
+        row = _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed, compile_decode)
+    row.direct = direct
+    return row
 
 
-def _speedups(model) -> contextlib.AbstractContextManager:
-    """The block generate() decodes in: our models' `runtime_speedups()`, or none."""
-    if hasattr(model, "runtime_speedups"):
+def _speedups(model, direct: bool) -> contextlib.AbstractContextManager:
+    """The block generate() decodes in: our models' `runtime_speedups()`, or none (baselines, `direct`)."""
+    if hasattr(model, "runtime_speedups") and not direct:
         return model.runtime_speedups()
     return contextlib.nullcontext()
 
@@ -146,16 +162,17 @@ def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed
         mask = torch.cat([mask, mask.new_ones(batch_size, 1)], dim=1)
         next_ids, cache = _step(stepper, out.logits[:, -1:].argmax(-1), mask, cache, use_mask)
         generated = 1
-    step_ms, steal_ms = [], []
+    step_ms, steal_ms, cpu_ms = [], [], []
     # only the last position's logits are kept, so no large prefill tensor is freed inside a timed step
     for _ in range(decode_steps):
         mask = torch.cat([mask, mask.new_ones(batch_size, 1)], dim=1)
         _sync(device)
         stolen = _host_steal_ms()
-        start = time.perf_counter()
+        cpu_start, start = time.process_time(), time.perf_counter()
         next_ids, cache = _step(stepper, next_ids, mask, cache, use_mask)
         _sync(device)
         step_ms.append((time.perf_counter() - start) * 1e3)
+        cpu_ms.append((time.process_time() - cpu_start) * 1e3)
         after = _host_steal_ms()
         steal_ms.append(None if stolen is None or after is None else after - stolen)
     ordered = sorted(step_ms)
@@ -174,4 +191,5 @@ def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed
         step_ms=step_ms,
         step_steal_ms=None if None in steal_ms else steal_ms,
         compiled=compile_decode,
+        step_cpu_ms=cpu_ms,
     )

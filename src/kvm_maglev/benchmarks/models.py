@@ -29,7 +29,9 @@ class Shape:
 
 
 TINY = Shape(num_layers=2, hidden_size=64, num_heads=2, vocab_size=512, chunk_len=16, window_chunks=2)
-SHAPES = {"default": Shape(), "tiny": TINY}
+# a 1B-class shape for GPU runs: 1.0B parameters (Maglev 2.0B with its separate prefiller)
+ONE_B = Shape(num_layers=16, hidden_size=2048, num_heads=16, vocab_size=50304, chunk_len=256, window_chunks=2)
+SHAPES = {"default": Shape(), "tiny": TINY, "1b": ONE_B}
 
 
 def _baseline_fields(shape: Shape) -> dict:

@@ -58,6 +58,10 @@ def check_targets(results: List[Measurement]) -> List[TargetCheck]:
         if r.model in KVM_MODELS and r.context > 1:
             checks.append(TargetCheck(f"{r.model} b{r.batch_size} ctx {r.context}: slowest step / median <= 1.5",
                                       r.decode_ms_max / r.decode_ms_median, 1.5, True))
+            if r.cpu_max_over_median is not None:
+                checks.append(TargetCheck(
+                    f"{r.model} b{r.batch_size} ctx {r.context}: slowest step's CPU time / median's <= 1.5",
+                    r.cpu_max_over_median, 1.5, True))
             unstolen = r.decode_ms_max_unstolen
             if unstolen is not None and unstolen < r.decode_ms_max:
                 checks.append(TargetCheck(

@@ -3,6 +3,7 @@ the state stays within its budget, sizes match the closed form, batch operations
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -171,14 +172,14 @@ def test_past_key_values_keyword_and_attention_mask_of_ones():
         assert torch.allclose(step, model(ids, use_cache=False).logits[:, 7:], atol=1e-5)
 
 
-@pytest.mark.parametrize("heads,chunk", [(1, 64), (2, 64), (4, 64), (2, 256)])
-def test_fold_ahead_is_done_before_its_boundary(heads, chunk):
-    """Inside runtime_speedups the fold's stages are paced to fit in 7/8 of a chunk: the boundary step only
-    swaps the result in. Every boundary of a long decode finds its fold done."""
+@pytest.mark.parametrize("heads,chunk,speedups", [(1, 64, False), (2, 64, True), (4, 64, False), (2, 256, True)])
+def test_fold_ahead_is_done_before_its_boundary(heads, chunk, speedups):
+    """The fold's stages are paced to fit in 7/8 of a chunk, whether or not runtime_speedups is open: the
+    boundary step only swaps the result in. Every boundary of a long decode finds its fold done."""
     model = random_model(num_attention_heads=heads, hidden_size=64, rotary_dim=8, chunk_size=chunk)
     ids = torch.randint(0, 97, (1, 5 * chunk), generator=torch.Generator().manual_seed(7))
     checked = 0
-    with torch.no_grad(), model.runtime_speedups():
+    with torch.no_grad(), model.runtime_speedups() if speedups else contextlib.nullcontext():
         cache = KVMCache(model.config)
         model(ids[:, :3], cache=cache)
         for pos in range(3, ids.shape[1]):
@@ -191,13 +192,15 @@ def test_fold_ahead_is_done_before_its_boundary(heads, chunk):
     assert checked > 0
 
 
-def test_folds_computed_ahead_are_bitwise_identical(monkeypatch):
-    """Inside runtime_speedups decoding folds the next block head by head during the chunk before its
-    boundary; the boundary step swaps the result in. Logits and state equal the plain fold's at the
-    boundary bit for bit."""
+@pytest.mark.parametrize("budget", [{}, dict(state_budget_mode="fixed", state_budget_min=6)])
+@pytest.mark.parametrize("speedups", [False, True])
+def test_folds_computed_ahead_are_bitwise_identical(monkeypatch, budget, speedups):
+    """A model stepped with its cache, by a loop of one's own (`speedups` off) or inside runtime_speedups
+    as generate() steps it, folds the next block head by head during the chunk before its boundary; the
+    boundary step swaps the result in. Logits and state equal the fold at the boundary's bit for bit."""
     from kvm_maglev.models.kvm import runtime_kvm
 
-    model = random_model(num_attention_heads=4, hidden_size=64, rotary_dim=8)
+    model = random_model(num_attention_heads=4, hidden_size=64, rotary_dim=8, **budget)
     ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(6))
 
     def decode(ahead: bool):
@@ -211,10 +214,12 @@ def test_folds_computed_ahead_are_bitwise_identical(monkeypatch):
                 assert fold is not None and 0 < fold.next_stage < len(fold.stages)
         return torch.cat(logits, dim=1), cache
 
-    with torch.no_grad(), model.runtime_speedups():
+    with torch.no_grad(), model.runtime_speedups() if speedups else contextlib.nullcontext():
         ahead, ahead_cache = decode(True)
         monkeypatch.setattr(runtime_kvm, "prepare_next_fold", lambda *args, **kwargs: None)
         at_boundary, boundary_cache = decode(False)
     assert torch.equal(ahead, at_boundary)
     for a, b in zip(ahead_cache.groups[0].layers, boundary_cache.groups[0].layers):
         assert all(torch.equal(x, y) for x, y in zip(a.state(), b.state()))
+        assert all(torch.equal(x, y) for x, y in zip(a.read_cache, b.read_cache))
+        assert all(torch.equal(x, y) for x, y in zip(a.window.live(), b.window.live()))

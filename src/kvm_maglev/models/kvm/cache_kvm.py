@@ -177,7 +177,7 @@ class KVMLayerCache:
         self.merged_blocks = 0  # blocks j >= 1 already folded into the state
         self.seen = 0
         self.journal: dict | None = None  # what the current forward did, while recording
-        self.pending_fold = None  # the next fold, computed ahead inside runtime_speedups (runtime_kvm.PacedFold)
+        self.pending_fold = None  # the next fold, computed ahead by decoding forwards (runtime_kvm.PacedFold)
 
     @property
     def state_len(self) -> int:

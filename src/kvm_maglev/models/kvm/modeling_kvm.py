@@ -30,7 +30,7 @@ from .conventions import (attention, check_attn_implementation, check_position_i
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
-from .runtime_kvm import runtime_speedups
+from .runtime_kvm import advance_folds, runtime_speedups, take_fold_ahead
 from .state_kvm import Overflow, fold_overflow, readable_state, slot_norms, state_keys
 from .tensor_parallel import full_tensor, local_tensor
 
@@ -235,7 +235,10 @@ class KVMAttention(KVMAttentionBase):
         gate = None
         if self.gated:
             gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
-        return self.output(run_segments(plan, caches, self.run_chunks, q, k, v, gate))
+        y = self.output(run_segments(plan, caches, self.run_chunks, q, k, v, gate))
+        if state is not None:  # the next fold is computed ahead whatever steps the model (runtime_kvm)
+            advance_folds(self, caches, whole=x.shape[1] > 1)
+        return y
 
     def run_chunks(self, cache: KVMLayerCache, q, k, v, gate) -> torch.Tensor:
         """Process one group's new tokens (any count, any cache state) chunk by chunk; returns [G, H, T, Dv]."""
@@ -316,7 +319,10 @@ class KVMAttention(KVMAttentionBase):
         cache.set_state(keys, values, norms)
 
     def fold_block(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> None:
-        """Fold window block `block` (>= 1), which is leaving the window, into the state."""
+        """Fold window block `block` (>= 1), which is leaving the window, into the state; a fold computed
+        ahead from this state is swapped in (the same tensors bit for bit)."""
+        if take_fold_ahead(cache, block):
+            return
         state = fold_overflow(
             cache.state(), self.reference_keys(cache), self.overflow(cache, block, state_dtype),
             self.append_count(block, cache.state_len), self.config.sink_slots, self.state_key_norm,

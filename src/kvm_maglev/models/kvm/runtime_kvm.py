@@ -1,10 +1,12 @@
 """Inference speed-ups for KVM models, kept apart from the math (modeling_kvm, state_kvm).
 
-Inside `runtime_speedups(model)`, which `model.runtime_speedups()` returns and `generate()` opens:
+Whatever steps the model (generate(), a server's own loop), a forward without autograd that has a cache
+computes ahead the fold of the block that leaves the window at the next chunk boundary, a stage every
+few decoding steps, so that the boundary step costs what any other step costs: the cache's layers carry
+the fold under way (`pending_fold`), `KVMAttention.forward` advances it and `fold_block` swaps it in.
+Inside `runtime_speedups(model)`, which `model.runtime_speedups()` returns and `generate()` opens, also:
 - linear layers compute on oneDNN, batched steps on blocked weight copies (onednn_linear);
-- a one-query decoding step on CPU in float32 reads the state and window as matrix-vector products;
-- the fold of the block that leaves the window at the next chunk boundary is computed ahead, a stage
-  every few decoding steps, so that the boundary step costs what any other step costs.
+- a one-query decoding step on CPU in float32 reads the state and window as matrix-vector products.
 Each computes what the plain path computes: the fold bit for bit, the others up to float rounding.
 Measurements behind them: docs/kvm_runtime_notes.md.
 """
@@ -162,6 +164,27 @@ def prepare_next_fold(attention, cache, whole: bool) -> None:
         fold.finish()
     elif not fold.done and cache.seen % fold.stride == 0:
         fold.advance()
+
+
+def advance_folds(attention, caches, whole: bool) -> None:
+    """After a forward of `attention` without autograd: start or advance each layer cache's next fold
+    (`prepare_next_fold`); a forward that builds a graph folds at the boundary, as training does."""
+    if torch.is_grad_enabled():
+        return
+    for cache in caches:
+        prepare_next_fold(attention, cache, whole)
+
+
+def take_fold_ahead(cache, block: int) -> bool:
+    """Swap in the fold computed ahead when it is block `block`'s, from the cache's current state; False
+    when the caller must fold now."""
+    fold = cache.pending_fold
+    if fold is None or fold.block != block or fold.source is not cache.state_keys:
+        return False
+    fold.finish()
+    cache.set_state(*fold.state)
+    cache.read_cache = tuple(fold.read)
+    return True
 
 
 class FastKVMAttention:
