@@ -192,6 +192,27 @@ def test_fold_ahead_is_done_before_its_boundary(heads, chunk, speedups):
     assert checked > 0
 
 
+@pytest.mark.parametrize("speedups", [False, True])
+def test_a_decoding_step_advances_the_fold_by_one_stage_at_most(speedups):
+    """Stepped directly or inside runtime_speedups, a decoding step advances the fold under way by at most
+    one stage, so that its stages spread over the chunk."""
+    model = random_model(num_attention_heads=4, hidden_size=64, rotary_dim=8, chunk_size=64)
+    ids = torch.randint(0, 97, (1, 260), generator=torch.Generator().manual_seed(8))
+    advanced = 0
+    with torch.no_grad(), model.runtime_speedups() if speedups else contextlib.nullcontext():
+        cache = KVMCache(model.config)
+        model(ids[:, :130], cache=cache)
+        fold, stage = None, 0
+        for pos in range(130, 260):
+            model(ids[:, pos : pos + 1], cache=cache)
+            now = cache.groups[0].layers[0].pending_fold
+            if now is fold and now is not None:
+                assert now.next_stage - stage <= 1, pos
+                advanced += now.next_stage - stage
+            fold, stage = now, 0 if now is None else now.next_stage
+    assert advanced > 0
+
+
 @pytest.mark.parametrize("budget", [{}, dict(state_budget_mode="fixed", state_budget_min=6)])
 @pytest.mark.parametrize("speedups", [False, True])
 def test_folds_computed_ahead_are_bitwise_identical(monkeypatch, budget, speedups):

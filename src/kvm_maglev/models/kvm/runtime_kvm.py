@@ -197,23 +197,6 @@ class FastKVMAttention:
                                        1.0 / math.sqrt(q.shape[-1]))
         return super().attend_state_and_window(q, keys, values, state_keys, state_value_columns)
 
-    def fold_block(self, cache, block: int, state_dtype: torch.dtype) -> None:
-        """Swap in the fold computed ahead when it is this block's, from this state; else fold now."""
-        fold = cache.pending_fold
-        if fold is not None and fold.block == block and fold.source is cache.state_keys:
-            fold.finish()
-            cache.set_state(*fold.state)
-            cache.read_cache = tuple(fold.read)
-            return
-        super().fold_block(cache, block, state_dtype)
-
-    def forward(self, x, v_first, rotary, plan, state) -> torch.Tensor:
-        y = super().forward(x, v_first, rotary, plan, state)
-        if state is not None and not torch.is_grad_enabled():
-            for cache in state[1]:
-                prepare_next_fold(self, cache, whole=x.shape[1] > 1)
-        return y
-
 
 def runtime_speedups(model: nn.Module, attention_class: type) -> contextlib.AbstractContextManager:
     """A block in which `model` runs with the speed-ups above (its `attention_class` modules take
