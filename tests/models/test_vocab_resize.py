@@ -95,6 +95,9 @@ def test_added_rows_start_at_the_mean_of_the_real_rows(name):
     old_vocab = model.config.vocab_size
     old_tables = {key: table.clone() for key, table in token_tables(model).items()}
     model.resize_token_embeddings(old_vocab + 5)
+    resized = {key: table.clone() for key, table in token_tables(model).items()}
+    model.post_init()  # as transformers' own resize, the new tables count as initialised
+    assert all(torch.equal(table, resized[key]) for key, table in token_tables(model).items())
     for key, table in token_tables(model).items():
         if model.config.tie_word_embeddings and key == "lm_head":
             continue

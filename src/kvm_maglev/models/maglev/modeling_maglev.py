@@ -325,6 +325,7 @@ class MaglevPreTrainedModel(CarriedCardMixin, PreTrainedModel):
         if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
             raise ValueError(f"new_num_tokens must be a positive integer, got {new_num_tokens!r}")
         old_vocab, self.config.vocab_size = self.config.vocab_size, vocab
+        self.vocab_size = vocab  # as transformers' resize sets it
         shape = (old_vocab, vocab, self.config.padded_vocab_size, mean_resizing)
         self.set_input_embeddings(self.resized_table(self.get_input_embeddings(), *shape))
         tables = self.base_model.value_embeddings
@@ -354,6 +355,7 @@ class MaglevPreTrainedModel(CarriedCardMixin, PreTrainedModel):
                 self._init_weights(fresh)
             fresh.weight[:kept] = weight[:kept]
         fresh.weight.requires_grad_(weight.requires_grad)
+        fresh._is_hf_initialized = True  # a later post_init() must not redraw it
         return fresh
 
 
