@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from .conventions import (attention, check_attn_implementation, check_position_i
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
-from .runtime_kvm import advance_folds, runtime_speedups, take_fold_ahead
+from .runtime_kvm import advance_folds, attend_chunks_at_once, runtime_speedups, take_fold_ahead
 from .state_kvm import Overflow, fold_overflow, readable_state, slot_norms, state_keys
 from .tensor_parallel import full_tensor, local_tensor
 
@@ -240,46 +241,79 @@ class KVMAttention(KVMAttentionBase):
             advance_folds(self, caches, whole=x.shape[1] > 1)
         return y
 
+    # Under autograd a fresh forward past the front window attends all its chunks in one call
+    # (runtime_kvm.attend_chunks_at_once); False keeps the chunk loop, the reference it equals.
+    chunks_at_once = True
+
     def run_chunks(self, cache: KVMLayerCache, q, k, v, gate) -> torch.Tensor:
-        """Process one group's new tokens (any count, any cache state) chunk by chunk; returns [G, H, T, Dv]."""
+        """Process one group's new tokens (any count, any cache state) chunk by chunk; returns [G, H, T, Dv].
+
+        Each chunk's state is final before its attention, and the attention changes no state: a training
+        forward computes every chunk's state first, then the attention of all chunks at once."""
         if cache.journal is not None:
             cache.journal["inputs"] = (k, v, gate)
         chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
-        state_dtype = state_dtype_for(q.dtype)
-        start, end = cache.seen, cache.seen + q.shape[2]
-        if start == 0:
-            cache.window.start_at(0)
-        outputs, pos = [], start
-        while pos < end:
-            chunk_idx = pos // chunk
-            if chunk_idx < window_chunks:  # the front: no state, one window from position 0
-                stop, window_begin = min(end, window_chunks * chunk), 0
+        at_once = (self.chunks_at_once and torch.is_grad_enabled() and cache.seen == 0
+                   and q.shape[2] > window_chunks * chunk)
+        pieces = self.chunk_pieces(cache, q.shape[2])
+        # split, not sliced: a slice's gradient is a zero-filled copy of the whole sequence, per chunk
+        queries = q.split([stop - pos for pos, stop in pieces], dim=2)
+        outputs, reads = [], []
+        for (pos, stop), q_piece, (window_k, window_v, state) in zip(pieces, queries,
+                                                                     self.update_chunks(cache, pieces, k, v, gate)):
+            if at_once:
+                reads += [state] if state is not None else [None] * math.ceil((stop - pos) / chunk)
+            elif state is None:
+                outputs.append(self.attend_window(q_piece, window_k, window_v))
             else:
-                stop = min(end, (chunk_idx + 1) * chunk)
-                window_begin = (chunk_idx + 1 - window_chunks) * chunk
-                for block in range(cache.merged_blocks + 1, chunk_idx - window_chunks + 1):
-                    self.fold_block(cache, block, state_dtype)
-                    cache.merged_blocks = block
-                    cache.note_state_change(pos, "fold")
-            lo, hi = pos - start, stop - start
-            new_gate = gate[:, :, lo:hi] if gate is not None else None
-            cache.window.append((k[:, :, lo:hi], v[:, :, lo:hi], new_gate))
-            if pos < chunk:
-                first = min(stop, chunk) - start
-                before_len = cache.state_len
-                self.add_initial_tokens(cache, k[:, :, lo:first], v[:, :, lo:first],
-                                        None if gate is None else gate[:, :, lo:first], state_dtype)
-                cache.note_state_change(pos, "initial", before_len, start + first)
-            window_k, window_v = cache.window.view(window_begin, stop)[:2]
-            if chunk_idx < window_chunks:
-                outputs.append(self.attend_window(q[:, :, lo:hi], window_k, window_v))
-            else:
-                state_k, state_v = self.read_state(cache, q.dtype)
-                outputs.append(self.attend_state_and_window(q[:, :, lo:hi], window_k, window_v, state_k, state_v))
-            cache.window.drop_before(window_begin)
-            pos = stop
-        cache.seen = end
+                outputs.append(self.attend_state_and_window(q_piece, window_k, window_v, *state))
+        if at_once:
+            return attend_chunks_at_once(q, k, v, reads, chunk, window_chunks, self.temperature("window_temperature"),
+                                         partial(attention, eager=self.eager))
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+
+    def chunk_pieces(self, cache: KVMLayerCache, length: int) -> list[tuple[int, int]]:
+        """Absolute [pos, stop) of the pieces `length` new tokens are processed in: the front window (no
+        state) as one piece, then one piece per chunk."""
+        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
+        pieces, pos, end = [], cache.seen, cache.seen + length
+        while pos < end:
+            front = pos // chunk < window_chunks
+            stop = min(end, window_chunks * chunk if front else (pos // chunk + 1) * chunk)
+            pieces.append((pos, stop))
+            pos = stop
+        return pieces
+
+    def update_chunks(self, cache: KVMLayerCache, pieces: list[tuple[int, int]], k, v, gate):
+        """For each piece in turn, bring the cache up to it (blocks that left the window folded into the
+        state, first-chunk tokens added, the piece's tokens in the window) and yield its window keys, window
+        values and the state it reads (None in the front window). A generator: the chunk loop attends each
+        piece before the next one's state is made, so only one state is alive at a time."""
+        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
+        state_dtype = state_dtype_for(k.dtype)
+        sizes = [stop - pos for pos, stop in pieces]
+        gates = gate.split(sizes, dim=2) if gate is not None else [None] * len(pieces)
+        if cache.seen == 0:
+            cache.window.start_at(0)
+        for (pos, stop), k_piece, v_piece, gate_piece in zip(pieces, k.split(sizes, dim=2), v.split(sizes, dim=2), gates):
+            chunk_idx = pos // chunk
+            window_begin = 0 if chunk_idx < window_chunks else (chunk_idx + 1 - window_chunks) * chunk
+            for block in range(cache.merged_blocks + 1, chunk_idx - window_chunks + 1):
+                self.fold_block(cache, block, state_dtype)
+                cache.merged_blocks = block
+                cache.note_state_change(pos, "fold")
+            cache.window.append((k_piece, v_piece, gate_piece))
+            if pos < chunk:
+                first = min(stop, chunk) - pos
+                before_len = cache.state_len
+                self.add_initial_tokens(cache, k_piece[:, :, :first], v_piece[:, :, :first],
+                                        None if gate_piece is None else gate_piece[:, :, :first], state_dtype)
+                cache.note_state_change(pos, "initial", before_len, pos + first)
+            window_k, window_v = cache.window.view(window_begin, stop)[:2]
+            state = self.read_state(cache, k.dtype) if chunk_idx >= window_chunks else None
+            cache.window.drop_before(window_begin)
+            cache.seen = stop
+            yield window_k, window_v, state
 
     def attend_window(self, q, keys, values) -> torch.Tensor:
         """Causal attention inside the front window (no state yet); temperature on the queries."""

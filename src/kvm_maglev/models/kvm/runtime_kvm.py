@@ -19,6 +19,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .runtime_switch import speedups_switched_on
@@ -202,3 +203,55 @@ def runtime_speedups(model: nn.Module, attention_class: type) -> contextlib.Abst
     """A block in which `model` runs with the speed-ups above (its `attention_class` modules take
     FastKVMAttention's methods); on leaving it the model is plain again. Nested blocks are free."""
     return speedups_switched_on(model, attention_class, FastKVMAttention)
+
+
+def attend_chunks_at_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reads: list, chunk: int,
+                          window_chunks: int, window_temperature: torch.Tensor | float, attend) -> torch.Tensor:
+    """`KVMAttention`'s chunk loop over a fresh forward's tokens as one attention call: every chunk's
+    queries over its state (`reads[c]`: keys [G, H, slots, D] and value columns [G, H, Dv, slots] as
+    `read_state` gives them, None for the front chunks, which read no state) and its causal block window.
+
+    Chunks become a batch dimension: states are padded to the largest one and windows gathered as
+    `window_chunks` shifted copies of the blocks (zero blocks before the first), masked. `attend(q, keys,
+    values, mask)` is the model's softmax attention. q, k, v: [G, H, T, D]; returns [G, H, T, Dv].
+    """
+    groups, heads, length, _ = q.shape
+    count = len(reads)  # chunks, the last one possibly partial
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [G, chunks, H, chunk, D], the layout attention takes
+        x = F.pad(x, (0, 0, 0, count * chunk - length))
+        return x.view(groups, heads, count, chunk, x.shape[-1]).transpose(1, 2)
+
+    def windows(x: torch.Tensor) -> torch.Tensor:  # [G, chunks, H, window_chunks * chunk, D]
+        x = F.pad(blocks(x), (0, 0, 0, 0, 0, 0, window_chunks - 1, 0))
+        return torch.cat([x[:, offset : offset + count] for offset in range(window_chunks)], dim=3)
+
+    # the window temperature scales keys here (the loop scales queries): the same logits
+    window_k, window_v = windows(k * window_temperature), windows(v)
+    sizes = [0 if read is None else read[0].shape[2] for read in reads]
+    slots = max(sizes)
+
+    def stacked(index: int, dim: int) -> torch.Tensor:  # [G, chunks, H, slots, dim]: every chunk's state, padded
+        parts = []
+        for read in reads:
+            if read is None:
+                parts.append(q.new_zeros(groups, heads, slots, dim))
+                continue
+            part = read[index] if index == 0 else read[index].transpose(-1, -2)
+            parts.append(F.pad(part, (0, 0, 0, slots - part.shape[2])))
+        return torch.stack(parts, dim=1)
+
+    keys = torch.cat([stacked(0, k.shape[-1]), window_k], dim=3).flatten(0, 1)
+    values = torch.cat([stacked(1, v.shape[-1]), window_v], dim=3).flatten(0, 1)
+    # state slot s is seen by chunk c when the chunk has that many slots; window key m by query i when it is at
+    # or before the query and not before position 0
+    state_seen = torch.arange(slots, device=q.device) < torch.tensor(sizes, device=q.device).unsqueeze(1)
+    query = torch.arange(chunk, device=q.device).view(1, chunk, 1)
+    key = torch.arange(window_chunks * chunk, device=q.device).view(1, 1, -1)
+    first_block = (window_chunks - 1 - torch.arange(count, device=q.device)).clamp(min=0).view(count, 1, 1)
+    window_seen = (key <= query + (window_chunks - 1) * chunk) & (key >= first_block * chunk)
+    mask = torch.cat([state_seen.unsqueeze(1).expand(count, chunk, slots), window_seen], dim=2)
+    mask = mask.unsqueeze(1).repeat(groups, 1, 1, 1)  # [G * chunks, 1, chunk, keys]
+    y = attend(blocks(q).flatten(0, 1), keys, values, mask)  # [G * chunks, H, chunk, Dv]
+    y = y.view(groups, count, heads, chunk, -1).transpose(1, 2).flatten(2, 3)
+    return y[:, :, :length]
