@@ -23,8 +23,8 @@ SHARED_MODULES: dict[str, tuple[str, ...]] = {
     "saved_cache.py": ("kvm", "maglev"),
     "model_inputs.py": ("kvm", "maglev"),
     "generation_cache.py": ("kvm", "maglev"),
-    "conventions.py": ("kvm", "maglev"),
     "carried_card.py": ("kvm", "maglev"),
+    "conventions.py": ("kvm", "maglev"),
     "tensor_parallel.py": ("kvm", "maglev"),
 }
 HEADER = "# Generated from kvm_maglev/models/common/{name} (python -m kvm_maglev.models.sync_shared); do not edit by hand.\n"

@@ -21,8 +21,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.utils import can_return_tuple
-from transformers.utils import logging
+from transformers.utils import can_return_tuple, logging
 
 from .cache_kvm import KVMCache, KVMLayerCache, RowGroup, SlidingWindowLayerCache, StepPlan, new_layer_cache
 from .carried_card import CarriedCardMixin
@@ -36,7 +35,6 @@ from .state_kvm import Overflow, fold_overflow, readable_state, slot_norms, stat
 from .tensor_parallel import full_tensor, local_tensor
 
 logger = logging.get_logger(__name__)
-
 
 
 # ---- small math helpers --------------------------------------------------------------------
