@@ -26,10 +26,19 @@ def refuse_attention_weights(output_attentions: bool | None, config, reason: str
                          "(and leave config.output_attentions False).")
 
 
+def is_attention_kernel(implementation: str) -> bool:
+    """Whether transformers would run `implementation` as a kernel of its own or from the Hub (flash, flex,
+    paged, "org/repo" kernels); a name it does not know at all gets transformers' own error."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return implementation in ALL_ATTENTION_FUNCTIONS.valid_keys() or "/" in implementation or \
+        implementation.startswith(("paged", "flash", "flex"))
+
+
 def check_attn_implementation(implementation: str, model_name: str, reason: str) -> str:
-    """`implementation` when it is one of `ATTENTION_IMPLEMENTATIONS`; any other (flash, flex, paged kernels)
-    is refused with `reason`, at load time and by set_attn_implementation."""
-    if implementation not in ATTENTION_IMPLEMENTATIONS:
+    """`implementation` unless it is a kernel the attention cannot run (flash, flex, paged, Hub kernels), which
+    is refused with `reason` at load time and by set_attn_implementation."""
+    if implementation not in ATTENTION_IMPLEMENTATIONS and is_attention_kernel(implementation):
         raise ValueError(f"attn_implementation={implementation!r} is not supported by {model_name} models ({reason}); "
                          f"choose one of {ATTENTION_IMPLEMENTATIONS}")
     return implementation
