@@ -43,6 +43,22 @@ def check_attn_implementation(implementation: str, model_name: str, reason: str)
     return implementation
 
 
+
+class SdpaOrEagerMixin:
+    """Put before PreTrainedModel: "sdpa" and "eager" can be switched by set_attn_implementation (the attention
+    reads the config at every call); a kernel the attention cannot run is refused at load and on a switch."""
+
+    attention_model_name: str  # as the refusal names the model
+    attention_refusal: str  # why the model's attention takes no flash, flex or paged kernel
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return True
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
+        check_attn_implementation(attn_implementation or "sdpa", self.attention_model_name, self.attention_refusal)
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
               eager: bool) -> torch.Tensor:
     """Softmax attention of q [B, H, Tq, D] over keys/values [B, Hkv, Tk, D] (Hkv divides H) where the boolean

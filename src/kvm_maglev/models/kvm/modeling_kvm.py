@@ -26,7 +26,7 @@ from transformers.utils import can_return_tuple, logging
 from .cache_kvm import KVMCache, KVMLayerCache, RowGroup, SlidingWindowLayerCache, StepPlan, new_layer_cache
 from .carried_card import CarriedCardMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
-from .conventions import (attention, check_attn_implementation, check_position_ids, config_default,
+from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
@@ -468,22 +468,14 @@ def value_anchor_layers(config: KVMConfig) -> dict[int, tuple[str, ...]]:
 
 
 # ---- models --------------------------------------------------------------------------------
-class KVMPreTrainedModel(CarriedCardMixin, PreTrainedModel):
+class KVMPreTrainedModel(CarriedCardMixin, SdpaOrEagerMixin, PreTrainedModel):
+    attention_model_name = "KVM"
+    attention_refusal = KVM_NO_KERNELS
     config_class = KVMConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["KVMDecoderLayer"]
     _supports_sdpa = True
-
-    @classmethod
-    def _can_set_attn_implementation(cls) -> bool:
-        """set_attn_implementation may switch "sdpa" and "eager": the attention reads the config at every call."""
-        return True
-
-    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
-        """transformers' check, after refusing what the attention cannot run (at load and on a switch)."""
-        check_attn_implementation(attn_implementation or "sdpa", "KVM", KVM_NO_KERNELS)
-        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
     def runtime_speedups(self) -> contextlib.AbstractContextManager:
         """A block in which inference takes runtime_kvm's speed-ups (oneDNN linears, one-query CPU attention,

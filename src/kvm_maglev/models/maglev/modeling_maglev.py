@@ -21,7 +21,7 @@ from transformers.utils import can_return_tuple
 from .cache_maglev import MaglevCache, RingKeyValues, StepPlan, gather_columns, previous_real_index
 from .carried_card import CarriedCardMixin
 from .configuration_maglev import MaglevConfig
-from .conventions import (attention, check_attn_implementation, check_position_ids, config_default,
+from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, real_tokens, take_cache
@@ -261,7 +261,9 @@ class MaglevBlock(GradientCheckpointingLayer):
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
-class MaglevPreTrainedModel(CarriedCardMixin, PreTrainedModel):
+class MaglevPreTrainedModel(CarriedCardMixin, SdpaOrEagerMixin, PreTrainedModel):
+    attention_model_name = "Maglev"
+    attention_refusal = MAGLEV_NO_KERNELS
     config_class = MaglevConfig
     config: MaglevConfig
     base_model_prefix = "model"
@@ -270,16 +272,6 @@ class MaglevPreTrainedModel(CarriedCardMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _can_compile_fullgraph = False
-
-    @classmethod
-    def _can_set_attn_implementation(cls) -> bool:
-        """set_attn_implementation may switch "sdpa" and "eager": the attention reads the config at every call."""
-        return True
-
-    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
-        """transformers' check, after refusing what the attention cannot run (at load and on a switch)."""
-        check_attn_implementation(attn_implementation or "sdpa", "Maglev", MAGLEV_NO_KERNELS)
-        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
     def runtime_speedups(self) -> contextlib.AbstractContextManager:
         """A block in which inference runs its speed-ups (runtime_maglev: oneDNN linears, blocked weight copies
