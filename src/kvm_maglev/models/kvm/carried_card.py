@@ -63,7 +63,11 @@ class CarriedCardMixin:
 
     def carried_card(self, extra_tags: list[str] | None = None) -> str | None:
         source = getattr(self.config, "_name_or_path", "") or ""
-        text = source_card_text(source)
+        # read once per source: Trainer saves a checkpoint every few steps, and a Hub source costs a request
+        cached = getattr(self, "_source_card", None)
+        if cached is None or cached[0] != source:
+            cached = self._source_card = (source, source_card_text(source))
+        text = cached[1]
         return carried_card_text(text, source, extra_tags) if text else None
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs):
