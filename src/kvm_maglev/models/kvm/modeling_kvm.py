@@ -30,6 +30,7 @@ from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, confi
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
+from .row_block_loss import RowBlockLossMixin
 from .runtime_kvm import advance_folds, attend_chunks_at_once, runtime_speedups, take_fold_ahead
 from .state_kvm import Overflow, fold_overflow, readable_state, slot_norms, state_keys
 from .tensor_parallel import full_tensor, local_tensor
@@ -468,7 +469,7 @@ def value_anchor_layers(config: KVMConfig) -> dict[int, tuple[str, ...]]:
 
 
 # ---- models --------------------------------------------------------------------------------
-class KVMPreTrainedModel(CarriedCardMixin, SdpaOrEagerMixin, PreTrainedModel):
+class KVMPreTrainedModel(CarriedCardMixin, SdpaOrEagerMixin, RowBlockLossMixin, PreTrainedModel):
     attention_model_name = "KVM"
     attention_refusal = KVM_NO_KERNELS
     config_class = KVMConfig

@@ -25,6 +25,7 @@ from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, confi
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, real_tokens, take_cache
+from .row_block_loss import RowBlockLossMixin, is_plain_linear, row_block_causal_lm_loss, row_block_head_loss
 from .runtime_maglev import runtime_speedups
 from .tensor_parallel import local_columns, local_tensor
 
@@ -261,7 +262,7 @@ class MaglevBlock(GradientCheckpointingLayer):
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
-class MaglevPreTrainedModel(CarriedCardMixin, SdpaOrEagerMixin, PreTrainedModel):
+class MaglevPreTrainedModel(CarriedCardMixin, SdpaOrEagerMixin, RowBlockLossMixin, PreTrainedModel):
     attention_model_name = "Maglev"
     attention_refusal = MAGLEV_NO_KERNELS
     config_class = MaglevConfig
@@ -821,6 +822,16 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         cap = self.config.logit_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
+    def pass_loss(self, hidden: torch.Tensor, labels: torch.LongTensor, **kwargs) -> torch.Tensor:
+        """The language-model loss of a self-fed pass whose logits are not returned: from its hidden states in row
+        blocks when the loss is the default one and the head a plain linear layer (no adapter, not sharded);
+        else through its logits and `loss_function`."""
+        if self.loss_function is row_block_causal_lm_loss and is_plain_linear(self.lm_head):
+            return row_block_head_loss(hidden, self.lm_head.weight, labels, self.config.vocab_size,
+                                       self.config.logit_softcap, **kwargs)
+        return self.loss_function(logits=self.logits(hidden), labels=labels, vocab_size=self.config.vocab_size,
+                                  **kwargs)
+
     @can_return_tuple
     def forward(
         self,
@@ -859,11 +870,11 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         loss = lm_loss = None
         if labels is not None:
             # self-fed passes each predict the sequence: the language-model loss is their mean
-            pass_logits = ([logits] if outputs.pass_hidden_states is None else
-                           [self.logits(kept_positions(h, logits_to_keep)) for h in outputs.pass_hidden_states[:-1]]
-                           + [logits])
-            lm_loss = sum(self.loss_function(logits=each, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-                          for each in pass_logits) / len(pass_logits)
+            earlier = [] if outputs.pass_hidden_states is None else outputs.pass_hidden_states[:-1]
+            pass_losses = [self.pass_loss(kept_positions(h, logits_to_keep), labels, **kwargs) for h in earlier]
+            pass_losses.append(self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                                  **kwargs))
+            lm_loss = sum(pass_losses) / len(pass_losses)
             loss = lm_loss
             if outputs.consistency_loss is not None:
                 loss = lm_loss + self.model.consistency_weight_now() * self._accumulation_share(

@@ -1,0 +1,167 @@
+"""The causal-LM loss of transformers (`ForCausalLMLoss`) computed in blocks of rows, for long training sequences.
+
+`F.cross_entropy` keeps the log-probabilities from the forward and builds, in the backward, a zero-filled
+gradient and then the logits' gradient: three [tokens, vocab] float32 tensors besides the logits (1.6 GB each
+at 8k tokens and a 50k vocabulary). Here the forward keeps one log-sum-exp per row and the backward writes
+softmax - one-hot into one tensor, a block of rows at a time. For a training pass whose logits nobody
+reads, `row_block_head_loss` goes further and never holds them: it starts from the hidden states and the
+head's weight. Same loss and gradients up to float rounding; transformers' own function is the reference
+(tests/models/test_row_block_loss.py). Imports only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# elements of one block's float32 temporaries (16 MB): small enough to be reused from the heap, not mapped anew
+BLOCK_ELEMENTS = 1 << 22
+# the same for blocks whose rows also feed weight-gradient products (64 MB): more rows keep those products efficient
+HEAD_BLOCK_ELEMENTS = 1 << 24
+
+
+def row_blocks(rows: int, columns: int, elements: int | None = None) -> list[slice]:
+    """Slices of at most `elements` (default BLOCK_ELEMENTS) elements, at least one row each, covering `rows` rows."""
+    step = max(1, (elements or BLOCK_ELEMENTS) // max(1, columns))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+class RowBlockCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of `logits` [N, V] against `targets` [N], rows whose target is `ignore_index` left out."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        kept = targets != ignore_index
+        safe_targets = torch.where(kept, targets, torch.zeros_like(targets))
+        log_normalizers = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for rows in row_blocks(*logits.shape):
+            log_normalizers[rows] = torch.logsumexp(logits[rows].float(), dim=-1)
+        target_logits = logits.gather(1, safe_targets[:, None]).squeeze(1).float()
+        ctx.save_for_backward(logits, safe_targets, kept, log_normalizers)
+        return ((log_normalizers - target_logits) * kept).sum()
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        logits, safe_targets, kept, log_normalizers = ctx.saved_tensors
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        row_scale = kept.to(torch.float32) * grad_total.float()
+        for rows in row_blocks(*logits.shape):
+            block = torch.exp(logits[rows].float() - log_normalizers[rows, None])
+            block.scatter_add_(1, safe_targets[rows, None], block.new_full((block.shape[0], 1), -1.0))
+            grad[rows] = block.mul_(row_scale[rows, None])
+        return grad, None, None
+
+
+def row_block_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """transformers' `ForCausalLMLoss` with its arguments and meaning: labels shifted inside (unless
+    `shift_labels` are given), `ignore_index` left out, the sum over `num_items_in_batch` when given, else
+    the mean over the kept tokens."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(logits.device)
+    total = RowBlockCrossEntropy.apply(logits.reshape(-1, vocab_size), targets, ignore_index)
+    return mean_or_share(total, targets, ignore_index, num_items_in_batch)
+
+
+def mean_or_share(total: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                  num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+    """The summed loss over `num_items_in_batch` when given (Trainer's accumulation), else over the kept tokens."""
+    if num_items_in_batch is None:
+        return total / (targets != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+class RowBlockHeadCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of the logits `softcap(hidden @ weight[:vocab_size].T)` (float32) without holding
+    them: each block of rows' logits are made, read and dropped, and the gradients of `hidden` and `weight`
+    are formed in the same pass (the loss is a scalar: the backward only scales them)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                softcap: float | None, ignore_index: int) -> torch.Tensor:
+        kept = targets != ignore_index
+        safe_targets = torch.where(kept, targets, torch.zeros_like(targets))
+        head = weight[:vocab_size]
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if grads else None
+        grad_head = torch.zeros(head.shape, dtype=torch.float32, device=head.device) if grads else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for rows in row_blocks(hidden.shape[0], vocab_size, HEAD_BLOCK_ELEMENTS):
+            logits = (hidden[rows] @ head.T).float()
+            if softcap is not None:
+                logits = torch.tanh(logits.div_(softcap)).mul_(softcap)
+            log_normalizers = torch.logsumexp(logits, dim=-1)
+            target_logits = logits.gather(1, safe_targets[rows, None]).squeeze(1)
+            total += ((log_normalizers - target_logits) * kept[rows]).sum()
+            if grads:
+                grad = logits.sub(log_normalizers[:, None]).exp_()
+                grad.scatter_add_(1, safe_targets[rows, None], grad.new_full((grad.shape[0], 1), -1.0))
+                grad.mul_(kept[rows, None])
+                if softcap is not None:  # d(c tanh(x / c)) / dx = 1 - (capped / c)^2
+                    grad.mul_(1.0 - logits.div_(softcap).square_())
+                grad = grad.to(hidden.dtype)
+                grad_hidden[rows] = grad @ head
+                grad_head.addmm_(grad.T.float(), hidden[rows].float())
+        if grads:
+            grad_weight = torch.zeros_like(weight)
+            grad_weight[:vocab_size] = grad_head
+            ctx.save_for_backward(grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_total.to(grad_hidden.dtype)
+        return grad_hidden * scale, grad_weight * scale, None, None, None, None
+
+
+def is_plain_linear(module: torch.nn.Module) -> bool:
+    """Whether `module` is an nn.Linear whose weight can be used outside its forward: no adapter class, no
+    hooks (DeepSpeed ZeRO-3 gathers weights in them, accelerate moves them), not a sharded tensor."""
+    return (type(module) is torch.nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+            and not hasattr(module, "_hf_hook") and type(module.weight.data) is torch.Tensor)
+
+
+def row_block_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    softcap: float | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """`row_block_causal_lm_loss` of the logits `softcap(hidden @ weight[:vocab_size].T)`, computed from the
+    hidden states: for a training pass whose logits nobody reads (Maglev's self-fed passes)."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    total = RowBlockHeadCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets, vocab_size,
+                                           softcap, ignore_index)
+    return mean_or_share(total, targets, ignore_index, num_items_in_batch)
+
+
+class RowBlockLossMixin:
+    """Put before PreTrainedModel: the causal-LM loss transformers would pick is computed in row blocks; a loss
+    the user sets (`model.loss_function = f`) or another `model.loss_type` is transformers' to resolve."""
+
+    @property
+    def loss_function(self):
+        if hasattr(self, "_loss_function") or getattr(self, "loss_type", None) != "ForCausalLM":
+            return super().loss_function
+        return row_block_causal_lm_loss
+
+    @loss_function.setter
+    def loss_function(self, value):
+        self._loss_function = value
