@@ -5,7 +5,8 @@ are built in this process from the research 120M configs (`kvm_wd`: 256 fixed sl
 16 sqrt(N) slots) with `--layers` layers, float32, the research model's weights copied into ours by the
 converter. Steps alternate between the implementations so that both see the same machine; each step's time
 and the ratio ours / research are printed and written as JSON. The research code checkpoints every block
-in training (`utils.grad_cp.use_grad_cp`); that is switched off here so that both do the same work.
+in training (`utils.grad_cp.use_grad_cp`); that is switched off here so that both do the same work, unless
+`--research-checkpointing` keeps the research code's default (it then recomputes every block's forward).
 
     python -m kvm_maglev.benchmarks.training --research-path ../KVM-paper --lengths 2048 8192
 """
@@ -35,14 +36,14 @@ BUDGETS = {
 }
 
 
-def research_model(research_path: Path, fields: dict, seed: int) -> torch.nn.Module:
+def research_model(research_path: Path, fields: dict, seed: int, checkpointing: bool = False) -> torch.nn.Module:
     """The research model of `fields` with seeded weights (its init zeroes output projections; here every
-    parameter is perturbed so that every path carries signal), checkpointing off."""
+    parameter is perturbed so that every path carries signal), its per-block checkpointing on or off."""
     sys.path.insert(0, str(research_path))
     from model.rwkv7_backbone import MixerConfig, RWKV7BackboneForCausalLM
     import utils.grad_cp
 
-    utils.grad_cp.use_grad_cp = 0
+    utils.grad_cp.use_grad_cp = int(checkpointing)
     torch.manual_seed(seed)
     model = RWKV7BackboneForCausalLM(MixerConfig(**fields)).float()
     with torch.no_grad():
@@ -69,12 +70,24 @@ def timed_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, 
     return seconds, float(loss.detach())
 
 
+def profiled_step(run) -> dict:
+    """One more step under torch's profiler: seconds in the weight products (aten::mm, the same 114 calls in both
+    implementations) and in everything else, as CPU self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        run()
+    times = {event.key: event.self_cpu_time_total / 1e6 for event in profiler.key_averages()}
+    products = times.get("aten::mm", 0.0)
+    return dict(products_s=products, other_s=sum(times.values()) - products)
+
+
 def bench(research_path: Path, budget: str, length: int, layers: int, repeats: int, seed: int,
-          with_loop: bool) -> dict:
+          with_loop: bool, research_checkpointing: bool = False, profiled: bool = False, warmup: int = 1) -> dict:
     from kvm_maglev.models.kvm.modeling_kvm import KVMAttention
 
     fields = {**RESEARCH_FIELDS, **BUDGETS[budget], "num_hidden_layers": layers}
-    research = research_model(research_path, fields, seed)
+    research = research_model(research_path, fields, seed, research_checkpointing)
     ours = our_model(fields, research)
     ids = torch.randint(0, fields["vocab_size"], (1, length + 1), generator=torch.Generator().manual_seed(seed))
     inputs = ids[:, :length]
@@ -94,11 +107,17 @@ def bench(research_path: Path, budget: str, length: int, layers: int, repeats: i
         runs["ours_chunk_loop"] = lambda: run_ours(False)
     times = {name: [] for name in runs}
     losses = {}
+    for _ in range(warmup):
+        for run in runs.values():
+            run()
     for _ in range(repeats):
         for name, run in runs.items():
             seconds, losses[name] = run()
             times[name].append(seconds)
-    result = dict(budget=budget, tokens=length, layers=layers, seconds=times, loss=losses)
+    result = dict(budget=budget, tokens=length, layers=layers, warmup=warmup,
+                  research_checkpointing=research_checkpointing, seconds=times, loss=losses)
+    if profiled:
+        result["profile"] = {name: profiled_step(run) for name, run in runs.items()}
     for name in runs:
         if name != "research":
             ratios = [a / b for a, b in zip(times[name], times["research"])]
@@ -113,8 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 8192])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of each implementation, interleaved")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed steps of each first (a process's first touch of fresh memory is slow)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--with-loop", action="store_true", help="also time our plain chunk loop")
+    parser.add_argument("--research-checkpointing", action="store_true",
+                        help="keep the research code's per-block checkpointing (its training default)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step of each: time in the weight products against the rest")
     parser.add_argument("--out", type=Path, default=Path("results/bench_training.json"))
     args = parser.parse_args(argv)
     if not (args.research_path / "model" / "kvm_mixer.py").is_file():
@@ -122,13 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for length in args.lengths:
         for budget in args.budgets:
-            result = bench(args.research_path, budget, length, args.layers, args.repeats, args.seed, args.with_loop)
+            result = bench(args.research_path, budget, length, args.layers, args.repeats, args.seed, args.with_loop,
+                           args.research_checkpointing, args.profile, args.warmup)
             results.append(result)
             ratios = ", ".join(f"{k} {v:.2f}x" for k, v in result.items() if k.endswith("_over_research"))
             seconds = ", ".join(f"{k} {statistics.median(v):.2f}s" for k, v in result["seconds"].items())
             print(f"{budget} {length} tokens: {seconds}; {ratios}; losses {result['loss']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(threads=torch.get_num_threads(), torch=torch.__version__,
+    command = " ".join(["python -m kvm_maglev.benchmarks.training", *(argv if argv is not None else sys.argv[1:])])
+    args.out.write_text(json.dumps(dict(command=command, threads=torch.get_num_threads(), torch=torch.__version__,
                                         results=results), indent=1))
     return 0
 
