@@ -141,6 +141,16 @@ def test_head_loss_without_gradients_computes_only_the_loss():
         torch.testing.assert_close(row_block_loss.row_block_head_loss(hidden, weight, labels, VOCAB), expected)
 
 
+def test_head_loss_with_a_frozen_head_gives_the_hidden_gradient_only():
+    """A frozen head (LoRA fine-tuning) gets no gradient; the hidden states still get theirs."""
+    hidden = torch.randn(1, 7, 8, requires_grad=True)
+    weight = torch.randn(VOCAB, 8)
+    labels = torch.randint(0, VOCAB, (1, 7))
+    (expected,) = torch.autograd.grad(ForCausalLMLoss(hidden @ weight.T, labels, VOCAB), hidden)
+    (grad,) = torch.autograd.grad(row_block_loss.row_block_head_loss(hidden, weight, labels, VOCAB), hidden)
+    torch.testing.assert_close(grad, expected)
+
+
 def test_only_a_plain_unhooked_linear_head_is_read_outside_its_forward():
     head = torch.nn.Linear(8, 4, bias=False)
     assert row_block_loss.is_plain_linear(head)

@@ -92,9 +92,9 @@ class RowBlockHeadCrossEntropy(torch.autograd.Function):
         kept = targets != ignore_index
         safe_targets = torch.where(kept, targets, torch.zeros_like(targets))
         head = weight[:vocab_size]
-        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if grads else None
-        grad_head = torch.zeros(head.shape, dtype=torch.float32, device=head.device) if grads else None
+        wants_hidden, wants_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
+        grad_head = torch.zeros(head.shape, dtype=torch.float32, device=head.device) if wants_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for rows in row_blocks(hidden.shape[0], vocab_size, HEAD_BLOCK_ELEMENTS):
             logits = (hidden[rows] @ head.T).float()
@@ -103,26 +103,28 @@ class RowBlockHeadCrossEntropy(torch.autograd.Function):
             log_normalizers = torch.logsumexp(logits, dim=-1)
             target_logits = logits.gather(1, safe_targets[rows, None]).squeeze(1)
             total += ((log_normalizers - target_logits) * kept[rows]).sum()
-            if grads:
+            if wants_hidden or wants_weight:
                 grad = logits.sub(log_normalizers[:, None]).exp_()
                 grad.scatter_add_(1, safe_targets[rows, None], grad.new_full((grad.shape[0], 1), -1.0))
                 grad.mul_(kept[rows, None])
                 if softcap is not None:  # d(c tanh(x / c)) / dx = 1 - (capped / c)^2
                     grad.mul_(1.0 - logits.div_(softcap).square_())
-                grad = grad.to(hidden.dtype)
-                grad_hidden[rows] = grad @ head
-                grad_head.addmm_(grad.T.float(), hidden[rows].float())
-        if grads:
+                if wants_hidden:
+                    grad_hidden[rows] = grad.to(hidden.dtype) @ head
+                if wants_weight:
+                    grad_head.addmm_(grad.T, hidden[rows].float())
+        grad_weight = None
+        if wants_weight:
             grad_weight = torch.zeros_like(weight)
             grad_weight[:vocab_size] = grad_head
-            ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        scale = grad_total.to(grad_hidden.dtype)
-        return grad_hidden * scale, grad_weight * scale, None, None, None, None
+        return (None if grad_hidden is None else grad_hidden * grad_total.to(grad_hidden.dtype),
+                None if grad_weight is None else grad_weight * grad_total.to(grad_weight.dtype), None, None, None, None)
 
 
 def is_plain_linear(module: torch.nn.Module) -> bool:
