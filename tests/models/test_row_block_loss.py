@@ -183,3 +183,16 @@ def test_maglev_self_fed_passes_train_like_the_plain_loss(small_head_blocks):
     assert grads.keys() == expected_grads.keys()
     for key in grads:
         torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_head_loss_products_are_counted_by_torch_flop_counter():
+    """Its three products (logits, and the two gradients formed in the forward) are visible to
+    torch.utils.flop_counter, which the training benchmark divides the time by."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden = torch.randn(1, 9, 8, requires_grad=True)
+    weight = torch.randn(VOCAB, 8, requires_grad=True)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        row_block_loss.row_block_head_loss(hidden, weight, torch.randint(0, VOCAB, (1, 9)), VOCAB).backward()
+    assert counter.get_total_flops() == 3 * 2 * 9 * 8 * VOCAB

@@ -112,7 +112,7 @@ class RowBlockHeadCrossEntropy(torch.autograd.Function):
                 if wants_hidden:
                     grad_hidden[rows] = grad.to(hidden.dtype) @ head
                 if wants_weight:
-                    grad_head.addmm_(grad.T, hidden[rows].float())
+                    torch.addmm(grad_head, grad.T, hidden[rows].float(), out=grad_head)
         grad_weight = None
         if wants_weight:
             grad_weight = torch.zeros_like(weight)
