@@ -67,20 +67,12 @@ def test_row_blocks_cover_every_row_once():
     assert row_block_loss.row_blocks(3, 100 * VOCAB) == [slice(0, 1), slice(1, 2), slice(2, 3)]
 
 
-@pytest.mark.parametrize("name", sorted(TESTERS))
-def test_models_train_with_it_and_agree_with_the_plain_loss(name):
-    """A training step (lifted passes for Maglev) gives the loss and gradients of transformers' loss."""
-    tester = TESTERS[name]
-    model = copy.deepcopy(tester.model(next(iter(tester.variants)))).train()
-    assert model.loss_function in (kvm_row_block_loss.row_block_causal_lm_loss,
-                                   maglev_row_block_loss.row_block_causal_lm_loss)
-    ids = tester.random_ids(2, 3 * tester.block + 1)
-    labels = ids.clone()
-    labels[0, :2] = -100
-
+def assert_trains_like_the_plain_loss(model, **inputs) -> None:
+    """One backward with the model's default loss and one with transformers' ForCausalLMLoss set as the
+    user's loss: the same loss and gradients."""
     def step():
         model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40)).loss
+        loss = model(**inputs).loss
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -91,6 +83,19 @@ def test_models_train_with_it_and_agree_with_the_plain_loss(name):
     assert grads.keys() == expected_grads.keys()
     for key in grads:
         torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("name", sorted(TESTERS))
+def test_models_train_with_it_and_agree_with_the_plain_loss(name):
+    """A training step (lifted passes for Maglev) gives the loss and gradients of transformers' loss."""
+    tester = TESTERS[name]
+    model = copy.deepcopy(tester.model(next(iter(tester.variants)))).train()
+    assert model.loss_function in (kvm_row_block_loss.row_block_causal_lm_loss,
+                                   maglev_row_block_loss.row_block_causal_lm_loss)
+    ids = tester.random_ids(2, 3 * tester.block + 1)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    assert_trains_like_the_plain_loss(model, input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40))
 
 
 def test_a_chosen_loss_type_is_left_to_transformers():
@@ -169,20 +174,7 @@ def test_maglev_self_fed_passes_train_like_the_plain_loss(small_head_blocks):
     ids = TESTERS["maglev"].random_ids(2, 30)
     labels = ids.clone()
     labels[1, :5] = -100
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        out = model(input_ids=ids, labels=labels)
-        out.loss.backward()
-        return out.lm_loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    lm_loss, grads = step()
-    model.loss_function = ForCausalLMLoss
-    expected, expected_grads = step()
-    torch.testing.assert_close(lm_loss, expected)
-    assert grads.keys() == expected_grads.keys()
-    for key in grads:
-        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert_trains_like_the_plain_loss(model, input_ids=ids, labels=labels)
 
 
 def test_head_loss_products_are_counted_by_torch_flop_counter():
