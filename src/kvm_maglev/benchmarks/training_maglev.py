@@ -70,20 +70,20 @@ def nanochat_model(nanochat_path: Path, shape: Shape, tokens: int, seed: int) ->
 def step_function(arm: str, model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:
     """One forward + backward of the arm on `ids` ([1, tokens + 1]); returns the loss."""
     inputs = ids[:, :-1]
+    if arm == "nanochat":  # nanochat takes the shifted targets; ours shifts its labels itself
+        def loss() -> torch.Tensor:
+            return model(inputs, targets=ids[:, 1:])
+    else:
+        def loss() -> torch.Tensor:
+            return model(input_ids=inputs, labels=inputs, use_cache=False).loss
 
-    def ours() -> float:
-        loss = model(input_ids=inputs, labels=inputs, use_cache=False).loss
-        loss.backward()
+    def step() -> float:
+        value = loss()
+        value.backward()
         model.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return float(value.detach())
 
-    def nanochat() -> float:
-        loss = model(inputs, targets=ids[:, 1:])
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return nanochat if arm == "nanochat" else ours
+    return step
 
 
 def executed_flops(step: Callable[[], float]) -> int:

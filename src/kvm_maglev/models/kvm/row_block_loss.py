@@ -64,11 +64,17 @@ def row_block_causal_lm_loss(
     """transformers' `ForCausalLMLoss` with its arguments and meaning: labels shifted inside (unless
     `shift_labels` are given), `ignore_index` left out, the sum over `num_items_in_batch` when given, else
     the mean over the kept tokens."""
-    if shift_labels is None:
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = shift_labels.reshape(-1).to(logits.device)
+    targets = flat_targets(labels, shift_labels, ignore_index, logits.device)
     total = RowBlockCrossEntropy.apply(logits.reshape(-1, vocab_size), targets, ignore_index)
     return mean_or_share(total, targets, ignore_index, num_items_in_batch)
+
+
+def flat_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None, ignore_index: int,
+                 device: torch.device) -> torch.Tensor:
+    """Each position's target, flattened: `shift_labels` when given, else the labels shifted left by one."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.reshape(-1).to(device)
 
 
 def mean_or_share(total: torch.Tensor, targets: torch.Tensor, ignore_index: int,
@@ -147,9 +153,7 @@ def row_block_head_loss(
 ) -> torch.Tensor:
     """`row_block_causal_lm_loss` of the logits `softcap(hidden @ weight[:vocab_size].T)`, computed from the
     hidden states: for a training pass whose logits nobody reads (Maglev's self-fed passes)."""
-    if shift_labels is None:
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = shift_labels.reshape(-1).to(hidden.device)
+    targets = flat_targets(labels, shift_labels, ignore_index, hidden.device)
     total = RowBlockHeadCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets, vocab_size,
                                            softcap, ignore_index)
     return mean_or_share(total, targets, ignore_index, num_items_in_batch)
