@@ -44,7 +44,6 @@ def check_attn_implementation(implementation: str, model_name: str, reason: str)
     return implementation
 
 
-
 class SdpaOrEagerMixin:
     """Put before PreTrainedModel: "sdpa" and "eager" can be switched by set_attn_implementation (the attention
     reads the config at every call); a kernel the attention cannot run is refused at load and on a switch."""
