@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, default_data_collator, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator, set_seed
 
 from kvm_maglev.training import (
     MAGLEV_RECIPE,
@@ -226,8 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.fsdp and not trainer.is_fsdp_enabled:
         raise SystemExit("--fsdp: accelerate applies FSDP only on GPUs (and other accelerators); on CPU it runs the "
                          "processes as MULTI_CPU and would train unsharded. See docs/distributed.md for CPU FSDP2.")
+    try:
+        train_and_save(trainer, args, eval_dataset is not None, tokenizer)
+    finally:
+        # a gloo process group left to the interpreter's exit can abort the process after a finished run
+        trainer.accelerator.end_training()
+    return 0
+
+
+def train_and_save(trainer: Trainer, args: argparse.Namespace, evaluate: bool, tokenizer) -> None:
+    """Train, evaluate, save the final model and, if asked, check the replicas and merge LoRA."""
     trainer.train(resume_from_checkpoint=args.resume)
-    if eval_dataset is not None:
+    if evaluate:
         trainer.evaluate()
     save_final_model(trainer, args.output_dir)
     if args.check_replicas:
@@ -236,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
         merged = trainer.model.merge_and_unload()
         merged.save_pretrained(os.path.join(args.output_dir, "merged"))
         tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
-    return 0
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ def main(model_dir: str, out_dir: str, block_size: int) -> None:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         with open(os.path.join(out_dir, "losses.json"), "w") as handle:
             json.dump({"world_size": world, "losses": losses}, handle)
+    if torch.distributed.is_initialized():
+        # torch's gloo group, left to the interpreter's exit, sometimes aborts the process
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

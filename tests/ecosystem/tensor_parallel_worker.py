@@ -36,6 +36,8 @@ def main(model_dir: str, out_path: str, prompt_length: int, new_tokens: int) -> 
         with open(out_path, "w") as handle:
             json.dump(report, handle, indent=2)
     torch.distributed.barrier()
+    # torch's gloo group, left to the interpreter's exit, sometimes aborts the process
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
