@@ -112,19 +112,26 @@ def small_head_blocks(monkeypatch):
         monkeypatch.setattr(module, "HEAD_BLOCK_ELEMENTS", 3 * VOCAB)
 
 
-@pytest.mark.parametrize("softcap", [None, 15.0])
-@pytest.mark.parametrize("kwargs", [{}, {"num_items_in_batch": 29}, {"shift_labels": "given"}],
-                         ids=["mean", "sum", "shift_labels"])
-def test_head_loss_equals_the_loss_of_the_logits(small_head_blocks, softcap, kwargs):
-    """From hidden states and the padded head weight: the loss and gradients of transformers' loss on the
-    logits softcap(hidden @ weight[:vocab].T), padded rows of the weight getting no gradient."""
-    torch.manual_seed(2)
+def head_case(seed: int, kwargs: dict) -> tuple:
+    """Hidden states, a head weight with 14 padding rows, labels with ignored positions, and the loss's
+    keyword arguments (`shift_labels: "given"` made into random shifted labels)."""
+    torch.manual_seed(seed)
     hidden = torch.randn(2, 13, 16, requires_grad=True)
     weight = (0.5 * torch.randn(VOCAB + 14, 16)).requires_grad_()
     labels = torch.randint(0, VOCAB, (2, 13))
     labels[0, :4] = -100
     if kwargs.get("shift_labels") == "given":
         kwargs = {"shift_labels": torch.randint(0, VOCAB, (2, 13))}
+    return hidden, weight, labels, kwargs
+
+
+@pytest.mark.parametrize("softcap", [None, 15.0])
+@pytest.mark.parametrize("kwargs", [{}, {"num_items_in_batch": 29}, {"shift_labels": "given"}],
+                         ids=["mean", "sum", "shift_labels"])
+def test_head_loss_equals_the_loss_of_the_logits(small_head_blocks, softcap, kwargs):
+    """From hidden states and the padded head weight: the loss and gradients of transformers' loss on the
+    logits softcap(hidden @ weight[:vocab].T), padded rows of the weight getting no gradient."""
+    hidden, weight, labels, kwargs = head_case(2, kwargs)
     logits = (hidden @ weight[:VOCAB].T).float()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
@@ -188,3 +195,112 @@ def test_head_loss_products_are_counted_by_torch_flop_counter():
     with counter:
         row_block_loss.row_block_head_loss(hidden, weight, torch.randint(0, VOCAB, (1, 9)), VOCAB).backward()
     assert counter.get_total_flops() == 3 * 2 * 9 * 8 * VOCAB
+
+
+def plain_logits(hidden, weight, softcap, float32_logits):
+    """The logits as the models' plain path makes them: the head, float32 if asked, then the cap."""
+    logits = torch.nn.functional.linear(hidden, weight[:VOCAB])
+    logits = logits.float() if float32_logits else logits
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+@pytest.mark.parametrize("softcap", [None, 15.0])
+@pytest.mark.parametrize("float32_logits", [False, True])
+@pytest.mark.parametrize("kwargs", [{}, {"num_items_in_batch": 29}, {"shift_labels": "given"}],
+                         ids=["mean", "sum", "shift_labels"])
+def test_logits_and_loss_equal_the_plain_head_and_loss(small_head_blocks, softcap, float32_logits, kwargs):
+    """The same logits as the head (and cap), the loss of transformers' loss on them, and the same gradients of
+    the hidden states and the padded head weight, whose padding rows get none."""
+    hidden, weight, labels, kwargs = head_case(3, kwargs)
+    expected_logits = plain_logits(hidden, weight, softcap, float32_logits)
+    expected = ForCausalLMLoss(expected_logits, labels, VOCAB, **kwargs)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    logits, loss = row_block_loss.row_block_logits_and_loss(hidden, weight, labels, VOCAB, softcap, float32_logits,
+                                                            **kwargs)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    assert torch.equal(logits, expected_logits)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+    assert not grads[1][VOCAB:].any()
+
+
+@pytest.mark.parametrize("use", ["logits_and_loss", "logits_only"])
+def test_logits_and_loss_pass_on_a_gradient_the_logits_get_elsewhere(small_head_blocks, use):
+    """A second loss on the returned logits (distillation, a penalty) reaches the hidden states and the weight
+    as it does through the plain head; so does a loss on the logits alone."""
+    torch.manual_seed(4)
+    hidden = torch.randn(1, 11, 8, requires_grad=True)
+    weight = torch.randn(VOCAB, 8, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (1, 11))
+
+    def total(logits, loss):
+        penalty = logits.square().mean()
+        return penalty + loss if use == "logits_and_loss" else penalty
+
+    expected_logits = plain_logits(hidden, weight, 20.0, False)
+    expected = total(expected_logits, ForCausalLMLoss(expected_logits, labels, VOCAB))
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    grads = torch.autograd.grad(total(*row_block_loss.row_block_logits_and_loss(hidden, weight, labels, VOCAB, 20.0)),
+                                (hidden, weight))
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_logits_and_loss_under_bfloat16_autocast_match_the_plain_path(small_head_blocks):
+    """Under autocast (Trainer's bf16 on CPU) the head's product runs in bfloat16 as nn.Linear's does: the same
+    logits, and gradients within bfloat16 rounding (the weight's summed in float32 here)."""
+    torch.manual_seed(5)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    weight = torch.randn(VOCAB, 16, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_logits = plain_logits(hidden, weight, None, False)
+        expected = ForCausalLMLoss(expected_logits, labels, VOCAB)
+        logits, loss = row_block_loss.row_block_logits_and_loss(hidden, weight, labels, VOCAB)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, expected_logits)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert grad.dtype == torch.float32
+        torch.testing.assert_close(grad, expected_grad, rtol=2e-2, atol=2e-3)
+
+
+def test_logits_and_loss_refuse_labels_of_another_length():
+    with pytest.raises(ValueError, match="labels give 12 targets for 6 positions"):
+        row_block_loss.row_block_logits_and_loss(torch.randn(2, 3, 8), torch.randn(VOCAB, 8),
+                                                 torch.zeros(2, 6, dtype=torch.long), VOCAB)
+
+
+def test_logits_and_loss_products_are_counted_by_torch_flop_counter(small_head_blocks):
+    """The logits' product and the two gradient products, made block by block in the backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden = torch.randn(1, 9, 8, requires_grad=True)
+    weight = torch.randn(VOCAB, 8, requires_grad=True)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        row_block_loss.row_block_logits_and_loss(hidden, weight, torch.randint(0, VOCAB, (1, 9)), VOCAB)[1].backward()
+    assert counter.get_total_flops() == 3 * 2 * 9 * 8 * VOCAB
+
+
+@pytest.mark.parametrize("name", sorted(TESTERS))
+def test_models_take_logits_and_loss_together_only_with_the_default_loss_and_a_plain_head(name, monkeypatch):
+    """The returned pass goes through row_block_logits_and_loss when labels are given; a loss the user sets,
+    or a head that is not a plain linear layer, takes the plain head and loss_function."""
+    tester = TESTERS[name]
+    model = copy.deepcopy(tester.model(next(iter(tester.variants)))).train()
+    module = kvm_row_block_loss if name == "kvm" else maglev_row_block_loss
+    calls = []
+    original = module.RowBlockLogitsCrossEntropy.forward
+    monkeypatch.setattr(module.RowBlockLogitsCrossEntropy, "forward",
+                        staticmethod(lambda *args: calls.append(1) or original(*args)))
+    ids = tester.random_ids(1, tester.block + 3)
+    model(input_ids=ids)
+    assert not calls
+    model(input_ids=ids, labels=ids)
+    assert len(calls) == 1
+    model.lm_head.register_forward_hook(lambda module, args, output: None)
+    model(input_ids=ids, labels=ids)
+    assert len(calls) == 1

@@ -3,10 +3,12 @@
 `F.cross_entropy` keeps the log-probabilities from the forward and builds, in the backward, a zero-filled
 gradient and then the logits' gradient: three [tokens, vocab] float32 tensors besides the logits (1.6 GB each
 at 8k tokens and a 50k vocabulary). Here the forward keeps one log-sum-exp per row and the backward writes
-softmax - one-hot into one tensor, a block of rows at a time. For a training pass whose logits nobody
-reads, `row_block_head_loss` goes further and never holds them: it starts from the hidden states and the
-head's weight. Same loss and gradients up to float rounding; transformers' own function is the reference
-(tests/models/test_row_block_loss.py). Imports only torch.
+softmax - one-hot into one tensor, a block of rows at a time. Given the hidden states and the head's weight
+instead of the logits, `row_block_logits_and_loss` makes the logits and the loss together and its backward
+goes from each block of rows straight to the gradients of the hidden states and the weight: no [tokens,
+vocab] gradient at all. For a training pass whose logits nobody reads, `row_block_head_loss` never holds
+the logits either. Same loss and gradients up to float rounding; transformers' own function is the
+reference (tests/models/test_row_block_loss.py). Imports only torch.
 """
 
 from __future__ import annotations
@@ -30,14 +32,9 @@ class RowBlockCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-        kept = targets != ignore_index
-        safe_targets = torch.where(kept, targets, torch.zeros_like(targets))
-        log_normalizers = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for rows in row_blocks(*logits.shape):
-            log_normalizers[rows] = torch.logsumexp(logits[rows].float(), dim=-1)
-        target_logits = logits.gather(1, safe_targets[:, None]).squeeze(1).float()
+        total, safe_targets, kept, log_normalizers = summed_cross_entropy(logits, targets, ignore_index)
         ctx.save_for_backward(logits, safe_targets, kept, log_normalizers)
-        return ((log_normalizers - target_logits) * kept).sum()
+        return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
@@ -45,10 +42,34 @@ class RowBlockCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         row_scale = kept.to(torch.float32) * grad_total.float()
         for rows in row_blocks(*logits.shape):
-            block = torch.exp(logits[rows].float() - log_normalizers[rows, None])
-            block.scatter_add_(1, safe_targets[rows, None], block.new_full((block.shape[0], 1), -1.0))
-            grad[rows] = block.mul_(row_scale[rows, None])
+            block = (logits[rows], log_normalizers[rows], safe_targets[rows], row_scale[rows])
+            if grad.dtype == torch.float32:
+                softmax_gradient_(grad[rows], *block)
+            else:
+                grad[rows] = softmax_gradient_(torch.empty(grad[rows].shape, dtype=torch.float32), *block)
         return grad, None, None
+
+
+def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int) -> tuple[torch.Tensor, ...]:
+    """The summed cross-entropy of `logits` [N, V] (log-sum-exp a block of rows at a time, in float32) and what its
+    gradient needs: the targets with ignored ones set to 0, the mask of kept rows, each row's log-sum-exp."""
+    kept = targets != ignore_index
+    safe_targets = torch.where(kept, targets, torch.zeros_like(targets))
+    log_normalizers = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for rows in row_blocks(*logits.shape):
+        log_normalizers[rows] = torch.logsumexp(logits[rows].float(), dim=-1)
+    target_logits = logits.gather(1, safe_targets[:, None]).squeeze(1).float()
+    return ((log_normalizers - target_logits) * kept).sum(), safe_targets, kept, log_normalizers
+
+
+def softmax_gradient_(out: torch.Tensor, logits: torch.Tensor, log_normalizers: torch.Tensor,
+                      targets: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """Write into `out` (float32) the gradient of a block of rows' summed cross-entropy with respect to their
+    logits, (softmax - one-hot) scaled per row, and return it."""
+    torch.sub(logits, log_normalizers[:, None], out=out).exp_()
+    out.scatter_add_(1, targets[:, None], out.new_full((out.shape[0], 1), -1.0))
+    return out.mul_(row_scale[:, None])
 
 
 def row_block_causal_lm_loss(
@@ -109,19 +130,15 @@ class RowBlockHeadCrossEntropy(torch.autograd.Function):
             target_logits = logits.gather(1, safe_targets[rows, None]).squeeze(1)
             total += ((log_normalizers - target_logits) * kept[rows]).sum()
             if wants_hidden or wants_weight:
-                grad = logits.sub(log_normalizers[:, None]).exp_()
-                grad.scatter_add_(1, safe_targets[rows, None], grad.new_full((grad.shape[0], 1), -1.0))
-                grad.mul_(kept[rows, None])
+                grad = softmax_gradient_(torch.empty_like(logits), logits, log_normalizers, safe_targets[rows],
+                                         kept[rows].to(torch.float32))
                 if softcap is not None:  # d(c tanh(x / c)) / dx = 1 - (capped / c)^2
                     grad.mul_(1.0 - logits.div_(softcap).square_())
                 if wants_hidden:
                     grad_hidden[rows] = grad.to(hidden.dtype) @ head
                 if wants_weight:
                     torch.addmm(grad_head, grad.T, hidden[rows].float(), out=grad_head)
-        grad_weight = None
-        if wants_weight:
-            grad_weight = torch.zeros_like(weight)
-            grad_weight[:vocab_size] = grad_head
+        grad_weight = padded_weight_grad(grad_head, weight) if wants_weight else None
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
@@ -137,6 +154,99 @@ def is_plain_linear(module: torch.nn.Module) -> bool:
     hooks (DeepSpeed ZeRO-3 gathers weights in them, accelerate moves them), not a sharded tensor."""
     return (type(module) is torch.nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
             and not hasattr(module, "_hf_hook") and type(module.weight.data) is torch.Tensor)
+
+
+class RowBlockLogitsCrossEntropy(torch.autograd.Function):
+    """The logits `softcap(hidden @ weight[:vocab_size].T)` [N, V] and their summed cross-entropy against `targets`
+    [N]. The backward takes the loss's gradient (and any the logits got elsewhere) to `hidden` and `weight` a
+    block of rows at a time, in the dtype the forward's product ran in (autocast's), the weight's gradient
+    summed in float32."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                softcap: float | None, float32_logits: bool, ignore_index: int):
+        ctx.set_materialize_grads(False)
+        logits = torch.nn.functional.linear(hidden, weight[:vocab_size])
+        ctx.product_dtype = logits.dtype
+        if float32_logits:
+            logits = logits.float()
+        if softcap is not None:
+            logits.div_(softcap).tanh_().mul_(softcap)
+        total, safe_targets, kept, log_normalizers = summed_cross_entropy(logits, targets, ignore_index)
+        ctx.save_for_backward(hidden, weight, logits, safe_targets, kept, log_normalizers)
+        ctx.vocab_size, ctx.softcap = vocab_size, softcap
+        return logits, total
+
+    @staticmethod
+    def backward(ctx, grad_logits: torch.Tensor | None, grad_total: torch.Tensor | None):
+        hidden, weight, logits, safe_targets, kept, log_normalizers = ctx.saved_tensors
+        wants_hidden, wants_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (wants_hidden or wants_weight) or (grad_logits is None and grad_total is None):
+            return None, None, None, None, None, None, None
+        head = weight[: ctx.vocab_size].to(ctx.product_dtype)
+        inputs = hidden.to(ctx.product_dtype)
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
+        grad_head = torch.zeros(head.shape, dtype=torch.float32, device=head.device) if wants_weight else None
+        row_scale = None if grad_total is None else kept.to(torch.float32) * grad_total.float()
+        blocks = row_blocks(logits.shape[0], logits.shape[1], HEAD_BLOCK_ELEMENTS)
+        # one block's buffers, reused: a fresh mapping for every block would be faulted in page by page again
+        buffer = torch.empty((blocks[0].stop, logits.shape[1]), dtype=torch.float32, device=logits.device)
+        cap_buffer = torch.empty_like(buffer) if ctx.softcap is not None else None
+        for rows in blocks:
+            grad = buffer[: rows.stop - rows.start]
+            if row_scale is None:
+                grad.zero_()
+            else:
+                softmax_gradient_(grad, logits[rows], log_normalizers[rows], safe_targets[rows], row_scale[rows])
+            if grad_logits is not None:
+                grad.add_(grad_logits[rows])
+            if ctx.softcap is not None:  # d(c tanh(x / c)) / dx = 1 - (capped / c)^2
+                cap = torch.div(logits[rows], ctx.softcap, out=cap_buffer[: rows.stop - rows.start])
+                grad.mul_(cap.square_().neg_().add_(1.0))
+            product_grad = grad.to(ctx.product_dtype)
+            if wants_hidden:
+                grad_hidden[rows] = product_grad @ head
+            if wants_weight:
+                if product_grad.dtype == torch.float32:
+                    torch.addmm(grad_head, product_grad.T, inputs[rows], out=grad_head)
+                else:
+                    grad_head += product_grad.T @ inputs[rows]
+        grad_weight = padded_weight_grad(grad_head, weight) if wants_weight else None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def padded_weight_grad(grad_head: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gradient of the whole head weight from that of its first rows (padding rows get none)."""
+    if grad_head.shape[0] == weight.shape[0]:
+        return grad_head.to(weight.dtype)
+    grad_weight = torch.zeros_like(weight)
+    grad_weight[: grad_head.shape[0]] = grad_head
+    return grad_weight
+
+
+def row_block_logits_and_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    softcap: float | None = None,
+    float32_logits: bool = False,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits `softcap(hidden @ weight[:vocab_size].T)` (made float32 before the cap if `float32_logits`) and
+    `row_block_causal_lm_loss` of them, for a pass that returns its logits: the same values, and a backward
+    that makes no [tokens, vocab] gradient."""
+    targets = flat_targets(labels, shift_labels, ignore_index, hidden.device)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if targets.numel() != flat_hidden.shape[0]:
+        raise ValueError(f"labels give {targets.numel()} targets for {flat_hidden.shape[0]} positions with logits")
+    logits, total = RowBlockLogitsCrossEntropy.apply(flat_hidden, weight, targets, vocab_size, softcap,
+                                                     float32_logits, ignore_index)
+    loss = mean_or_share(total, targets, ignore_index, num_items_in_batch)
+    return logits.view(*hidden.shape[:-1], vocab_size), loss
 
 
 def row_block_head_loss(
@@ -171,3 +281,8 @@ class RowBlockLossMixin:
     @loss_function.setter
     def loss_function(self, value):
         self._loss_function = value
+
+    def reads_head_in_row_blocks(self) -> bool:
+        """Whether the loss may start from the hidden states and the head's weight: the loss is the default one
+        and the head a plain linear layer (no adapter, hooks or sharding)."""
+        return self.loss_function is row_block_causal_lm_loss and is_plain_linear(self.get_output_embeddings())

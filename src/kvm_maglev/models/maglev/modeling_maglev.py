@@ -25,7 +25,7 @@ from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, confi
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, real_tokens, take_cache
-from .row_block_loss import RowBlockLossMixin, is_plain_linear, row_block_causal_lm_loss, row_block_head_loss
+from .row_block_loss import RowBlockLossMixin, row_block_head_loss, row_block_logits_and_loss
 from .runtime_maglev import runtime_speedups
 from .tensor_parallel import local_columns, local_tensor
 
@@ -826,11 +826,24 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         """The language-model loss of a self-fed pass whose logits are not returned: from its hidden states in row
         blocks when the loss is the default one and the head a plain linear layer (no adapter, not sharded);
         else through its logits and `loss_function`."""
-        if self.loss_function is row_block_causal_lm_loss and is_plain_linear(self.lm_head):
+        if self.reads_head_in_row_blocks():
             return row_block_head_loss(hidden, self.lm_head.weight, labels, self.config.vocab_size,
                                        self.config.logit_softcap, **kwargs)
         return self.loss_function(logits=self.logits(hidden), labels=labels, vocab_size=self.config.vocab_size,
                                   **kwargs)
+
+    def logits_and_loss(self, hidden: torch.Tensor, labels: torch.LongTensor | None,
+                        **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits of the returned pass and, given labels, its loss. With the default loss and a plain linear
+        head both come from `row_block_logits_and_loss`: the same values, and no [tokens, vocabulary] gradient
+        in the backward."""
+        if labels is not None and self.reads_head_in_row_blocks():
+            return row_block_logits_and_loss(hidden, self.lm_head.weight, labels, self.config.vocab_size,
+                                             self.config.logit_softcap, float32_logits=True, **kwargs)
+        logits = self.logits(hidden)
+        if labels is None:
+            return logits, None
+        return logits, self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
     @can_return_tuple
     def forward(
@@ -866,15 +879,14 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             memory_inputs=memory_inputs,
             return_dict=True,
         )
-        logits = self.logits(kept_positions(outputs.last_hidden_state, logits_to_keep))
+        logits, last_pass_loss = self.logits_and_loss(kept_positions(outputs.last_hidden_state, logits_to_keep),
+                                                      labels, **kwargs)
         loss = lm_loss = None
         if labels is not None:
             # self-fed passes each predict the sequence: the language-model loss is their mean
             earlier = [] if outputs.pass_hidden_states is None else outputs.pass_hidden_states[:-1]
             pass_losses = [self.pass_loss(kept_positions(h, logits_to_keep), labels, **kwargs) for h in earlier]
-            pass_losses.append(self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
-                                                  **kwargs))
-            lm_loss = sum(pass_losses) / len(pass_losses)
+            lm_loss = (sum(pass_losses) + last_pass_loss) / (len(pass_losses) + 1)
             loss = lm_loss
             if outputs.consistency_loss is not None:
                 loss = lm_loss + self.model.consistency_weight_now() * self._accumulation_share(
