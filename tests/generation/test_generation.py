@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvm_maglev.models.common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG
-from tests.generation.testers import PAD, cases, left_padded
+from tests.generation.testers import PAD, TESTERS, cases, left_padded
 
 ALL = cases()
 
@@ -254,3 +254,19 @@ def test_cache_for_another_config_is_refused(tmp_path, tester, variant):
     with pytest.raises(ValueError, match="empty"):
         tester.cache_class(model.config).save(tmp_path / "empty")
     assert not (tmp_path / "empty").exists()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("field, value", [("memory_source_layer", 0), ("memory_projection", True),
+                                          ("memory_residual_injection", True)])
+def test_maglev_cache_of_another_memory_source_is_refused(tmp_path, field, value):
+    """The carried memory means what its source made it: a cache saved by a model whose memory comes from
+    another layer, or through a projection or residual injection the other lacks, is refused."""
+    tester, variant = TESTERS["maglev"], "recurrent"
+    model = tester.model(variant)
+    assert getattr(model.config, field) != value
+    cache = tester.cache_class(model.config)
+    model(tester.random_ids(1, 5), past_key_values=cache)
+    cache.save(tmp_path / "c")
+    with pytest.raises(ValueError, match=field):
+        tester.cache_class.load(tmp_path / "c", tester.model(variant, **{field: value}))

@@ -16,7 +16,8 @@ from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_cap
 from .saved_cache import SavedCache, tensors_under
 
 CACHE_FORMAT = "maglev-cache"
-CACHE_FORMAT_VERSION = 2  # 2: nanochat window patterns keep growing rings, no longer every column
+CACHE_FORMAT_VERSION = 3  # 2: nanochat window patterns keep growing rings, no longer every column;
+# 3: the config fingerprint records where the memory comes from (source layer, projection, residual injection)
 TENSORS_FILE = "maglev_cache.safetensors"
 META_FILE = "maglev_cache.json"
 

@@ -80,11 +80,11 @@ MAGLEV_FIELDS = (
     ConfigField("memory_prefill", str, "recurrent", 'prompt processing: "recurrent" (token after token) or '
                 '"prefiller" (needs Q)'),
     ConfigField("memory_source_layer", int | None, None, "block whose output the memory is read from (None: the "
-                "head input)", "maglev.memory_source_layer"),
+                "head input)", "maglev.memory_source_layer", cache=True),
     ConfigField("memory_projection", bool, False, "memory m = rms_norm(W_m source), a learned projection",
-                "maglev.memory_projection"),
+                "maglev.memory_projection", cache=True),
     ConfigField("memory_residual_injection", bool, False, "the memory also enters P's block input, through a "
-                "zero-initialised projection", "maglev.memory_residual_injection"),
+                "zero-initialised projection", "maglev.memory_residual_injection", cache=True),
     ConfigField("memory_self_feed_steps", int, 0, "training: passes that feed P its own shifted memories after the "
                 "prefiller-fed one", "maglev.memory_self_feed_steps"),
     ConfigField("memory_self_feed_detach", bool, False, "training: no gradient through the fed-back memories",
