@@ -229,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train_and_save(trainer, args, eval_dataset is not None, tokenizer)
     finally:
-        # a gloo process group left to the interpreter's exit can abort the process after a finished run
+        # a gloo process group left to the interpreter's exit can abort the process after a finished run; DDP's
+        # reducer goes first, as it still holds the group
+        trainer.model_wrapped = trainer.model
+        trainer.accelerator.free_memory()
         trainer.accelerator.end_training()
     return 0
 
