@@ -30,7 +30,7 @@ from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, confi
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
-from .row_block_loss import RowBlockLossMixin, row_block_logits_and_loss
+from .row_block_loss import RowBlockLossMixin
 from .runtime_kvm import advance_folds, attend_chunks_at_once, runtime_speedups, take_fold_ahead
 from .state_kvm import Overflow, fold_overflow, readable_state, slot_norms, state_keys
 from .tensor_parallel import full_tensor, local_tensor
@@ -672,18 +672,6 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
         logits = self.lm_head(hidden)
         cap = self.config.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
-
-    def logits_and_loss(self, hidden: torch.Tensor, labels: torch.LongTensor | None,
-                        **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits and, given labels, the loss. With the default loss and a plain linear head both come from
-        `row_block_logits_and_loss`: the same values, and no [tokens, vocabulary] gradient in the backward."""
-        if labels is not None and self.reads_head_in_row_blocks():
-            return row_block_logits_and_loss(hidden, self.lm_head.weight, labels, self.config.vocab_size,
-                                             self.config.logit_softcap or None, **kwargs)
-        logits = self.logits(hidden)
-        if labels is None:
-            return logits, None
-        return logits, self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
     @can_return_tuple
     def forward(

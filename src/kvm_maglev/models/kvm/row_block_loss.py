@@ -273,6 +273,8 @@ class RowBlockLossMixin:
     """Put before PreTrainedModel: the causal-LM loss transformers would pick is computed in row blocks; a loss
     the user sets (`model.loss_function = f`) or another `model.loss_type` is transformers' to resolve."""
 
+    float32_logits = False  # True: the head's logits are made float32 before the cap (the model's `logits` does)
+
     @property
     def loss_function(self):
         if hasattr(self, "_loss_function") or getattr(self, "loss_type", None) != "ForCausalLM":
@@ -287,3 +289,16 @@ class RowBlockLossMixin:
         """Whether the loss may start from the hidden states and the head's weight: the loss is the default one
         and the head a plain linear layer (no adapter, hooks or sharding)."""
         return self.loss_function is row_block_causal_lm_loss and is_plain_linear(self.get_output_embeddings())
+
+    def logits_and_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None,
+                        **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's `logits` and, given labels, the loss. With the default loss and a plain linear head both
+        come from `row_block_logits_and_loss`: the same values, and no [tokens, vocabulary] gradient."""
+        if labels is not None and self.reads_head_in_row_blocks():
+            return row_block_logits_and_loss(hidden, self.get_output_embeddings().weight, labels,
+                                             self.config.vocab_size, self.config.logit_softcap or None,
+                                             self.float32_logits, **kwargs)
+        logits = self.logits(hidden)
+        if labels is None:
+            return logits, None
+        return logits, self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

@@ -25,7 +25,7 @@ from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, confi
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, real_tokens, take_cache
-from .row_block_loss import RowBlockLossMixin, row_block_head_loss, row_block_logits_and_loss
+from .row_block_loss import RowBlockLossMixin, row_block_head_loss
 from .runtime_maglev import runtime_speedups
 from .tensor_parallel import local_columns, local_tensor
 
@@ -792,6 +792,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # when config.tie_word_embeddings
     _tp_plan = {"lm_head": "colwise_gather_output"}
     cache_class = MaglevCache
+    float32_logits = True  # nanochat's head: float32 logits, then the cap
 
     def __init__(self, config: MaglevConfig):
         super().__init__(config)
@@ -831,19 +832,6 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
                                        self.config.logit_softcap, **kwargs)
         return self.loss_function(logits=self.logits(hidden), labels=labels, vocab_size=self.config.vocab_size,
                                   **kwargs)
-
-    def logits_and_loss(self, hidden: torch.Tensor, labels: torch.LongTensor | None,
-                        **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits of the returned pass and, given labels, its loss. With the default loss and a plain linear
-        head both come from `row_block_logits_and_loss`: the same values, and no [tokens, vocabulary] gradient
-        in the backward."""
-        if labels is not None and self.reads_head_in_row_blocks():
-            return row_block_logits_and_loss(hidden, self.lm_head.weight, labels, self.config.vocab_size,
-                                             self.config.logit_softcap, float32_logits=True, **kwargs)
-        logits = self.logits(hidden)
-        if labels is None:
-            return logits, None
-        return logits, self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
     @can_return_tuple
     def forward(
