@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .model_inputs import GENERATE_CACHE_KWARG, check_cache
 
 
@@ -34,3 +36,12 @@ class OwnCacheGenerationMixin:
             model_kwargs[GENERATE_CACHE_KWARG] = self.cache_class(self.config)
         if getattr(generation_config, "is_assistant", False):
             model_kwargs[GENERATE_CACHE_KWARG].activate_past_recording()
+
+    def _prepare_attention_mask_for_generation(self, inputs_tensor: torch.Tensor, generation_config,
+                                               model_kwargs: dict) -> torch.LongTensor:
+        """An assistant given no mask reads the main model's sequence, whose every token is real (the main model
+        passes its mask on when it has padding): transformers would infer one from pad ids, marking each generated
+        token equal to the pad id as padding while its own position_ids count it."""
+        if getattr(generation_config, "is_assistant", False):
+            return torch.ones(inputs_tensor.shape[:2], dtype=torch.long, device=inputs_tensor.device)
+        return super()._prepare_attention_mask_for_generation(inputs_tensor, generation_config, model_kwargs)
