@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvm_maglev.models.common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG
 from tests.generation.testers import PAD, TESTERS, cases, left_padded
@@ -213,6 +215,27 @@ def test_prompt_lookup_decoding_equals_greedy(tester, variant):
     looked_up = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=PAD,
                                prompt_lookup_num_tokens=3)
     assert torch.equal(looked_up, greedy)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", sorted(TESTERS))
+@settings(max_examples=12, deadline=None, derandomize=True, database=None)
+@given(length=st.integers(1, 80), window=st.integers(4, 16))
+def test_assisted_and_prompt_lookup_equal_greedy_over_prompt_lengths(name, length, window):
+    """The pad id is one that greedy decoding generates: an assistant given no mask must still read that
+    token as real (transformers infers the assistant's mask from pad ids, its position_ids count every
+    token; Maglev refused the step). Self, smaller assistant and prompt lookup all give greedy's tokens."""
+    tester = TESTERS[name]
+    variant = next(iter(tester.variants))
+    model = tester.model(variant, **tester.window(window))
+    small = tester.model(variant, seed=3, **{**tester.small, **tester.window(window)})
+    prompt = tester.random_ids(1, length, seed=length + 100 * window)
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+    generated = model.generate(prompt, pad_token_id=PAD, **kwargs)[0, length:].tolist()
+    pad = next((t for t in generated if t not in prompt[0].tolist()), PAD)
+    greedy = model.generate(prompt, pad_token_id=pad, **kwargs)
+    for extra in (dict(assistant_model=model), dict(assistant_model=small), dict(prompt_lookup_num_tokens=3)):
+        assert torch.equal(model.generate(prompt, pad_token_id=pad, **kwargs, **extra), greedy), extra
 
 
 # ----- saved caches -------------------------------------------------------------------------------------------
