@@ -95,6 +95,12 @@ def run_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch
     return out
 
 
+@torch.compiler.disable
+def run_cached_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch.Tensor:
+    """`run_segments` on a cache, never compiled (see `KVMAttention.cached_step`)."""
+    return run_segments(plan, caches, attend, q, k, v, *extra)
+
+
 # ---- attention -----------------------------------------------------------------------------
 def zero_initialised(linear: nn.Linear) -> nn.Linear:
     """Tag an output projection that starts at zero. `_init_weights` reads the tag on the layer itself:
@@ -181,7 +187,8 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         carries, caches = state if state is not None else (None, [SlidingWindowLayerCache() for _ in plan.segments])
         q, k, v = self.project(x, v_first, plan, carries)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-        return self.output(run_segments(plan, caches, self.attend, q, k, v))
+        step = run_segments if state is None else run_cached_segments
+        return self.output(step(plan, caches, self.attend, q, k, v))
 
     def attend(self, cache: SlidingWindowLayerCache, q, k, v) -> torch.Tensor:
         """Causal attention of new tokens over the group's last `window` tokens and themselves."""
@@ -235,9 +242,17 @@ class KVMAttention(KVMAttentionBase):
         gate = None
         if self.gated:
             gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
-        y = self.output(run_segments(plan, caches, self.run_chunks, q, k, v, gate))
-        if state is not None:  # the next fold is computed ahead whatever steps the model (runtime_kvm)
-            advance_folds(self, caches, whole=x.shape[1] > 1)
+        if state is None:
+            return self.output(run_segments(plan, caches, self.run_chunks, q, k, v, gate))
+        return self.output(self.cached_step(plan, caches, q, k, v, gate))
+
+    @torch.compiler.disable
+    def cached_step(self, plan: StepPlan, caches: list, q, k, v, gate) -> torch.Tensor:
+        """`run_chunks` on a cache, then the next fold computed ahead whatever steps the model (runtime_kvm).
+        Never compiled: traced, the cache's positions and buffer offsets become symbolic sizes, and inductor's
+        kernels for them returned NaN logits in decoding steps (greedy tokens other than eager's)."""
+        y = run_segments(plan, caches, self.run_chunks, q, k, v, gate)
+        advance_folds(self, caches, whole=q.shape[2] > 1)
         return y
 
     # Under autograd a fresh forward past the front window attends all its chunks in one call
