@@ -8,6 +8,7 @@ parallel and feeds P the shifted prefiller memories; inference feeds P its own m
 import contextlib
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -786,6 +787,13 @@ def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
     check_token_ids(input_ids, vocab_size, cache)
 
 
+@torch.compiler.disable
+def run_uncompiled(module: nn.Module, **kwargs):
+    """An inference forward of the base model outside compiled graphs: traced with its cache, inductor's graphs
+    returned other logits than eager (other greedy tokens from the first one); the head stays compilable."""
+    return module(**kwargs)
+
+
 class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, GenerationMixin):
     """Maglev with nanochat's untied, soft-capped language-model head."""
 
@@ -854,7 +862,8 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         config) returns the tuple."""
         cache = take_cache(past_key_values, kwargs.pop("cache", None))
         kwargs.pop("cache_position", None)
-        outputs = self.model(
+        training = self.training or labels is not None
+        outputs = (self.model if training else partial(run_uncompiled, self.model))(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -863,7 +872,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
-            lifted=self.training or labels is not None,
+            lifted=training,
             memory_inputs=memory_inputs,
             return_dict=True,
         )
