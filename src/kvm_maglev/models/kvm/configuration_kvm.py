@@ -46,6 +46,10 @@ KVM_FIELDS = (
     ConfigField("hidden_size", int, 768, "model width", "hidden_size", cache=True),
     ConfigField("num_hidden_layers", int, 12, "decoder layers", "num_hidden_layers", cache=True),
     ConfigField("num_attention_heads", int, 6, "attention heads", "num_attention_heads", cache=True),
+    ConfigField("num_key_value_heads", int | None, None, "key/value heads (grouped-query attention): the window, "
+                "the state, its merges and the merge gate are kept per key/value head, query head h reads key/value "
+                "head h // (num_attention_heads // num_key_value_heads) (None: one per query head)",
+                "num_key_value_heads", cache=True),
     ConfigField("head_dim", int | None, None, "query/key channels per head "
                 "(None: hidden_size // num_attention_heads)", "d_qk_head / d_head", cache=True),
     ConfigField("value_head_dim", int | None, None, "value channels per head "
@@ -184,6 +188,16 @@ class KVMConfig(PretrainedConfig):
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads: the window and the state are kept per key/value head."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def kv_group_size(self) -> int:
+        """Query heads reading each key/value head."""
+        return self.num_attention_heads // self.kv_heads
+
+    @property
     def v_head_dim(self) -> int:
         return self.value_head_dim or self.hidden_size // self.num_attention_heads
 
@@ -234,6 +248,7 @@ class KVMConfig(PretrainedConfig):
                 positive_int(field)
         if (self.head_dim is None or self.value_head_dim is None) and self.hidden_size % self.num_attention_heads:
             fail("num_attention_heads", f"a divisor of hidden_size={self.hidden_size} (or set head_dim and value_head_dim)")
+        self.validate_kv_heads(fail)
         head = self.qk_head_dim
         if not isinstance(self.rotary_dim, int) or self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > head:
             fail("rotary_dim", f"an even integer in [2, head_dim={head}]")
@@ -282,6 +297,30 @@ class KVMConfig(PretrainedConfig):
         if self.logit_softcap < 0:
             fail("logit_softcap", "a number >= 0 (0 disables it)")
 
+    def validate_kv_heads(self, fail) -> None:
+        """num_key_value_heads: a divisor of the query heads, only where the research code supports it."""
+        kv = self.num_key_value_heads
+        if kv is None:
+            return
+        if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.num_attention_heads % kv:
+            fail("num_key_value_heads", f"None or a positive divisor of num_attention_heads={self.num_attention_heads}")
+        if kv == self.num_attention_heads:
+            return
+        # the research sliding-window mixer keeps one key/value head per query head
+        if self.sliding_window_every:
+            fail("num_key_value_heads", "None (or num_attention_heads) when sliding_window_every is set: "
+                 "sliding-window layers have no grouped-query attention")
+        if self.value_residual and self.kvm_value_residual_mode == "rwkv_post_tokenshift":
+            fail("num_key_value_heads", "None (or num_attention_heads) with kvm_value_residual_mode "
+                 "'rwkv_post_tokenshift' (not supported with grouped-query attention)")
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise ValueError when a tensor-parallel size would split a key/value head from its query heads."""
+        if tp_size < 1 or self.kv_heads % tp_size:
+            raise ValueError(f"tensor parallel size {tp_size} does not divide num_key_value_heads={self.kv_heads}: "
+                             "each rank must hold whole key/value heads, each with its own state and window, "
+                             "and the query heads that read them; use a divisor of num_key_value_heads")
+
     # ---- state budget ---------------------------------------------------------------------
     def state_budget(self, context_len: int) -> int:
         """Budget target of the state after `context_len` tokens, before the coverage cap."""
@@ -320,8 +359,8 @@ class KVMConfig(PretrainedConfig):
         """Bytes a KVMCache holds after `num_tokens` tokens (what `KVMCache.nbytes()` reports)."""
         item = torch.empty((), dtype=dtype).element_size()
         state_item = torch.empty((), dtype=state_dtype_for(dtype)).element_size()
-        heads, dk, dv = self.num_attention_heads, self.qk_head_dim, self.v_head_dim
-        qk, vv, hidden = heads * dk, heads * self.v_head_dim, self.hidden_size
+        heads, dk, dv = self.kv_heads, self.qk_head_dim, self.v_head_dim
+        q, k, vv, hidden = self.num_attention_heads * dk, heads * dk, heads * dv, self.hidden_size
         total = 0
         for layer_idx in range(self.num_hidden_layers):
             shift = 0
@@ -329,7 +368,7 @@ class KVMConfig(PretrainedConfig):
                 shift += hidden * item
             sliding = self.is_sliding_window_layer(layer_idx)
             if self.sliding_window_token_shift if sliding else self.kvm_token_shift:
-                shift += (2 * qk + vv) * item
+                shift += (q + k + vv) * item
             mode = self.sliding_window_value_residual_mode if sliding else self.kvm_value_residual_mode
             if self.value_residual and mode == "rwkv_post_tokenshift":
                 shift += hidden * item
@@ -351,7 +390,7 @@ class KVMConfig(PretrainedConfig):
     ) -> int:
         """Bytes of a plain full-attention key/value cache of the same shape after `num_tokens`."""
         item = torch.empty((), dtype=dtype).element_size()
-        per_token = self.num_attention_heads * (self.qk_head_dim + self.v_head_dim) * item
+        per_token = self.kv_heads * (self.qk_head_dim + self.v_head_dim) * item
         return self.num_hidden_layers * batch_size * max(num_tokens, 0) * per_token
 
 

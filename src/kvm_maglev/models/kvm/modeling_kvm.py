@@ -111,20 +111,22 @@ class KVMAttentionBase(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
+        self.kv_heads = config.kv_heads
         self.head_dim = config.qk_head_dim
         self.value_head_dim = config.v_head_dim
-        qk, vv = self.num_heads * self.head_dim, self.num_heads * self.value_head_dim
+        qk, kk, vv = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim,
+                      self.kv_heads * self.value_head_dim)
         self.q_proj = nn.Linear(config.hidden_size, qk, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, qk, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kk, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, vv, bias=False)
-        self.o_proj = zero_initialised(nn.Linear(vv, config.hidden_size, bias=False))
+        self.o_proj = zero_initialised(nn.Linear(self.num_heads * self.value_head_dim, config.hidden_size, bias=False))
         self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.token_shift_on = token_shift_on
         self.value_residual_mode = value_residual_mode if config.value_residual else "none"
         if token_shift_on:
             self.q_shift = nn.Parameter(torch.zeros(qk))
-            self.k_shift = nn.Parameter(torch.zeros(qk))
+            self.k_shift = nn.Parameter(torch.zeros(kk))
         if token_shift_on or self.value_residual_mode in ("rwkv", "rwkv_post_tokenshift"):
             # also the token-shift mix of the value-gate input in 'rwkv_post_tokenshift'
             self.v_shift = nn.Parameter(torch.zeros(vv))
@@ -143,6 +145,8 @@ class KVMAttentionBase(nn.Module):
         """Return q, k [B, H, T, Dqk] (normed, not rotated) and v [B, H, T, Dv]; shifts follow each row's real tokens."""
         batch, length, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if q.shape[-1] * self.kv_heads != k.shape[-1] * self.num_heads:  # a tensor-parallel rank's share
+            self.config.check_tensor_parallel(self.num_heads * self.head_dim // q.shape[-1])
         if self.value_residual_mode == "linear":
             v = (1 - self.value_residual_lambda) * v + self.value_residual_lambda * v_first.view_as(v)
         elif self.value_residual_mode == "rwkv":
@@ -217,10 +221,15 @@ class KVMAttention(KVMAttentionBase):
         self.state_key_norm = KVMStateKeyNorm(self.head_dim, eps=config.layer_norm_eps)
         self.gated = config.merge_gate_keys or config.merge_gate_values
         if self.gated:
-            self.merge_gate_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+            self.merge_gate_proj = nn.Linear(config.hidden_size, self.kv_heads, bias=False)  # one per state
         if config.head_temperatures:
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
+
+    def query_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Key/value-head tensor [B, Hkv, ...] repeated for the query heads of each group [B, H, ...]."""
+        group = self.config.kv_group_size
+        return x if group == 1 else x.repeat_interleave(group, dim=1)
 
     def temperature(self, name: str) -> torch.Tensor | float:
         """Per-head temperature `name` shaped to scale [B, H, T, D] keys or queries (1 when off)."""
@@ -234,7 +243,7 @@ class KVMAttention(KVMAttentionBase):
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         gate = None
         if self.gated:
-            gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
+            gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, Hkv, T, 1]
         y = self.output(run_segments(plan, caches, self.run_chunks, q, k, v, gate))
         if state is not None:  # the next fold is computed ahead whatever steps the model (runtime_kvm)
             advance_folds(self, caches, whole=x.shape[1] > 1)
@@ -260,6 +269,7 @@ class KVMAttention(KVMAttentionBase):
         outputs, reads = [], []
         for (pos, stop), q_piece, (window_k, window_v, state) in zip(pieces, queries,
                                                                      self.update_chunks(cache, pieces, k, v, gate)):
+            window_k, window_v = self.query_heads(window_k), self.query_heads(window_v)
             if at_once:
                 reads += [state] if state is not None else [None] * math.ceil((stop - pos) / chunk)
             elif state is None:
@@ -267,7 +277,7 @@ class KVMAttention(KVMAttentionBase):
             else:
                 outputs.append(self.attend_state_and_window(q_piece, window_k, window_v, *state))
         if at_once:
-            return attend_chunks_at_once(q, k, v, reads, chunk, window_chunks, self.temperature("window_temperature"),
+            return attend_chunks_at_once(q, self.query_heads(k), self.query_heads(v), reads, chunk, window_chunks, self.temperature("window_temperature"),
                                          partial(attention, eager=self.eager))
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
 
@@ -397,11 +407,20 @@ class KVMAttention(KVMAttentionBase):
 
     def readable(self, state: tuple, normed: torch.Tensor, dtype: torch.dtype,
                  heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """`state_kvm.readable_state` of a state of heads `heads` with this layer's temperatures."""
+        """`state_kvm.readable_state` of a state of key/value heads `heads`, repeated for their query heads,
+        with those query heads' temperatures."""
         temperature = self.temperature("state_temperature")
         if isinstance(temperature, torch.Tensor):
-            temperature = temperature[:, heads]
-        return readable_state(state, normed, temperature, self.config.state_value_norms, dtype)
+            temperature = temperature[:, query_slice(heads, self.config.kv_group_size)]
+        state = tuple(self.query_heads(t) for t in state)
+        return readable_state(state, self.query_heads(normed), temperature, self.config.state_value_norms, dtype)
+
+
+def query_slice(kv_heads: slice, group: int) -> slice:
+    """The query heads that read key/value heads `kv_heads` (a step-1 slice)."""
+    start = None if kv_heads.start is None else kv_heads.start * group
+    stop = None if kv_heads.stop is None else kv_heads.stop * group
+    return slice(start, stop)
 
 
 # ---- feed-forward and blocks ---------------------------------------------------------------

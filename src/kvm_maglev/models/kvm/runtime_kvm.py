@@ -103,8 +103,10 @@ class HeadFold:
 
     def read(self) -> None:
         normed = self.attention.state_key_norm(self.state[0])
-        read = self.attention.readable(self.state, normed, self.fold.dtype, self.heads)
-        self.fold.read = write_head(self.fold.read, read, self.heads, self.fold.num_heads)
+        read = self.attention.readable(self.state, normed, self.fold.dtype, self.heads)  # the group's query heads
+        group = self.attention.config.kv_group_size
+        self.fold.read = write_head(self.fold.read, read, slice(self.heads.start * group, self.heads.stop * group),
+                                    self.fold.num_heads * group)
 
 
 def write_head(full: list[torch.Tensor] | None, part, heads: slice, num_heads: int) -> list[torch.Tensor]:
@@ -127,7 +129,7 @@ class PacedFold:
         self.read: list[torch.Tensor] | None = None  # their attention-ready form
         overflow = attention.overflow(cache, block, cache.state_keys.dtype)
         n_append = attention.append_count(block, cache.state_len)
-        self.num_heads = cache.state_keys.shape[1]  # the rank's own heads under tensor parallelism
+        self.num_heads = cache.state_keys.shape[1]  # key/value heads: the rank's own under tensor parallelism
         heads = [HeadFold(attention, cache.state(), cache.normed_state_keys(), overflow, n_append, head, self)
                  for head in range(self.num_heads)]
         self.stages = [stage for head in heads for stage in head.stages()]
