@@ -152,7 +152,9 @@ class KVMConfig(PretrainedConfig):
     # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun): attention split by head, so
     # that each rank keeps its own heads' window and key-value state, and the MLP by hidden unit. The per-head
     # parameters outside the linear layers are sharded with them (1-D ones like a colwise bias, the [1, 1, n]
-    # gate bias on its last dim); the layers read their part with `tensor_parallel.local_tensor`.
+    # gate bias on its last dim); the layers read their part with `tensor_parallel.local_tensor`. With grouped-query
+    # attention the same splits give each rank whole key/value heads (state, window, merge gate) with the query
+    # heads that read them, when the size divides num_key_value_heads (`check_tensor_parallel`, else refused).
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",

@@ -145,7 +145,7 @@ class KVMAttentionBase(nn.Module):
         """Return q, k [B, H, T, Dqk] (normed, not rotated) and v [B, H, T, Dv]; shifts follow each row's real tokens."""
         batch, length, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if q.shape[-1] * self.kv_heads != k.shape[-1] * self.num_heads:  # a tensor-parallel rank's share
+        if q.shape[-1] != self.num_heads * self.head_dim:  # a tensor-parallel rank's share of the heads
             self.config.check_tensor_parallel(self.num_heads * self.head_dim // q.shape[-1])
         if self.value_residual_mode == "linear":
             v = (1 - self.value_residual_lambda) * v + self.value_residual_lambda * v_first.view_as(v)
