@@ -141,3 +141,33 @@ def test_spelled_out_key_wins_and_irrelevant_default_needs_no_commit(data_dir, t
     kvm_config_from_research(fields)
     with pytest.raises(ValueError, match="not one of"):
         kvm_config_from_research(fields, research_commit="main")
+
+
+def single_file_export(final, folder):
+    """`final` laid out as the authors' export_hf_single_file.py leaves a save_pretrained folder for the Hub: the
+    model code bundled into modeling_rwkv7_backbone.py, which config.json's auto_map then names. The bundled
+    file here only raises: the converter must never run a source's code."""
+    import json
+    import shutil
+
+    shutil.copytree(final, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "modeling_rwkv7_backbone.MixerConfig",
+                          "AutoModelForCausalLM": "modeling_rwkv7_backbone.RWKV7BackboneForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "modeling_rwkv7_backbone.py").write_text('raise RuntimeError("bundled research code was run")\n')
+    return folder
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_single_file_hub_export_converts(case, converted, data_dir, tmp_path):
+    source = single_file_export(data_dir / "kvm_upstream" / case / "research_final", tmp_path / "export")
+    out = convert(source, tmp_path / "out")
+    from_export = load_file(str(out / "model.safetensors"))
+    from_final = load_file(str(converted(case, "research_final") / "model.safetensors"))
+    assert from_export.keys() == from_final.keys() and all(torch.equal(from_export[k], from_final[k]) for k in from_final)
+    reference = load_file(str(data_dir / "kvm_upstream" / case / "reference.safetensors"))
+    model = KVMForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(reference["input_ids"]).logits
+    assert (logits - reference["logits_full_fp32rope"]).abs().max().item() <= TOLERANCE
