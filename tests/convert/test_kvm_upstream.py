@@ -171,3 +171,20 @@ def test_single_file_hub_export_converts(case, converted, data_dir, tmp_path):
     with torch.no_grad():
         logits = model(reference["input_ids"]).logits
     assert (logits - reference["logits_full_fp32rope"]).abs().max().item() <= TOLERANCE
+
+
+def test_float32_routing_mixer_converts(data_dir, tmp_path, converted):
+    """A run with token_mixer_class_path naming the research float32-routing mixer converts to
+    merge_routing_dtype="float32"; in float32 that mixer computes what kvm_mixer does, so the same logits."""
+    research = data_dir / "kvm_upstream" / "kvm_upstream_fixed" / "research"
+    document = yaml.safe_load((research / "config.yaml").read_text())
+    document["model"]["token_mixer_class_path"] = "model.kvm_fp32_routing_reference.SequenceMixer"
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(document))
+    out = convert(research / "model_step000050.pt", tmp_path / "out", config_path=config)
+    model = KVMForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert model.config.merge_routing_dtype == "float32"
+    reference = load_file(str(data_dir / "kvm_upstream" / "kvm_upstream_fixed" / "reference.safetensors"))
+    with torch.no_grad():
+        logits = model(reference["input_ids"]).logits
+    assert (logits - reference["logits_full_fp32rope"]).abs().max().item() <= TOLERANCE

@@ -40,7 +40,7 @@ from kvm_maglev.tokenization.gpt2 import generation_token_fields, load_research_
 _REQUIRED_VALUES = {
     "token_mixer": ("kvm",),
     "alt_token_mixer": ("swa",),
-    "token_mixer_class_path": (None, "model.kvm_mixer.SequenceMixer"),
+    "token_mixer_class_path": (None, "model.kvm_mixer.SequenceMixer", "model.kvm_fp32_routing_reference.SequenceMixer"),
     "alt_token_mixer_class_path": (None, "model.swa_mixer.SequenceMixer"),
     "use_skip_connections": (0, False),
     "use_l2wrap": (0, False),
@@ -261,6 +261,9 @@ def _config_from_fields(fields: dict, overrides: dict) -> KVMConfig:
         # the default of our config when absent: resolve_changed_defaults made sure it does not matter then
         merge_gate_appends=bool(get("kvm_apply_merge_gate_to_appends", 1)),
         merge_gate_initial_state=bool(get("kvm_apply_merge_gate_to_initial_state", 0)),
+        # both research mixers convert to float32 routing, which this model's float32 state under half precision
+        # has always had; merge_routing_dtype="model" follows kvm_mixer's bfloat16 scoring instead
+        merge_routing_dtype="float32",
         head_temperatures=bool(get("kvm_use_head_temps", 1)),
         state_value_norms=bool(get("kvm_use_vlens", 1)),
         kvm_token_shift=token_shift_att and get("kvm_token_shift_mode", "rwkv") == "rwkv",

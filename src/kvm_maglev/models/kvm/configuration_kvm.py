@@ -28,6 +28,7 @@ logger = logging.get_logger(__name__)
 
 STATE_BUDGET_MODES = ("fixed", "power_law", "kvm_saturation")
 VALUE_RESIDUAL_MODES = ("linear", "rwkv", "rwkv_post_tokenshift")
+MERGE_ROUTING_DTYPES = ("float32", "model")
 # Fields that `from_pretrained(..., field=value)` may change: they set state size only, not weights.
 BUDGET_FIELDS = (
     "state_budget_mode",
@@ -87,6 +88,10 @@ KVM_FIELDS = (
                 cache=True, coerce=bool),
     ConfigField("merge_gate_initial_state", bool, False, "first chunk gated too",
                 "kvm_apply_merge_gate_to_initial_state", cache=True, coerce=bool),
+    ConfigField("merge_routing_dtype", str, "float32", 'dtype the merge routing (each token\'s most similar slot) '
+                'is scored in: "float32" (or the state\'s finer dtype; research kvm_fp32_routing_reference, and this '
+                'model\'s state under half precision) or "model" (keys rounded to the model dtype, as the research '
+                'kvm_mixer scores them in bfloat16)', "token_mixer_class_path", cache=True),
     ConfigField("head_temperatures", bool, True, "per-head window/state key scales", "kvm_use_head_temps",
                 cache=True, coerce=bool),
     ConfigField("state_value_norms", bool, True, "True: renormalise merged values to the slot norm; False: divide "
@@ -128,7 +133,8 @@ KVM_FIELDS = (
 RESEARCH_ONLY_FIELDS = (
     ("token_mixer", 'only "kvm" (rejected otherwise)'),
     ("alt_token_mixer", 'only "swa" (rejected otherwise)'),
-    ("token_mixer_class_path / alt_token_mixer_class_path", "must be unset or the KVM/SWA mixers"),
+    ("token_mixer_class_path / alt_token_mixer_class_path", "must be unset or the KVM/SWA mixers; the KVM ones "
+     "(model.kvm_mixer, model.kvm_fp32_routing_reference) both become merge_routing_dtype='float32'"),
     ("use_skip_connections", "rejected when set (no published model uses it)"),
     ("use_l2wrap", "rejected when set (training-only gradient trick)"),
     ("param_dtype", "becomes `dtype`"),
@@ -264,6 +270,8 @@ class KVMConfig(PretrainedConfig):
             fail("sliding_window_rotary_dim", f"an even integer in [0, head_dim={head}]")
         if not isinstance(self.sink_slots, int) or not 0 <= self.sink_slots < self.chunk_size:
             fail("sink_slots", f"an integer in [0, chunk_size={self.chunk_size}) so that a mergeable slot remains")
+        if self.merge_routing_dtype not in MERGE_ROUTING_DTYPES:
+            fail("merge_routing_dtype", f"one of {MERGE_ROUTING_DTYPES}")
         if self.state_budget_mode not in STATE_BUDGET_MODES:
             fail("state_budget_mode", f"one of {STATE_BUDGET_MODES}")
         if not isinstance(self.state_budget_min, int) or self.state_budget_min < -1:

@@ -369,9 +369,17 @@ class KVMAttention(KVMAttentionBase):
         state = fold_overflow(
             cache.state(), self.reference_keys(cache), self.overflow(cache, block, state_dtype),
             self.append_count(block, cache.state_len), self.config.sink_slots, self.state_key_norm,
-            self.config.state_value_norms,
+            self.config.state_value_norms, self.merge_score_dtype(cache),
         )
         cache.set_state(*state)
+
+    def merge_score_dtype(self, cache: KVMLayerCache) -> torch.dtype:
+        """dtype the merge routing is scored in (config.merge_routing_dtype): float32 or the finer state dtype,
+        or the model's own dtype (its window keys'), as the research mixer scores it under bfloat16."""
+        model_dtype = cache.window.storage[0].dtype
+        if self.config.merge_routing_dtype == "model":
+            return model_dtype
+        return torch.promote_types(state_dtype_for(model_dtype), torch.float32)
 
     def overflow(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> Overflow:
         """Window block `block` as the state takes it, the merge gate applied where the config says."""

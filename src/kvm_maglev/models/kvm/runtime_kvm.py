@@ -92,7 +92,8 @@ class HeadFold:
 
     def match(self, rows: slice) -> None:
         protected = min(self.attention.config.sink_slots, self.state[0].shape[2])
-        self.slots.append(most_similar_slot(self.merge_keys[:, :, rows], self.normed_state_keys(), protected))
+        self.slots.append(most_similar_slot(self.merge_keys[:, :, rows], self.normed_state_keys(), protected,
+                                            self.fold.score_dtype))
 
     def merge(self) -> None:
         if self.slots:
@@ -125,6 +126,7 @@ class PacedFold:
     def __init__(self, attention, cache, block: int) -> None:
         self.block, self.source = block, cache.state_keys
         self.dtype = cache.window.storage[0].dtype  # the read form's: the queries', as the window keys'
+        self.score_dtype = attention.merge_score_dtype(cache)
         self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
         self.read: list[torch.Tensor] | None = None  # their attention-ready form
         overflow = attention.overflow(cache, block, cache.state_keys.dtype)

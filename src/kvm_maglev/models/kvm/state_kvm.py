@@ -70,8 +70,12 @@ def split_by_novelty(scores: torch.Tensor, n_append: int) -> tuple[torch.Tensor,
 
 
 @torch.no_grad()  # only indices come out of it
-def most_similar_slot(keys: torch.Tensor, reference: torch.Tensor, protected: int) -> torch.Tensor:
-    """[B, H, T, 1]: the slot each token merges into, its most similar one past the `protected` sinks."""
+def most_similar_slot(keys: torch.Tensor, reference: torch.Tensor, protected: int,
+                      score_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, H, T, 1]: the slot each token merges into, its most similar one past the `protected` sinks; the
+    similarities scored in `score_dtype` (None: the keys' dtype), where a coarse dtype can tie or flip them."""
+    if score_dtype is not None:
+        keys, reference = keys.to(score_dtype), reference.to(score_dtype)
     parts = []
     for rows in similarity_rows(keys.shape[2], reference.shape[2]):
         similarity = torch.matmul(keys[:, :, rows], reference.transpose(-1, -2))
@@ -124,9 +128,11 @@ class Overflow:
 
 
 def fold_overflow(state: State, reference: torch.Tensor, block: Overflow, n_append: int, sink_slots: int,
-                  normalize: Callable[[torch.Tensor], torch.Tensor], value_norms: bool) -> State:
+                  normalize: Callable[[torch.Tensor], torch.Tensor], value_norms: bool,
+                  score_dtype: torch.dtype | None = None) -> State:
     """The state after `block` enters it: its `n_append` most novel tokens (by similarity to `reference`,
-    the layer-normed state keys) become new slots, the others merge into their most similar slot."""
+    the layer-normed state keys) become new slots, the others merge into their most similar slot (similarities
+    scored in `score_dtype`)."""
     scores = novelty(block.keys, reference) if 0 < n_append < block.keys.shape[2] else None
     append_keys, append_values, merge_keys, merge_values = block.split(n_append, scores)
     if append_keys.shape[2]:
@@ -134,7 +140,7 @@ def fold_overflow(state: State, reference: torch.Tensor, block: Overflow, n_appe
         reference = torch.cat([reference, normalize(append_keys)], dim=2)
     if merge_keys.shape[2] == 0:
         return state
-    slot = most_similar_slot(merge_keys, reference, min(sink_slots, state[0].shape[2]))
+    slot = most_similar_slot(merge_keys, reference, min(sink_slots, state[0].shape[2]), score_dtype)
     return merge_into_slots(state, merge_keys, merge_values, slot, value_norms)
 
 
