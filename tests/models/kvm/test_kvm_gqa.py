@@ -132,3 +132,28 @@ def test_no_gqa_is_one_key_value_head_per_query_head():
     ids = torch.randint(0, 61, (1, 30))
     with torch.no_grad():
         assert torch.equal(same(ids).logits, plain(ids).logits)
+
+
+def test_saved_gqa_cache_continues_and_is_refused_by_another_head_count(tmp_path):
+    from kvm_maglev.models.kvm import KVMCache
+
+    model = random_model(num_key_value_heads=2, **BUDGETS["power_law"])
+    ids = torch.randint(0, 61, (1, 40))
+    with torch.no_grad():
+        live = model(ids, use_cache=True).cache
+        live.save(tmp_path / "c")
+        loaded = KVMCache.load(tmp_path / "c", model)
+        step = ids[:, -1:]
+        assert torch.equal(model(step, cache=loaded).logits, model(step, cache=live).logits)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        KVMCache.load(tmp_path / "c", random_model(num_key_value_heads=1, **BUDGETS["power_law"]))
+
+
+def test_model_card_names_query_and_key_value_heads():
+    from kvm_maglev.convert.cards import _kvm_architecture
+
+    paragraph, rows = _kvm_architecture(KVMConfig(**BASE, num_key_value_heads=2))
+    assert "4 query heads sharing 2 key-value heads" in paragraph
+    assert ("attention heads (query / key-value)", "4 / 2") in rows
+    paragraph, rows = _kvm_architecture(KVMConfig(**BASE))
+    assert "with 4 heads." in paragraph and ("attention heads", 4) in rows
