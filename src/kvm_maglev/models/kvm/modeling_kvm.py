@@ -32,7 +32,7 @@ from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
 from .row_block_loss import RowBlockLossMixin
 from .runtime_kvm import advance_folds, attend_chunks_at_once, runtime_speedups, take_fold_ahead
-from .state_kvm import Overflow, fold_overflow, readable_state, slot_norms, state_keys
+from .state_kvm import Overflow, fold_overflow, query_slice, readable_state, slot_norms, state_keys
 from .tensor_parallel import full_tensor, local_tensor
 
 logger = logging.get_logger(__name__)
@@ -422,13 +422,6 @@ class KVMAttention(KVMAttentionBase):
             temperature = temperature[:, query_slice(heads, self.config.kv_group_size)]
         state = tuple(self.query_heads(t) for t in state)
         return readable_state(state, self.query_heads(normed), temperature, self.config.state_value_norms, dtype)
-
-
-def query_slice(kv_heads: slice, group: int) -> slice:
-    """The query heads that read key/value heads `kv_heads` (a step-1 slice)."""
-    start = None if kv_heads.start is None else kv_heads.start * group
-    stop = None if kv_heads.stop is None else kv_heads.stop * group
-    return slice(start, stop)
 
 
 # ---- feed-forward and blocks ---------------------------------------------------------------

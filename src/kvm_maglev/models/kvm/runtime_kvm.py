@@ -29,6 +29,7 @@ from .state_kvm import (
     merge_into_slots,
     most_similar_slot,
     novelty,
+    query_slice,
     similarity_rows,
 )
 
@@ -106,8 +107,7 @@ class HeadFold:
         normed = self.attention.state_key_norm(self.state[0])
         read = self.attention.readable(self.state, normed, self.fold.dtype, self.heads)  # the group's query heads
         group = self.attention.config.kv_group_size
-        self.fold.read = write_head(self.fold.read, read, slice(self.heads.start * group, self.heads.stop * group),
-                                    self.fold.num_heads * group)
+        self.fold.read = write_head(self.fold.read, read, query_slice(self.heads, group), self.fold.num_heads * group)
 
 
 def write_head(full: list[torch.Tensor] | None, part, heads: slice, num_heads: int) -> list[torch.Tensor]:

@@ -1,7 +1,8 @@
 """The key-value-means state as small pure functions: no cache, no module, no device tuning.
 
 A state is three tensors per layer: key sums [B, H, slots, D] (layer-normed, rotary channels zeroed),
-value sums [B, H, slots, Dv] and float32 value norms or merge counts [B, H, slots, 1]. A block leaving
+value sums [B, H, slots, Dv] and float32 value norms or merge counts [B, H, slots, 1], H the key/value heads
+(query heads of a group read their key/value head's state, `query_slice`). A block leaving
 the window enters it by `fold_overflow`: its most novel tokens are appended while the state is below
 its budget, the rest are added to their most similar slot (sink slots protected). Attention reads the
 state through `readable_state`. modeling_kvm calls these at once; runtime_kvm spreads the same calls
@@ -142,6 +143,13 @@ def fold_overflow(state: State, reference: torch.Tensor, block: Overflow, n_appe
         return state
     slot = most_similar_slot(merge_keys, reference, min(sink_slots, state[0].shape[2]), score_dtype)
     return merge_into_slots(state, merge_keys, merge_values, slot, value_norms)
+
+
+def query_slice(kv_heads: slice, group: int) -> slice:
+    """The query heads that read key/value heads `kv_heads` (a step-1 slice), `group` query heads each."""
+    start = None if kv_heads.start is None else kv_heads.start * group
+    stop = None if kv_heads.stop is None else kv_heads.stop * group
+    return slice(start, stop)
 
 
 def readable_state(state: State, normed_keys: torch.Tensor, temperature: torch.Tensor | float, value_norms: bool,
