@@ -188,3 +188,19 @@ def test_float32_routing_mixer_converts(data_dir, tmp_path, converted):
     with torch.no_grad():
         logits = model(reference["input_ids"]).logits
     assert (logits - reference["logits_full_fp32rope"]).abs().max().item() <= TOLERANCE
+
+
+def test_commit_stated_in_a_yaml_comment_is_read(data_dir, tmp_path):
+    from kvm_maglev.convert.kvm import stated_commit
+
+    upstream = data_dir / "kvm_upstream" / "kvm_upstream_fixed" / "research"
+    assert stated_commit((upstream / "config.yaml").read_text()) == "6bd7dfd"
+    assert stated_commit((data_dir / "kvm" / "kvm_sqrt" / "research" / "config.yaml").read_text()) is None
+    checkpoint, config = growing_state_yaml(data_dir, tmp_path)
+    config.write_text("# research code: github featherless-ai/KVM-paper, commit 6bd7dfd\n" + config.read_text())
+    assert read_research_checkpoint(checkpoint, config).research_commit == "6bd7dfd"
+    out = convert(checkpoint, tmp_path / "out", config_path=config)
+    assert KVMForCausalLM.from_pretrained(out).config.merge_gate_appends is False
+    with pytest.raises(ValueError, match="contradicts"):
+        convert(checkpoint, tmp_path / "other", config_path=config, research_commit="1932b9c")
+    assert not (tmp_path / "other").exists()

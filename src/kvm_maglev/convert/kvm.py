@@ -57,6 +57,8 @@ CHANGED_DEFAULTS = {
 }
 # keys only 6bd7dfd's MixerConfig declares: a YAML naming one was written for that commit
 _NEWER_ONLY_KEYS = ("num_key_value_heads", "kvm_aotriton_forward_attention", "kvm_aotriton_precompiled_forward")
+# a YAML comment stating the research commit, e.g. "# research code: github featherless-ai/KVM-paper, commit 6bd7dfd"
+_COMMIT_COMMENT = re.compile(r"^#.*\bcommit\s+([0-9a-f]{7,40})\b", re.MULTILINE)
 
 # research parameter names (inside transformer.h.N.) -> ours (inside model.layers.N.)
 _LAYER_RENAMES = {
@@ -103,6 +105,7 @@ class ResearchCheckpoint:
     weights_files: list[Path]
     config_file: Path
     step: int | None = None
+    research_commit: str | None = None  # as the YAML states it in a comment
 
 
 def read_research_checkpoint(source: str | Path, config_path: str | Path | None = None) -> ResearchCheckpoint:
@@ -123,7 +126,8 @@ def read_research_checkpoint(source: str | Path, config_path: str | Path | None 
         raise ValueError("a research .pt checkpoint needs --config pointing at its research YAML")
     config_file = Path(config_path)
     try:
-        document = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+        text = config_file.read_text(encoding="utf-8")
+        document = yaml.safe_load(text)
     except (OSError, yaml.YAMLError) as error:
         raise ValueError(f"cannot read the research YAML {config_file}: {error}") from error
     if not isinstance(document, dict) or not isinstance(document.get("model"), dict):
@@ -134,7 +138,16 @@ def read_research_checkpoint(source: str | Path, config_path: str | Path | None 
         raise ValueError(f"{source}: expected a trainer checkpoint dict with a 'model' state dict")
     state = {key.replace("_orig_mod.", ""): value for key, value in state.items()}
     step = checkpoint.get("step") if isinstance(checkpoint.get("step"), int) else _step_from_name(source)
-    return ResearchCheckpoint(dict(document["model"]), state, [source], config_file, step)
+    return ResearchCheckpoint(dict(document["model"]), state, [source], config_file, step, stated_commit(text))
+
+
+def stated_commit(yaml_text: str) -> str | None:
+    """The research commit (one of RESEARCH_COMMITS) a YAML comment names, or None."""
+    for sha in _COMMIT_COMMENT.findall(yaml_text):
+        for commit in RESEARCH_COMMITS:
+            if sha.startswith(commit) or commit.startswith(sha):
+                return commit
+    return None
 
 
 def load_research_checkpoint(source: str | Path, config_path: str | Path | None = None) -> tuple[dict, dict]:
@@ -367,7 +380,11 @@ def convert(source: str | Path, out: str | Path, config_path: str | Path | None 
         stages.start("read checkpoint")
         checkpoint = read_research_checkpoint(source, config_path)
         stages.start("check weights")
-        config = kvm_config_from_research(checkpoint.fields, research_commit, **overrides)
+        if research_commit and checkpoint.research_commit and research_commit != checkpoint.research_commit:
+            raise ValueError(f"--research-commit {research_commit} contradicts {checkpoint.config_file}, "
+                             f"which names commit {checkpoint.research_commit}")
+        config = kvm_config_from_research(checkpoint.fields, research_commit or checkpoint.research_commit,
+                                          **overrides)
         try:
             model = build_model(config, convert_state_dict(checkpoint.state))
         except ValueError as error:
