@@ -74,12 +74,12 @@ def run_benchmarks(args: argparse.Namespace) -> List[Measurement]:
 
 
 def _table(results: List[Measurement]) -> str:
-    header = f"{'model':<12} {'batch':>5} {'context':>8} {'prefill s':>10} {'ms/tok med':>10} {'p99':>8} {'max':>8} {'max/med':>7} {'cpu max/med':>11} {'tok/s':>8} {'cache MiB':>10} {'closed MiB':>10}"
+    header = f"{'model':<16} {'batch':>5} {'context':>8} {'prefill s':>10} {'ms/tok med':>10} {'p99':>8} {'max':>8} {'max/med':>7} {'cpu max/med':>11} {'tok/s':>8} {'cache MiB':>10} {'closed MiB':>10}"
     lines = [header, "-" * len(header)]
     for r in results:
         closed = "" if r.cache_bytes_closed_form is None else f"{r.cache_bytes_closed_form / 2**20:10.2f}"
         lines.append(
-            f"{r.model:<12} {r.batch_size:>5} {r.context:>8} {r.prefill_s:>10.3f} {r.decode_ms_median:>10.2f} "
+            f"{r.model:<16} {r.batch_size:>5} {r.context:>8} {r.prefill_s:>10.3f} {r.decode_ms_median:>10.2f} "
             f"{r.decode_ms_p99:>8.2f} {r.decode_ms_max:>8.2f} {r.decode_ms_max / r.decode_ms_median:>7.2f} "
             f"{r.cpu_max_over_median or math.nan:>11.2f} "
             f"{r.decode_tokens_per_s:>8.1f} "
