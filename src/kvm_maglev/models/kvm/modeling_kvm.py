@@ -277,8 +277,8 @@ class KVMAttention(KVMAttentionBase):
             else:
                 outputs.append(self.attend_state_and_window(q_piece, window_k, window_v, *state))
         if at_once:
-            return attend_chunks_at_once(q, self.query_heads(k), self.query_heads(v), reads, chunk, window_chunks, self.temperature("window_temperature"),
-                                         partial(attention, eager=self.eager))
+            return attend_chunks_at_once(q, self.query_heads(k), self.query_heads(v), reads, chunk, window_chunks,
+                                         self.temperature("window_temperature"), partial(attention, eager=self.eager))
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
 
     def chunk_pieces(self, cache: KVMLayerCache, length: int) -> list[tuple[int, int]]:
