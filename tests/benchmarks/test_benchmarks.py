@@ -168,3 +168,20 @@ def test_direct_flag_steps_our_models_outside_runtime_speedups(tmp_path, monkeyp
     assert not measure("kvm_fixed", model, 70, 1, 2, 32).direct and opened
     checks = [c.target for c in check_targets([row])]
     assert "kvm_fixed b1 ctx 70: slowest step's CPU time / median's <= 1.5" in checks
+
+
+def test_grouped_query_variants_shrink_the_cache(tmp_path):
+    """The *_gqa builders are the same models with key/value heads shared by 2 (or 4) query heads: on request only,
+    their caches follow the closed form and hold less than the model without GQA."""
+    from kvm_maglev.benchmarks.models import GQA_BUILDERS, SHAPES
+
+    assert not set(GQA_BUILDERS) & set(MODEL_BUILDERS)
+    rows = cli.run_benchmarks(bench_args(tmp_path, models=["kvm_sqrt16", "kvm_sqrt16_gqa2"], batch_sizes=[1],
+                                         contexts=[70]))
+    size = {r.model: r.cache_bytes for r in rows if r.context == 70}
+    assert all(r.cache_bytes == r.cache_bytes_closed_form for r in rows)
+    assert size["kvm_sqrt16_gqa2"] < size["kvm_sqrt16"]
+    with pytest.raises(ValueError, match="divisible by 4.*heads8"):
+        GQA_BUILDERS["kvm_fixed_gqa4"](SHAPES["tiny"])
+    assert GQA_BUILDERS["kvm_fixed_gqa4"](SHAPES["tiny"].__class__(num_layers=1, hidden_size=64, num_heads=4,
+                                                                   vocab_size=64, chunk_len=16)).config.kv_heads == 1

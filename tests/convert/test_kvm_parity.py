@@ -31,7 +31,9 @@ def converted(data_dir, tmp_path_factory):
             case_dir = data_dir / "kvm" / case
             out = tmp_path_factory.mktemp(f"{case}_{form}") / "model"
             if form == "research_pt":
-                convert(case_dir / "research" / "model_step000050.pt", out, config_path=case_dir / "research" / "config.yaml")
+                # trained by recursal/KVM-paper 1932b9c, which the YAML does not say (kvm_sqrt's state appends)
+                convert(case_dir / "research" / "model_step000050.pt", out, config_path=case_dir / "research" / "config.yaml",
+                        research_commit="1932b9c")
             else:
                 convert(case_dir / "research_final", out)
             folders[case, form] = out

@@ -138,3 +138,43 @@ def test_tensor_parallel_inference_matches_one_process(model_dir, tmp_path):
     else:
         expected |= {"self_attn.memory_k_proj.weight", "self_attn.memory_v_proj.weight", "self_attn.memory_gate.weight"}
     assert expected <= sharded, expected - sharded
+
+
+def multi_query_research_checkpoint(folder: Path) -> tuple[Path, Path]:
+    """The upstream GQA fixture cut to its first key/value head (4 query heads on 1): a research checkpoint
+    whose single key/value head 2 tensor-parallel ranks cannot share."""
+    research = support.REPO_ROOT / "tests" / "data" / "kvm_upstream" / "kvm_gqa_fixed" / "research"
+    checkpoint = torch.load(research / "model_step000050.pt", weights_only=True)
+    per_kv_head = {"attn.c_k.weight": (0, 16), "attn.c_v.weight": (0, 16), "attn.x_k": (0, 16),
+                   "attn.x_v": (0, 16), "attn.v_gate0": (2, 16), "attn.v_gate2.weight": (0, 16),
+                   "attn.key_weighting.weight": (0, 1)}
+    for key, value in checkpoint["model"].items():
+        for name, (dim, width) in per_kv_head.items():
+            if key.endswith(name):
+                checkpoint["model"][key] = value.narrow(dim, 0, width).clone()
+    folder.mkdir(parents=True)
+    torch.save(checkpoint, folder / "model_step000050.pt")
+    config = (research / "config.yaml").read_text().replace("num_key_value_heads: 2", "num_key_value_heads: 1")
+    (folder / "config.yaml").write_text(config)
+    return folder / "model_step000050.pt", folder / "config.yaml"
+
+
+def test_tensor_parallel_gqa_keeps_key_value_heads_with_their_query_heads(tmp_path):
+    """2 ranks on 2 key/value heads: each keeps one key/value head's state with its 2 query heads, same logits
+    and generations as the whole model; on 1 key/value head the sharded model is refused by name."""
+    from kvm_maglev.convert.kvm import convert
+
+    grouped = convert(support.REPO_ROOT / "tests" / "data" / "kvm_upstream" / "kvm_gqa_fixed" / "research_final",
+                      tmp_path / "gqa")
+    torchrun("tensor_parallel_worker.py", str(grouped), str(tmp_path / "tp.json"), "80", "8")
+    report = json.loads((tmp_path / "tp.json").read_text())
+    assert report["logits_max_abs_diff"] < 1e-4 and report["same_generations"], report
+    assert report["sharded"]["model.layers.1.self_attn.merge_gate_proj.weight"] == [1, 64]
+    assert report["sharded"]["model.layers.1.self_attn.k_proj.weight"] == [16, 64]
+    checkpoint, config = multi_query_research_checkpoint(tmp_path / "mqa_research")
+    single = convert(checkpoint, tmp_path / "mqa", config_path=config)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(HERE / "tensor_parallel_worker.py"), str(single), str(tmp_path / "mqa.json"), "80", "8"],
+                            env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "tensor parallel size 2 does not divide num_key_value_heads=1" in result.stderr, result.stderr[-3000:]

@@ -12,7 +12,7 @@ from typing import Dict, List
 import torch
 
 from .decode import Measurement, measure
-from .models import MODEL_BUILDERS, SHAPES
+from .models import ALL_BUILDERS, MODEL_BUILDERS, SHAPES
 from .targets import check_targets, format_checks
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -20,7 +20,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="default")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODEL_BUILDERS), default=list(MODEL_BUILDERS))
+    parser.add_argument("--models", nargs="+", choices=sorted(ALL_BUILDERS), default=list(MODEL_BUILDERS),
+                        help="default: all but the grouped-query KVM variants (*_gqa2, *_gqa4; with --shape heads8)")
     parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096, 8192, 16384, 32768])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--batched-contexts", nargs="+", type=int, default=[1024, 4096, 8192],
@@ -58,7 +59,7 @@ def run_benchmarks(args: argparse.Namespace) -> List[Measurement]:
     for name, batch_size, context in runs:
         if name not in models:
             torch.manual_seed(args.seed)
-            models = {name: MODEL_BUILDERS[name](shape).to(device=args.device, dtype=dtype).eval()}
+            models = {name: ALL_BUILDERS[name](shape).to(device=args.device, dtype=dtype).eval()}
         if bar is not None:
             bar.set_description(f"{name} b{batch_size} ctx{context}")
         results.append(
@@ -73,12 +74,12 @@ def run_benchmarks(args: argparse.Namespace) -> List[Measurement]:
 
 
 def _table(results: List[Measurement]) -> str:
-    header = f"{'model':<12} {'batch':>5} {'context':>8} {'prefill s':>10} {'ms/tok med':>10} {'p99':>8} {'max':>8} {'max/med':>7} {'cpu max/med':>11} {'tok/s':>8} {'cache MiB':>10} {'closed MiB':>10}"
+    header = f"{'model':<16} {'batch':>5} {'context':>8} {'prefill s':>10} {'ms/tok med':>10} {'p99':>8} {'max':>8} {'max/med':>7} {'cpu max/med':>11} {'tok/s':>8} {'cache MiB':>10} {'closed MiB':>10}"
     lines = [header, "-" * len(header)]
     for r in results:
         closed = "" if r.cache_bytes_closed_form is None else f"{r.cache_bytes_closed_form / 2**20:10.2f}"
         lines.append(
-            f"{r.model:<12} {r.batch_size:>5} {r.context:>8} {r.prefill_s:>10.3f} {r.decode_ms_median:>10.2f} "
+            f"{r.model:<16} {r.batch_size:>5} {r.context:>8} {r.prefill_s:>10.3f} {r.decode_ms_median:>10.2f} "
             f"{r.decode_ms_p99:>8.2f} {r.decode_ms_max:>8.2f} {r.decode_ms_max / r.decode_ms_median:>7.2f} "
             f"{r.cpu_max_over_median or math.nan:>11.2f} "
             f"{r.decode_tokens_per_s:>8.1f} "

@@ -31,7 +31,9 @@ class Shape:
 TINY = Shape(num_layers=2, hidden_size=64, num_heads=2, vocab_size=512, chunk_len=16, window_chunks=2)
 # a 1B-class shape for GPU runs: 1.0B parameters (Maglev 2.0B with its separate prefiller)
 ONE_B = Shape(num_layers=16, hidden_size=2048, num_heads=16, vocab_size=50304, chunk_len=256, window_chunks=2)
-SHAPES = {"default": Shape(), "tiny": TINY, "1b": ONE_B}
+# the default shape with 8 heads, so that 2 and 4 query heads can share a key/value head (GQA builders)
+HEADS8 = Shape(num_heads=8)
+SHAPES = {"default": Shape(), "tiny": TINY, "1b": ONE_B, "heads8": HEADS8}
 
 
 def _baseline_fields(shape: Shape) -> dict:
@@ -107,6 +109,28 @@ MODEL_BUILDERS: Dict[str, Callable[[Shape], torch.nn.Module]] = {
     "llama_full": _llama,
     "mistral_swa": _mistral,
 }
+
+
+def _grouped(name: str, group: int) -> Callable[[Shape], torch.nn.Module]:
+    """MODEL_BUILDERS[name] with `group` query heads per key/value head (grouped-query attention)."""
+
+    def build(shape: Shape) -> torch.nn.Module:
+        if shape.num_heads % group:
+            raise ValueError(f"{name}_gqa{group} needs a head count divisible by {group}, the shape has "
+                             f"{shape.num_heads} (use --shape heads8)")
+        model = MODEL_BUILDERS[name](shape)
+        config = model.config.to_dict()
+        config["num_key_value_heads"] = shape.num_heads // group
+        return type(model)(type(model.config).from_dict(config))
+
+    return build
+
+
+# KVM with grouped-query attention: only on request (`--models`), as its head counts need a fitting shape
+GQA_BUILDERS: Dict[str, Callable[[Shape], torch.nn.Module]] = {
+    f"{name}_gqa{group}": _grouped(name, group) for name in ("kvm_fixed", "kvm_sqrt16") for group in (2, 4)
+}
+ALL_BUILDERS = {**MODEL_BUILDERS, **GQA_BUILDERS}
 
 
 def cache_bytes(cache) -> int:

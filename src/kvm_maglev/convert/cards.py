@@ -74,8 +74,12 @@ def cache_table_rows(config, dtype: torch.dtype = torch.bfloat16, token_counts=C
 
 def _kvm_architecture(config) -> tuple[str, list[tuple[str, object]]]:
     mode = config.state_budget_mode
+    grouped = config.kv_heads != config.num_attention_heads
+    heads = (f"{config.num_attention_heads} query heads sharing {config.kv_heads} key-value heads (grouped-query "
+             "attention: the window and the state are kept once per key-value head)" if grouped
+             else f"{config.num_attention_heads} heads")
     paragraph = (
-        f"{config.num_hidden_layers} layers of width {config.hidden_size} with {config.num_attention_heads} heads. "
+        f"{config.num_hidden_layers} layers of width {config.hidden_size} with {heads}. "
         f"Each KVM layer attends exactly within a block sliding window of {config.window_chunks} chunks of "
         f"{config.chunk_size} tokens and, beyond it, to a compact state of key-value means: tokens leaving the "
         f"window are appended to the state or merged into its most similar slot, so the state grows by the "
@@ -90,7 +94,8 @@ def _kvm_architecture(config) -> tuple[str, list[tuple[str, object]]]:
         )
     rows = [
         ("layers", config.num_hidden_layers), ("hidden size", config.hidden_size),
-        ("attention heads", config.num_attention_heads), ("chunk size", config.chunk_size),
+        ("attention heads (query / key-value)", f"{config.num_attention_heads} / {config.kv_heads}") if grouped
+        else ("attention heads", config.num_attention_heads), ("chunk size", config.chunk_size),
         ("window chunks", config.window_chunks), ("state budget", f"{mode}, min {config.state_budget_min}"),
         ("sink slots", config.sink_slots), ("vocabulary", config.vocab_size),
     ]

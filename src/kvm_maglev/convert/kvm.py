@@ -40,13 +40,25 @@ from kvm_maglev.tokenization.gpt2 import generation_token_fields, load_research_
 _REQUIRED_VALUES = {
     "token_mixer": ("kvm",),
     "alt_token_mixer": ("swa",),
-    "token_mixer_class_path": (None, "model.kvm_mixer.SequenceMixer"),
+    "token_mixer_class_path": (None, "model.kvm_mixer.SequenceMixer", "model.kvm_fp32_routing_reference.SequenceMixer"),
     "alt_token_mixer_class_path": (None, "model.swa_mixer.SequenceMixer"),
     "use_skip_connections": (0, False),
     "use_l2wrap": (0, False),
     "model_class_path": ("model.rwkv7_backbone.RWKV7BackboneForCausalLM",),
 }
 _TOKEN_SHIFT_MODES = ("rwkv", "none")
+
+# Research commits whose MixerConfig defaults differ, and those defaults (diff of model/rwkv7_backbone.py between
+# recursal/KVM-paper 1932b9c and its continuation featherless-ai/KVM-paper 6bd7dfd). A YAML that omits one of
+# these keys means what the commit that trained it defaulted to, which the YAML does not say.
+RESEARCH_COMMITS = ("1932b9c", "6bd7dfd")
+CHANGED_DEFAULTS = {
+    "kvm_apply_merge_gate_to_appends": {"1932b9c": 1, "6bd7dfd": 0},
+}
+# keys only 6bd7dfd's MixerConfig declares: a YAML naming one was written for that commit
+_NEWER_ONLY_KEYS = ("num_key_value_heads", "kvm_aotriton_forward_attention", "kvm_aotriton_precompiled_forward")
+# a YAML comment stating the research commit, e.g. "# research code: github featherless-ai/KVM-paper, commit 6bd7dfd"
+_COMMIT_COMMENT = re.compile(r"^#.*\bcommit\s+([0-9a-f]{7,40})\b", re.MULTILINE)
 
 # research parameter names (inside transformer.h.N.) -> ours (inside model.layers.N.)
 _LAYER_RENAMES = {
@@ -93,6 +105,7 @@ class ResearchCheckpoint:
     weights_files: list[Path]
     config_file: Path
     step: int | None = None
+    research_commit: str | None = None  # as the YAML states it in a comment
 
 
 def read_research_checkpoint(source: str | Path, config_path: str | Path | None = None) -> ResearchCheckpoint:
@@ -113,7 +126,8 @@ def read_research_checkpoint(source: str | Path, config_path: str | Path | None 
         raise ValueError("a research .pt checkpoint needs --config pointing at its research YAML")
     config_file = Path(config_path)
     try:
-        document = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+        text = config_file.read_text(encoding="utf-8")
+        document = yaml.safe_load(text)
     except (OSError, yaml.YAMLError) as error:
         raise ValueError(f"cannot read the research YAML {config_file}: {error}") from error
     if not isinstance(document, dict) or not isinstance(document.get("model"), dict):
@@ -124,7 +138,16 @@ def read_research_checkpoint(source: str | Path, config_path: str | Path | None 
         raise ValueError(f"{source}: expected a trainer checkpoint dict with a 'model' state dict")
     state = {key.replace("_orig_mod.", ""): value for key, value in state.items()}
     step = checkpoint.get("step") if isinstance(checkpoint.get("step"), int) else _step_from_name(source)
-    return ResearchCheckpoint(dict(document["model"]), state, [source], config_file, step)
+    return ResearchCheckpoint(dict(document["model"]), state, [source], config_file, step, stated_commit(text))
+
+
+def stated_commit(yaml_text: str) -> str | None:
+    """The research commit (one of RESEARCH_COMMITS) a YAML comment names, or None."""
+    for sha in _COMMIT_COMMENT.findall(yaml_text):
+        for commit in RESEARCH_COMMITS:
+            if sha.startswith(commit) or commit.startswith(sha):
+                return commit
+    return None
 
 
 def load_research_checkpoint(source: str | Path, config_path: str | Path | None = None) -> tuple[dict, dict]:
@@ -173,8 +196,52 @@ def _check_supported(fields: dict) -> None:
             raise ValueError(f"research field {name}={fields[name]!r} is not supported: allowed {_TOKEN_SHIFT_MODES}")
 
 
-def kvm_config_from_research(fields: dict, **overrides: Any) -> KVMConfig:
-    """Map research MixerConfig fields (the research names in configuration_kvm.KVM_FIELDS) to a KVMConfig."""
+def research_commit_of(fields: dict) -> str | None:
+    """The research commit a checkpoint's fields show they were written by, or None when they do not say."""
+    return "6bd7dfd" if any(key in fields for key in _NEWER_ONLY_KEYS) else None
+
+
+def _changed_default_matters(key: str, fields: dict) -> bool:
+    """Whether an omitted key in CHANGED_DEFAULTS changes the model: the append gate only when gated slots are
+    appended, i.e. a gate exists and the state grows past its first chunk."""
+    config = _config_from_fields({**fields, **{k: 0 for k in CHANGED_DEFAULTS}}, {})
+    gated = config.merge_gate_keys or config.merge_gate_values
+    return gated and not config.state_stays_one_chunk
+
+
+def resolve_changed_defaults(fields: dict, research_commit: str | None = None) -> dict:
+    """`fields` with every key whose default changed between research commits spelled out: from the fields
+    themselves, else from `research_commit` (given, or shown by the fields); raises ValueError naming the key
+    and how to state it when neither says and the value matters."""
+    if research_commit is not None and research_commit not in RESEARCH_COMMITS:
+        raise ValueError(f"research commit {research_commit!r} is not one of {RESEARCH_COMMITS}")
+    shown = research_commit_of(fields)
+    if research_commit is not None and shown is not None and shown != research_commit:
+        raise ValueError(f"--research-commit {research_commit} contradicts the checkpoint, whose config names "
+                         f"keys only {shown} knows ({', '.join(k for k in _NEWER_ONLY_KEYS if k in fields)})")
+    commit = research_commit or shown
+    resolved = dict(fields)
+    for key, defaults in CHANGED_DEFAULTS.items():
+        if key in fields:
+            continue
+        if commit is not None:
+            resolved[key] = defaults[commit]
+        elif _changed_default_matters(key, fields):
+            choices = ", ".join(f"{value} at {c}" for c, value in defaults.items())
+            raise ValueError(
+                f"the research config omits {key}, whose default changed between research commits ({choices}) "
+                f"and which changes this model; say which commit trained it with --research-commit "
+                f"{{{','.join(RESEARCH_COMMITS)}}} (research_commit= in Python), or add {key}: 0 or 1 to its YAML")
+    return resolved
+
+
+def kvm_config_from_research(fields: dict, research_commit: str | None = None, **overrides: Any) -> KVMConfig:
+    """Map research MixerConfig fields (the research names in configuration_kvm.KVM_FIELDS) to a KVMConfig;
+    keys whose default changed between research commits are resolved first (`resolve_changed_defaults`)."""
+    return _config_from_fields(resolve_changed_defaults(fields, research_commit), overrides)
+
+
+def _config_from_fields(fields: dict, overrides: dict) -> KVMConfig:
     _check_supported(fields)
     get = fields.get
     hidden, heads = int(get("hidden_size", 768)), int(get("num_attention_heads", 6))
@@ -186,6 +253,7 @@ def kvm_config_from_research(fields: dict, **overrides: Any) -> KVMConfig:
         hidden_size=hidden,
         num_hidden_layers=int(get("num_hidden_layers", 12)),
         num_attention_heads=heads,
+        num_key_value_heads=None if get("num_key_value_heads") is None else int(get("num_key_value_heads")),
         head_dim=get("d_qk_head") or get("d_head"),
         value_head_dim=get("d_v_head") or get("d_head"),
         intermediate_size=int(float(get("ffn_expansion", 4.0)) * hidden) // 32 * 32,
@@ -203,8 +271,12 @@ def kvm_config_from_research(fields: dict, **overrides: Any) -> KVMConfig:
         state_max_chunks=int(get("n_max_d_chunks", 1)),
         merge_gate_keys=bool(get("kvm_use_merge_gate_keys", 1)),
         merge_gate_values=bool(get("kvm_use_merge_gate_values", 1)),
+        # the default of our config when absent: resolve_changed_defaults made sure it does not matter then
         merge_gate_appends=bool(get("kvm_apply_merge_gate_to_appends", 1)),
         merge_gate_initial_state=bool(get("kvm_apply_merge_gate_to_initial_state", 0)),
+        # both research mixers convert to float32 routing, which this model's float32 state under half precision
+        # has always had; merge_routing_dtype="model" follows kvm_mixer's bfloat16 scoring instead
+        merge_routing_dtype="float32",
         head_temperatures=bool(get("kvm_use_head_temps", 1)),
         state_value_norms=bool(get("kvm_use_vlens", 1)),
         kvm_token_shift=token_shift_att and get("kvm_token_shift_mode", "rwkv") == "rwkv",
@@ -280,13 +352,15 @@ def find_research_tokenizer(source: str | Path, explicit: str | Path | None = No
 
 def convert(source: str | Path, out: str | Path, config_path: str | Path | None = None, overwrite: bool = False, *,
             tokenizer: str | Path | None = None, require_tokenizer: bool = False, options: ExportOptions | None = None,
-            revision: str | None = None, **overrides: Any) -> Path:
+            revision: str | None = None, research_commit: str | None = None, **overrides: Any) -> Path:
     """Whole conversion: research checkpoint at `source` -> checked Hub folder at `out`.
 
     The tokenizer comes from `tokenizer` or is found beside `source` (none written when absent,
     unless `require_tokenizer`). `options` sets dtype, shards, card metadata and dry run;
     without it `overwrite` alone applies. `overrides` are KVMConfig fields. `source` may be a Hub
     repo id (at `revision`): its files are downloaded, its code never run, and the card's base_model names it.
+    `research_commit` ("1932b9c" or "6bd7dfd") says which research code trained it, for the defaults that
+    changed between them (needed only when its config omits one that matters; see CHANGED_DEFAULTS).
     """
     options = options or ExportOptions(overwrite=overwrite)
     out = check_out_dir(out, options.overwrite)
@@ -306,7 +380,11 @@ def convert(source: str | Path, out: str | Path, config_path: str | Path | None 
         stages.start("read checkpoint")
         checkpoint = read_research_checkpoint(source, config_path)
         stages.start("check weights")
-        config = kvm_config_from_research(checkpoint.fields, **overrides)
+        if research_commit and checkpoint.research_commit and research_commit != checkpoint.research_commit:
+            raise ValueError(f"--research-commit {research_commit} contradicts {checkpoint.config_file}, "
+                             f"which names commit {checkpoint.research_commit}")
+        config = kvm_config_from_research(checkpoint.fields, research_commit or checkpoint.research_commit,
+                                          **overrides)
         try:
             model = build_model(config, convert_state_dict(checkpoint.state))
         except ValueError as error:
@@ -331,6 +409,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hub SOURCE")
     parser.add_argument("out", help="output folder (must not exist unless --overwrite)")
     parser.add_argument("--config", help="research YAML of a .pt checkpoint (its 'model:' section is read)")
+    parser.add_argument("--research-commit", choices=RESEARCH_COMMITS, default=None,
+                        help="research commit that trained the checkpoint (recursal/KVM-paper 1932b9c or "
+                             "featherless-ai/KVM-paper 6bd7dfd): needed when its YAML omits a key whose default "
+                             f"changed between them ({', '.join(CHANGED_DEFAULTS)})")
     add_output_arguments(parser, tokenizer_help="folder with the run's tokenizer.json (needed for a .pt trainer "
                                                 "checkpoint; a final folder carries its own)")
 
@@ -338,4 +420,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     return run_conversion(args, lambda: convert(args.source, args.out, config_path=args.config, tokenizer=args.tokenizer,
                                                 require_tokenizer=True, options=ExportOptions.from_args(args),
-                                                revision=args.revision))
+                                                revision=args.revision, research_commit=args.research_commit))

@@ -28,6 +28,7 @@ logger = logging.get_logger(__name__)
 
 STATE_BUDGET_MODES = ("fixed", "power_law", "kvm_saturation")
 VALUE_RESIDUAL_MODES = ("linear", "rwkv", "rwkv_post_tokenshift")
+MERGE_ROUTING_DTYPES = ("float32", "model")
 # Fields that `from_pretrained(..., field=value)` may change: they set state size only, not weights.
 BUDGET_FIELDS = (
     "state_budget_mode",
@@ -46,6 +47,10 @@ KVM_FIELDS = (
     ConfigField("hidden_size", int, 768, "model width", "hidden_size", cache=True),
     ConfigField("num_hidden_layers", int, 12, "decoder layers", "num_hidden_layers", cache=True),
     ConfigField("num_attention_heads", int, 6, "attention heads", "num_attention_heads", cache=True),
+    ConfigField("num_key_value_heads", int | None, None, "key/value heads (grouped-query attention): the window, "
+                "the state, its merges and the merge gate are kept per key/value head, query head h reads key/value "
+                "head h // (num_attention_heads // num_key_value_heads) (None: one per query head)",
+                "num_key_value_heads", cache=True),
     ConfigField("head_dim", int | None, None, "query/key channels per head "
                 "(None: hidden_size // num_attention_heads)", "d_qk_head / d_head", cache=True),
     ConfigField("value_head_dim", int | None, None, "value channels per head "
@@ -83,6 +88,10 @@ KVM_FIELDS = (
                 cache=True, coerce=bool),
     ConfigField("merge_gate_initial_state", bool, False, "first chunk gated too",
                 "kvm_apply_merge_gate_to_initial_state", cache=True, coerce=bool),
+    ConfigField("merge_routing_dtype", str, "float32", 'dtype the merge routing (each token\'s most similar slot) '
+                'is scored in: "float32" (or the state\'s finer dtype; research kvm_fp32_routing_reference, and this '
+                'model\'s state under half precision) or "model" (keys rounded to the model dtype, as the research '
+                'kvm_mixer scores them in bfloat16)', "token_mixer_class_path", cache=True),
     ConfigField("head_temperatures", bool, True, "per-head window/state key scales", "kvm_use_head_temps",
                 cache=True, coerce=bool),
     ConfigField("state_value_norms", bool, True, "True: renormalise merged values to the slot norm; False: divide "
@@ -124,7 +133,8 @@ KVM_FIELDS = (
 RESEARCH_ONLY_FIELDS = (
     ("token_mixer", 'only "kvm" (rejected otherwise)'),
     ("alt_token_mixer", 'only "swa" (rejected otherwise)'),
-    ("token_mixer_class_path / alt_token_mixer_class_path", "must be unset or the KVM/SWA mixers"),
+    ("token_mixer_class_path / alt_token_mixer_class_path", "must be unset or the KVM/SWA mixers; the KVM ones "
+     "(model.kvm_mixer, model.kvm_fp32_routing_reference) both become merge_routing_dtype='float32'"),
     ("use_skip_connections", "rejected when set (no published model uses it)"),
     ("use_l2wrap", "rejected when set (training-only gradient trick)"),
     ("param_dtype", "becomes `dtype`"),
@@ -148,7 +158,9 @@ class KVMConfig(PretrainedConfig):
     # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun): attention split by head, so
     # that each rank keeps its own heads' window and key-value state, and the MLP by hidden unit. The per-head
     # parameters outside the linear layers are sharded with them (1-D ones like a colwise bias, the [1, 1, n]
-    # gate bias on its last dim); the layers read their part with `tensor_parallel.local_tensor`.
+    # gate bias on its last dim); the layers read their part with `tensor_parallel.local_tensor`. With grouped-query
+    # attention the same splits give each rank whole key/value heads (state, window, merge gate) with the query
+    # heads that read them, when the size divides num_key_value_heads (`check_tensor_parallel`, else refused).
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -182,6 +194,16 @@ class KVMConfig(PretrainedConfig):
     @property
     def qk_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: the window and the state are kept per key/value head."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def kv_group_size(self) -> int:
+        """Query heads reading each key/value head."""
+        return self.num_attention_heads // self.kv_heads
 
     @property
     def v_head_dim(self) -> int:
@@ -234,6 +256,7 @@ class KVMConfig(PretrainedConfig):
                 positive_int(field)
         if (self.head_dim is None or self.value_head_dim is None) and self.hidden_size % self.num_attention_heads:
             fail("num_attention_heads", f"a divisor of hidden_size={self.hidden_size} (or set head_dim and value_head_dim)")
+        self.validate_kv_heads(fail)
         head = self.qk_head_dim
         if not isinstance(self.rotary_dim, int) or self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > head:
             fail("rotary_dim", f"an even integer in [2, head_dim={head}]")
@@ -247,6 +270,8 @@ class KVMConfig(PretrainedConfig):
             fail("sliding_window_rotary_dim", f"an even integer in [0, head_dim={head}]")
         if not isinstance(self.sink_slots, int) or not 0 <= self.sink_slots < self.chunk_size:
             fail("sink_slots", f"an integer in [0, chunk_size={self.chunk_size}) so that a mergeable slot remains")
+        if self.merge_routing_dtype not in MERGE_ROUTING_DTYPES:
+            fail("merge_routing_dtype", f"one of {MERGE_ROUTING_DTYPES}")
         if self.state_budget_mode not in STATE_BUDGET_MODES:
             fail("state_budget_mode", f"one of {STATE_BUDGET_MODES}")
         if not isinstance(self.state_budget_min, int) or self.state_budget_min < -1:
@@ -281,6 +306,30 @@ class KVMConfig(PretrainedConfig):
             fail("residual_scale", "a number > 0")
         if self.logit_softcap < 0:
             fail("logit_softcap", "a number >= 0 (0 disables it)")
+
+    def validate_kv_heads(self, fail) -> None:
+        """num_key_value_heads: a divisor of the query heads, only where the research code supports it."""
+        kv = self.num_key_value_heads
+        if kv is None:
+            return
+        if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.num_attention_heads % kv:
+            fail("num_key_value_heads", f"None or a positive divisor of num_attention_heads={self.num_attention_heads}")
+        if kv == self.num_attention_heads:
+            return
+        # the research sliding-window mixer keeps one key/value head per query head
+        if self.sliding_window_every:
+            fail("num_key_value_heads", "None (or num_attention_heads) when sliding_window_every is set: "
+                 "sliding-window layers have no grouped-query attention")
+        if self.value_residual and self.kvm_value_residual_mode == "rwkv_post_tokenshift":
+            fail("num_key_value_heads", "None (or num_attention_heads) with kvm_value_residual_mode "
+                 "'rwkv_post_tokenshift' (not supported with grouped-query attention)")
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise ValueError when a tensor-parallel size would split a key/value head from its query heads."""
+        if tp_size < 1 or self.kv_heads % tp_size:
+            raise ValueError(f"tensor parallel size {tp_size} does not divide num_key_value_heads={self.kv_heads}: "
+                             "each rank must hold whole key/value heads, each with its own state and window, "
+                             "and the query heads that read them; use a divisor of num_key_value_heads")
 
     # ---- state budget ---------------------------------------------------------------------
     def state_budget(self, context_len: int) -> int:
@@ -320,8 +369,8 @@ class KVMConfig(PretrainedConfig):
         """Bytes a KVMCache holds after `num_tokens` tokens (what `KVMCache.nbytes()` reports)."""
         item = torch.empty((), dtype=dtype).element_size()
         state_item = torch.empty((), dtype=state_dtype_for(dtype)).element_size()
-        heads, dk, dv = self.num_attention_heads, self.qk_head_dim, self.v_head_dim
-        qk, vv, hidden = heads * dk, heads * self.v_head_dim, self.hidden_size
+        heads, dk, dv = self.kv_heads, self.qk_head_dim, self.v_head_dim
+        q, k, vv, hidden = self.num_attention_heads * dk, heads * dk, heads * dv, self.hidden_size
         total = 0
         for layer_idx in range(self.num_hidden_layers):
             shift = 0
@@ -329,7 +378,7 @@ class KVMConfig(PretrainedConfig):
                 shift += hidden * item
             sliding = self.is_sliding_window_layer(layer_idx)
             if self.sliding_window_token_shift if sliding else self.kvm_token_shift:
-                shift += (2 * qk + vv) * item
+                shift += (q + k + vv) * item
             mode = self.sliding_window_value_residual_mode if sliding else self.kvm_value_residual_mode
             if self.value_residual and mode == "rwkv_post_tokenshift":
                 shift += hidden * item
@@ -351,7 +400,7 @@ class KVMConfig(PretrainedConfig):
     ) -> int:
         """Bytes of a plain full-attention key/value cache of the same shape after `num_tokens`."""
         item = torch.empty((), dtype=dtype).element_size()
-        per_token = self.num_attention_heads * (self.qk_head_dim + self.v_head_dim) * item
+        per_token = self.kv_heads * (self.qk_head_dim + self.v_head_dim) * item
         return self.num_hidden_layers * batch_size * max(num_tokens, 0) * per_token
 
 

@@ -32,7 +32,7 @@ from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
 from .row_block_loss import RowBlockLossMixin
 from .runtime_kvm import advance_folds, attend_chunks_at_once, runtime_speedups, take_fold_ahead
-from .state_kvm import Overflow, fold_overflow, readable_state, slot_norms, state_keys
+from .state_kvm import Overflow, fold_overflow, query_slice, readable_state, slot_norms, state_keys
 from .tensor_parallel import full_tensor, local_tensor
 
 logger = logging.get_logger(__name__)
@@ -117,20 +117,22 @@ class KVMAttentionBase(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
+        self.kv_heads = config.kv_heads
         self.head_dim = config.qk_head_dim
         self.value_head_dim = config.v_head_dim
-        qk, vv = self.num_heads * self.head_dim, self.num_heads * self.value_head_dim
+        qk, kk, vv = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim,
+                      self.kv_heads * self.value_head_dim)
         self.q_proj = nn.Linear(config.hidden_size, qk, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, qk, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kk, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, vv, bias=False)
-        self.o_proj = zero_initialised(nn.Linear(vv, config.hidden_size, bias=False))
+        self.o_proj = zero_initialised(nn.Linear(self.num_heads * self.value_head_dim, config.hidden_size, bias=False))
         self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.token_shift_on = token_shift_on
         self.value_residual_mode = value_residual_mode if config.value_residual else "none"
         if token_shift_on:
             self.q_shift = nn.Parameter(torch.zeros(qk))
-            self.k_shift = nn.Parameter(torch.zeros(qk))
+            self.k_shift = nn.Parameter(torch.zeros(kk))
         if token_shift_on or self.value_residual_mode in ("rwkv", "rwkv_post_tokenshift"):
             # also the token-shift mix of the value-gate input in 'rwkv_post_tokenshift'
             self.v_shift = nn.Parameter(torch.zeros(vv))
@@ -149,6 +151,8 @@ class KVMAttentionBase(nn.Module):
         """Return q, k [B, H, T, Dqk] (normed, not rotated) and v [B, H, T, Dv]; shifts follow each row's real tokens."""
         batch, length, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if q.shape[-1] != self.num_heads * self.head_dim:  # a tensor-parallel rank's share of the heads
+            self.config.check_tensor_parallel(self.num_heads * self.head_dim // q.shape[-1])
         if self.value_residual_mode == "linear":
             v = (1 - self.value_residual_lambda) * v + self.value_residual_lambda * v_first.view_as(v)
         elif self.value_residual_mode == "rwkv":
@@ -224,10 +228,15 @@ class KVMAttention(KVMAttentionBase):
         self.state_key_norm = KVMStateKeyNorm(self.head_dim, eps=config.layer_norm_eps)
         self.gated = config.merge_gate_keys or config.merge_gate_values
         if self.gated:
-            self.merge_gate_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+            self.merge_gate_proj = nn.Linear(config.hidden_size, self.kv_heads, bias=False)  # one per state
         if config.head_temperatures:
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
+
+    def query_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Key/value-head tensor [B, Hkv, ...] repeated for the query heads of each group [B, H, ...]."""
+        group = self.config.kv_group_size
+        return x if group == 1 else x.repeat_interleave(group, dim=1)
 
     def temperature(self, name: str) -> torch.Tensor | float:
         """Per-head temperature `name` shaped to scale [B, H, T, D] keys or queries (1 when off)."""
@@ -241,7 +250,7 @@ class KVMAttention(KVMAttentionBase):
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         gate = None
         if self.gated:
-            gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
+            gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, Hkv, T, 1]
         if state is None:
             return self.output(run_segments(plan, caches, self.run_chunks, q, k, v, gate))
         return self.output(self.cached_step(plan, caches, q, k, v, gate))
@@ -275,6 +284,7 @@ class KVMAttention(KVMAttentionBase):
         outputs, reads = [], []
         for (pos, stop), q_piece, (window_k, window_v, state) in zip(pieces, queries,
                                                                      self.update_chunks(cache, pieces, k, v, gate)):
+            window_k, window_v = self.query_heads(window_k), self.query_heads(window_v)
             if at_once:
                 reads += [state] if state is not None else [None] * math.ceil((stop - pos) / chunk)
             elif state is None:
@@ -282,8 +292,8 @@ class KVMAttention(KVMAttentionBase):
             else:
                 outputs.append(self.attend_state_and_window(q_piece, window_k, window_v, *state))
         if at_once:
-            return attend_chunks_at_once(q, k, v, reads, chunk, window_chunks, self.temperature("window_temperature"),
-                                         partial(attention, eager=self.eager))
+            return attend_chunks_at_once(q, self.query_heads(k), self.query_heads(v), reads, chunk, window_chunks,
+                                         self.temperature("window_temperature"), partial(attention, eager=self.eager))
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
 
     def chunk_pieces(self, cache: KVMLayerCache, length: int) -> list[tuple[int, int]]:
@@ -374,9 +384,17 @@ class KVMAttention(KVMAttentionBase):
         state = fold_overflow(
             cache.state(), self.reference_keys(cache), self.overflow(cache, block, state_dtype),
             self.append_count(block, cache.state_len), self.config.sink_slots, self.state_key_norm,
-            self.config.state_value_norms,
+            self.config.state_value_norms, self.merge_score_dtype(cache),
         )
         cache.set_state(*state)
+
+    def merge_score_dtype(self, cache: KVMLayerCache) -> torch.dtype:
+        """dtype the merge routing is scored in (config.merge_routing_dtype): float32 or the finer state dtype,
+        or the model's own dtype (its window keys'), as the research mixer scores it under bfloat16."""
+        model_dtype = cache.window.storage[0].dtype
+        if self.config.merge_routing_dtype == "model":
+            return model_dtype
+        return torch.promote_types(state_dtype_for(model_dtype), torch.float32)
 
     def overflow(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> Overflow:
         """Window block `block` as the state takes it, the merge gate applied where the config says."""
@@ -412,11 +430,13 @@ class KVMAttention(KVMAttentionBase):
 
     def readable(self, state: tuple, normed: torch.Tensor, dtype: torch.dtype,
                  heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """`state_kvm.readable_state` of a state of heads `heads` with this layer's temperatures."""
+        """`state_kvm.readable_state` of a state of key/value heads `heads`, repeated for their query heads,
+        with those query heads' temperatures."""
         temperature = self.temperature("state_temperature")
         if isinstance(temperature, torch.Tensor):
-            temperature = temperature[:, heads]
-        return readable_state(state, normed, temperature, self.config.state_value_norms, dtype)
+            temperature = temperature[:, query_slice(heads, self.config.kv_group_size)]
+        state = tuple(self.query_heads(t) for t in state)
+        return readable_state(state, self.query_heads(normed), temperature, self.config.state_value_norms, dtype)
 
 
 # ---- feed-forward and blocks ---------------------------------------------------------------

@@ -29,6 +29,7 @@ from .state_kvm import (
     merge_into_slots,
     most_similar_slot,
     novelty,
+    query_slice,
     similarity_rows,
 )
 
@@ -92,7 +93,8 @@ class HeadFold:
 
     def match(self, rows: slice) -> None:
         protected = min(self.attention.config.sink_slots, self.state[0].shape[2])
-        self.slots.append(most_similar_slot(self.merge_keys[:, :, rows], self.normed_state_keys(), protected))
+        self.slots.append(most_similar_slot(self.merge_keys[:, :, rows], self.normed_state_keys(), protected,
+                                            self.fold.score_dtype))
 
     def merge(self) -> None:
         if self.slots:
@@ -103,8 +105,9 @@ class HeadFold:
 
     def read(self) -> None:
         normed = self.attention.state_key_norm(self.state[0])
-        read = self.attention.readable(self.state, normed, self.fold.dtype, self.heads)
-        self.fold.read = write_head(self.fold.read, read, self.heads, self.fold.num_heads)
+        read = self.attention.readable(self.state, normed, self.fold.dtype, self.heads)  # the group's query heads
+        group = self.attention.config.kv_group_size
+        self.fold.read = write_head(self.fold.read, read, query_slice(self.heads, group), self.fold.num_heads * group)
 
 
 def write_head(full: list[torch.Tensor] | None, part, heads: slice, num_heads: int) -> list[torch.Tensor]:
@@ -123,11 +126,12 @@ class PacedFold:
     def __init__(self, attention, cache, block: int) -> None:
         self.block, self.source = block, cache.state_keys
         self.dtype = cache.window.storage[0].dtype  # the read form's: the queries', as the window keys'
+        self.score_dtype = attention.merge_score_dtype(cache)
         self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
         self.read: list[torch.Tensor] | None = None  # their attention-ready form
         overflow = attention.overflow(cache, block, cache.state_keys.dtype)
         n_append = attention.append_count(block, cache.state_len)
-        self.num_heads = cache.state_keys.shape[1]  # the rank's own heads under tensor parallelism
+        self.num_heads = cache.state_keys.shape[1]  # key/value heads: the rank's own under tensor parallelism
         heads = [HeadFold(attention, cache.state(), cache.normed_state_keys(), overflow, n_append, head, self)
                  for head in range(self.num_heads)]
         self.stages = [stage for head in heads for stage in head.stages()]

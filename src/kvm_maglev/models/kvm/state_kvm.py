@@ -1,7 +1,8 @@
 """The key-value-means state as small pure functions: no cache, no module, no device tuning.
 
 A state is three tensors per layer: key sums [B, H, slots, D] (layer-normed, rotary channels zeroed),
-value sums [B, H, slots, Dv] and float32 value norms or merge counts [B, H, slots, 1]. A block leaving
+value sums [B, H, slots, Dv] and float32 value norms or merge counts [B, H, slots, 1], H the key/value heads
+(query heads of a group read their key/value head's state, `query_slice`). A block leaving
 the window enters it by `fold_overflow`: its most novel tokens are appended while the state is below
 its budget, the rest are added to their most similar slot (sink slots protected). Attention reads the
 state through `readable_state`. modeling_kvm calls these at once; runtime_kvm spreads the same calls
@@ -70,8 +71,12 @@ def split_by_novelty(scores: torch.Tensor, n_append: int) -> tuple[torch.Tensor,
 
 
 @torch.no_grad()  # only indices come out of it
-def most_similar_slot(keys: torch.Tensor, reference: torch.Tensor, protected: int) -> torch.Tensor:
-    """[B, H, T, 1]: the slot each token merges into, its most similar one past the `protected` sinks."""
+def most_similar_slot(keys: torch.Tensor, reference: torch.Tensor, protected: int,
+                      score_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, H, T, 1]: the slot each token merges into, its most similar one past the `protected` sinks; the
+    similarities scored in `score_dtype` (None: the keys' dtype), where a coarse dtype can tie or flip them."""
+    if score_dtype is not None:
+        keys, reference = keys.to(score_dtype), reference.to(score_dtype)
     parts = []
     for rows in similarity_rows(keys.shape[2], reference.shape[2]):
         similarity = torch.matmul(keys[:, :, rows], reference.transpose(-1, -2))
@@ -124,9 +129,11 @@ class Overflow:
 
 
 def fold_overflow(state: State, reference: torch.Tensor, block: Overflow, n_append: int, sink_slots: int,
-                  normalize: Callable[[torch.Tensor], torch.Tensor], value_norms: bool) -> State:
+                  normalize: Callable[[torch.Tensor], torch.Tensor], value_norms: bool,
+                  score_dtype: torch.dtype | None = None) -> State:
     """The state after `block` enters it: its `n_append` most novel tokens (by similarity to `reference`,
-    the layer-normed state keys) become new slots, the others merge into their most similar slot."""
+    the layer-normed state keys) become new slots, the others merge into their most similar slot (similarities
+    scored in `score_dtype`)."""
     scores = novelty(block.keys, reference) if 0 < n_append < block.keys.shape[2] else None
     append_keys, append_values, merge_keys, merge_values = block.split(n_append, scores)
     if append_keys.shape[2]:
@@ -134,8 +141,15 @@ def fold_overflow(state: State, reference: torch.Tensor, block: Overflow, n_appe
         reference = torch.cat([reference, normalize(append_keys)], dim=2)
     if merge_keys.shape[2] == 0:
         return state
-    slot = most_similar_slot(merge_keys, reference, min(sink_slots, state[0].shape[2]))
+    slot = most_similar_slot(merge_keys, reference, min(sink_slots, state[0].shape[2]), score_dtype)
     return merge_into_slots(state, merge_keys, merge_values, slot, value_norms)
+
+
+def query_slice(kv_heads: slice, group: int) -> slice:
+    """The query heads that read key/value heads `kv_heads` (a step-1 slice), `group` query heads each."""
+    start = None if kv_heads.start is None else kv_heads.start * group
+    stop = None if kv_heads.stop is None else kv_heads.stop * group
+    return slice(start, stop)
 
 
 def readable_state(state: State, normed_keys: torch.Tensor, temperature: torch.Tensor | float, value_norms: bool,
