@@ -784,7 +784,8 @@ def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
         if input_ids is not None:
             raise ValueError("pass either input_ids or inputs_embeds, not both (Maglev reads input_ids only)")
         raise ValueError("Maglev needs input_ids (value embeddings and smear read token ids); "
-                         "inputs_embeds is not supported")
+                         "inputs_embeds is not supported, so PEFT prompt tuning and P-tuning (which feed "
+                         "inputs_embeds) do not apply to Maglev: use LoRA (peft.LoraConfig(target_modules='all-linear'))")
     if input_ids is None:
         raise ValueError("input_ids is required")
     check_token_ids(input_ids, vocab_size, cache)
