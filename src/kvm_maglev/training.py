@@ -4,6 +4,7 @@
 - `LossComponentsTrainer`: a Trainer that also logs the loss terms a model returns beside
   `loss` (Maglev: `lm_loss` and `consistency_loss`), for training and evaluation.
 - `LORA_TARGET_MODULES` / `lora_target_modules`: the documented LoRA targets per architecture.
+- `register_peft_defaults`: PEFT's default targets (LoRA, DoRA, IA3) for both model types, run on import.
 - `parameter_digest`: one hash over all parameters, to check replicas and resumed runs agree.
 - `training_block_size`: a block length that trains every weight (KVM's state needs one chunk past its window).
 - `MaglevStepCallback`: tells a Maglev model the optimizer step, for its step-dependent training switches.
@@ -82,6 +83,37 @@ def lora_target_modules(model: nn.Module, groups: Sequence[str] | None = None) -
     if not names:
         raise ValueError(f"none of the documented LoRA targets is a linear layer of this {model_type} model")
     return names
+
+
+# PEFT's defaults when a config names no `target_modules`: PEFT looks them up per `model_type` in tables that
+# know only in-library models. LoRA (and DoRA, a LoRA option) adapts every documented linear layer; IA3
+# scales keys, values and the MLP's input to its down projection, as PEFT's Llama default does.
+PEFT_DEFAULT_TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING": {
+        model_type: tuple(name for group in groups.values() for name in group)
+        for model_type, groups in LORA_TARGET_MODULES.items()
+    },
+    "TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING": dict.fromkeys(LORA_TARGET_MODULES,
+                                                                        ("k_proj", "v_proj", "down_proj")),
+    "TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING": dict.fromkeys(LORA_TARGET_MODULES, ("down_proj",)),
+}
+
+
+def register_peft_defaults() -> bool:
+    """Add KVM's and Maglev's default targets to PEFT's tables, so `LoraConfig()` / `IA3Config()` without
+    `target_modules` work on them. Done when this module is imported; False when PEFT is not installed."""
+    try:
+        from peft.utils import constants
+    except ImportError:
+        return False
+    for table_name, defaults in PEFT_DEFAULT_TARGETS.items():
+        table = getattr(constants, table_name)  # the dict PEFT's tuners read, changed in place
+        for model_type, names in defaults.items():
+            table.setdefault(model_type, list(names))
+    return True
+
+
+register_peft_defaults()
 
 
 def training_block_size(config: Any, default: int = 128) -> int:

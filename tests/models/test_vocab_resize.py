@@ -1,11 +1,14 @@
 """resize_token_embeddings on both models (adding chat tokens, trimming a vocabulary): every table indexed by
-token id follows the new vocabulary (Maglev's padded to `pad_vocab_size_to`), new ids start where transformers
-starts them, old ids keep their logits, tied heads stay tied, and save_pretrained -> from_pretrained round-trips."""
+token id gets exactly the rows asked for (transformers' contract: padded only to a `pad_to_multiple_of` the caller
+gives, Maglev's `pad_vocab_size_to` padding dropped), new ids start where transformers starts them, old ids keep
+their logits, tied heads stay tied, and save_pretrained -> from_pretrained round-trips."""
 
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from tests.generation.testers import KVM_BASE
@@ -44,11 +47,6 @@ def token_tables(model) -> dict[str, torch.Tensor]:
     return tables
 
 
-def rows_for(model, vocab: int) -> int:
-    pad = getattr(model.config, "pad_vocab_size_to", 1)
-    return math.ceil(vocab / pad) * pad
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("resize", RESIZES)
 @pytest.mark.parametrize("name", MODELS)
@@ -65,8 +63,9 @@ def test_resize_round_trips_and_keeps_old_ids(tmp_path, name, resize):
     model.resize_token_embeddings(old_vocab + added, pad_to_multiple_of=multiple)
 
     assert model.config.vocab_size == vocab
+    assert getattr(model.config, "pad_vocab_size_to", 1) == 1  # the rows are what was asked for
     for key, table in token_tables(model).items():
-        assert table.shape[0] == rows_for(model, vocab), key
+        assert table.shape[0] == vocab, key
         assert torch.equal(table[:kept], old_tables[key][:kept]), key
     tied = model.config.tie_word_embeddings
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
@@ -131,3 +130,39 @@ def test_resize_refuses_a_bad_size():
     with pytest.raises(ValueError, match="pad_to_multiple_of"):
         model.resize_token_embeddings(100, pad_to_multiple_of=0)
     assert model.config.vocab_size == MAGLEV_VOCAB
+
+
+@torch.no_grad()
+@settings(max_examples=12, deadline=None)
+@given(name=st.sampled_from(sorted(MODELS)), new_num_tokens=st.integers(1, 200),
+       multiple=st.one_of(st.none(), st.integers(1, 70)))
+def test_resize_gives_the_rows_asked_for(name, new_num_tokens, multiple):
+    """transformers' contract over sizes: `new_num_tokens` rows (rounded up to `pad_to_multiple_of`), as many
+    ids and logits, and the kept ids' logits unchanged - from a padded Maglev table too."""
+    model = build(name)
+    old_vocab = model.config.vocab_size
+    rows = new_num_tokens if multiple is None else math.ceil(new_num_tokens / multiple) * multiple
+    kept = min(old_vocab, rows)
+    ids = torch.randint(0, kept, (2, 12), generator=torch.Generator().manual_seed(3))
+    before = model(ids).logits
+    returned = model.resize_token_embeddings(new_num_tokens, pad_to_multiple_of=multiple)
+    assert returned is model.get_input_embeddings() and model.config.vocab_size == rows
+    assert {key: table.shape[0] for key, table in token_tables(model).items()} == dict.fromkeys(token_tables(model), rows)
+    after = model(ids).logits
+    assert after.shape[-1] == rows
+    assert torch.allclose(after[..., :kept], before[..., :kept], atol=1e-5)
+
+
+@torch.no_grad()
+def test_padding_to_a_multiple_keeps_a_padded_layout_and_refuses_a_non_integer():
+    """A Maglev resized to its own vocabulary loses nanochat's padding rows; `pad_to_multiple_of` (what
+    transformers offers for tensor-core friendly tables) pads again, and a non-integer multiple is refused in
+    transformers' own words."""
+    model = build("maglev")
+    assert model.get_input_embeddings().weight.shape[0] == 128  # 97 ids in nanochat's rows padded to 64
+    model.resize_token_embeddings(MAGLEV_VOCAB)
+    assert model.get_input_embeddings().weight.shape[0] == MAGLEV_VOCAB
+    model.resize_token_embeddings(MAGLEV_VOCAB, pad_to_multiple_of=64)
+    assert model.get_input_embeddings().weight.shape[0] == model.config.vocab_size == 128
+    with pytest.raises(ValueError, match="multiple of `1.3`, which is not and integer"):
+        model.resize_token_embeddings(MAGLEV_VOCAB, pad_to_multiple_of=1.3)

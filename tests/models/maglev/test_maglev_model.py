@@ -405,3 +405,24 @@ def test_padding_positions_do_not_see_the_next_real_token(memory_prefill):
         before = model.model(ids, attention_mask=mask, use_cache=False, lifted=lifted).last_hidden_state
         after = model.model(changed, attention_mask=mask, use_cache=False, lifted=lifted).last_hidden_state
         torch.testing.assert_close(before[1, :10], after[1, :10])
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(has_prefiller=True, prefiller_shares_blocks=False), dict(has_prefiller=True), dict(has_prefiller=False),
+    dict(use_memory=False, has_prefiller=False), dict(use_value_embeddings=False, has_prefiller=True,
+                                                        prefiller_shares_blocks=False),
+], ids=["separate_prefiller", "shared_prefiller", "no_prefiller", "memory_off", "no_value_embeddings"])
+def test_tensor_parallel_plan_names_only_modules_the_config_builds(overrides):
+    """Every plan entry shards some linear layer of this model (transformers' own check), and every attention /
+    MLP / memory linear layer of the blocks is in the plan (a missed one would stay whole on every rank)."""
+    from transformers.distributed.parallel_utils import _get_parameter_plan
+
+    model = MaglevForCausalLM(tiny_config(**overrides))
+    modules = [name for name, _ in model.named_modules()]
+    for pattern in model.tp_plan:
+        assert any(_get_parameter_plan(name, {pattern: "x"}, is_weight=False) for name in modules), pattern
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    in_blocks = [name for name in linears if ".layers." in name or "prefiller_layers." in name]
+    unplanned = [name for name in in_blocks if _get_parameter_plan(name, model.tp_plan, is_weight=False) is None]
+    assert unplanned == [] and in_blocks
+    assert any("prefiller_layers" in pattern for pattern in model.tp_plan) == model.config.separate_prefiller

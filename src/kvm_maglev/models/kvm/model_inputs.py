@@ -7,6 +7,7 @@ import inspect
 
 import torch
 from transformers import GenerationMixin
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # transformers 5.24 renamed the model keyword and output field `past_key_values` to `cache`
@@ -16,6 +17,12 @@ GENERATE_CACHE_KWARG = (
     "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     else "past_key_values"
 )
+
+# why a transformers cache of per-layer keys and values is refused, and what PEFT users (prefix tuning hands the
+# model one holding the learned prefix) can use instead
+PREFIX_KEYS_REFUSED = (": a cache of per-layer keys/values, as PEFT prefix tuning passes, has no place for this model's "
+                       "compressed state, so PEFT prefix tuning does not apply; use LoRA "
+                       "(peft.LoraConfig(target_modules='all-linear')), or prompt tuning on KVM")
 
 
 def take_cache(past_key_values, cache):
@@ -59,5 +66,6 @@ def real_tokens(attention_mask, batch: int, length: int, cached: int, device) ->
 def check_cache(cache, cache_class: type, config) -> None:
     """Refuse a cache of another class, or one made for another architecture."""
     if not isinstance(cache, cache_class):
-        raise TypeError(f"{cache_class.MODEL_NAME} models need a {cache_class.__name__}, got {type(cache).__name__}")
+        raise TypeError(f"{cache_class.MODEL_NAME} models need a {cache_class.__name__}, got {type(cache).__name__}"
+                        + (PREFIX_KEYS_REFUSED if isinstance(cache, Cache) else ""))
     cache.check_compatible(config)

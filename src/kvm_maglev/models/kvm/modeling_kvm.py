@@ -89,9 +89,12 @@ def run_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch
     """Run `attend(cache, q, k, v, *extra)` per row group on its real tokens; padding columns get zeros."""
     if len(plan.segments) == 1 and plan.segments[0].whole_batch:
         return attend(caches[0], q, k, v, *extra)
-    out = v.new_zeros(q.shape[:3] + v.shape[-1:])
+    out = None
     for segment, cache in zip(plan.segments, caches):
-        segment.put(out, attend(cache, *(segment.take(t) for t in (q, k, v, *extra))))
+        y = attend(cache, *(segment.take(t) for t in (q, k, v, *extra)))
+        if out is None:  # in the dtype attention returns (autocast's), not the inputs'
+            out = y.new_zeros(q.shape[:3] + y.shape[-1:])
+        segment.put(out, y)
     return out
 
 

@@ -30,7 +30,8 @@ WEIGHT_INITS = ("nanochat", "torch")
 MAGLEV_FIELDS = (
     ConfigField("vocab_size", int, 32768, "tokenizer size; logits are sliced to it", "model_config.vocab_size",
                 cache=True),
-    ConfigField("pad_vocab_size_to", int, 64, "embedding / lm_head rows padded to a multiple of this", cache=True),
+    ConfigField("pad_vocab_size_to", int, 64, "embedding / lm_head rows padded to a multiple of this "
+                "(resize_token_embeddings sets 1: it gives the rows asked for)", cache=True),
     ConfigField("hidden_size", int, 768, "model width; also the memory dimension", "model_config.n_embd", cache=True),
     ConfigField("intermediate_size", int | None, None, "relu^2 MLP width (None: 4 * hidden_size)", cache=True),
     ConfigField("num_hidden_layers", int, 12, "decoder layers", "model_config.n_layer", cache=True),
@@ -130,21 +131,6 @@ class MaglevConfig(PretrainedConfig):
 
     model_type = "maglev"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
-    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun): attention split by head (K/V
-    # heads with their query groups), the memory projections and gates with the K/V heads they feed, the MLP
-    # by hidden unit; the value-embedding tables stay whole and each rank reads its heads' columns.
-    base_model_tp_plan = {
-        **{f"{blocks}.*.{name}": style
-           for blocks in ("layers", "prefiller_layers")  # the decoder P and, when kept, the prefiller Q
-           for name, style in {
-               "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-               "self_attn.value_gate": "colwise", "self_attn.o_proj": "rowwise",
-               "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
-           }.items()},
-        "layers.*.self_attn.memory_k_proj": "colwise",
-        "layers.*.self_attn.memory_v_proj": "colwise",
-        "layers.*.self_attn.memory_gate": "colwise",
-    }
 
     def __init__(self, *args, **kwargs):
         kwargs = assign_fields(self, MAGLEV_FIELDS, args, kwargs)
@@ -260,6 +246,28 @@ class MaglevConfig(PretrainedConfig):
     def padded_vocab_size(self) -> int:
         """Rows of the embedding and lm_head tables (nanochat pads for efficiency)."""
         return math.ceil(self.vocab_size / self.pad_vocab_size_to) * self.pad_vocab_size_to
+
+    @property
+    def separate_prefiller(self) -> bool:
+        """Whether the prefiller Q has blocks of its own (`prefiller_layers`) rather than running P's."""
+        return self.use_memory and self.has_prefiller and not self.prefiller_shares_blocks
+
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun): attention split by head (K/V
+    # heads with their query groups), the memory projections and gates with the K/V heads they feed, the MLP
+    # by hidden unit; the value-embedding tables stay whole and each rank reads its heads' columns.
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """The plan for the modules this config builds only (transformers checks that every entry names some)."""
+        styles = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                  "self_attn.o_proj": "rowwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+        if self.use_value_embeddings:
+            styles["self_attn.value_gate"] = "colwise"
+        blocks = ("layers", "prefiller_layers") if self.separate_prefiller else ("layers",)
+        plan = {f"{block}.*.{name}": style for block in blocks for name, style in styles.items()}
+        if self.use_memory:
+            plan.update({f"layers.*.self_attn.{name}": "colwise"
+                         for name in ("memory_k_proj", "memory_v_proj", "memory_gate")})
+        return plan
 
     def has_value_embedding(self, layer_idx: int) -> bool:
         """nanochat puts value embeddings on alternating layers, the last one always included."""

@@ -305,20 +305,24 @@ class MaglevPreTrainedModel(CarriedCardMixin, SdpaOrEagerMixin, RowBlockLossMixi
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:
-        """transformers' resize over nanochat's padded tables: the vocabulary becomes `new_num_tokens` ids (rounded
-        up to `pad_to_multiple_of`, as transformers does) and every table indexed by token id - embeddings, value
-        embeddings, lm_head - gets the rows of that vocabulary padded to `pad_vocab_size_to`. Ids of both
-        vocabularies keep their rows; added ids start as transformers starts added tokens."""
+        """transformers' resize, with its contract: every table indexed by token id - embeddings, value embeddings,
+        lm_head - gets exactly `new_num_tokens` rows (rounded up to `pad_to_multiple_of` when given), the
+        vocabulary that many ids. nanochat's own padding stops there (`pad_vocab_size_to` becomes 1: the rows
+        are what was asked for). Ids of both vocabularies keep their rows; added ids start as transformers
+        starts added tokens."""
         if new_num_tokens is None and pad_to_multiple_of is None:
             return self.get_input_embeddings()
-        vocab = self.config.vocab_size if new_num_tokens is None else new_num_tokens
+        vocab = self.get_input_embeddings().weight.shape[0] if new_num_tokens is None else new_num_tokens
         if pad_to_multiple_of is not None:
-            if not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
+            if not isinstance(pad_to_multiple_of, int):  # transformers' own wording, which callers may match
+                raise ValueError(f"Asking to pad the embedding matrix to a multiple of `{pad_to_multiple_of}`, "
+                                 "which is not and integer. Please make sure to pass an integer")
+            if pad_to_multiple_of < 1:
                 raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
             vocab = -(-vocab // pad_to_multiple_of) * pad_to_multiple_of
         if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
             raise ValueError(f"new_num_tokens must be a positive integer, got {new_num_tokens!r}")
-        old_vocab, self.config.vocab_size = self.config.vocab_size, vocab
+        old_vocab, self.config.vocab_size, self.config.pad_vocab_size_to = self.config.vocab_size, vocab, 1
         self.vocab_size = vocab  # as transformers' resize sets it
         shape = (old_vocab, vocab, self.config.padded_vocab_size, mean_resizing)
         self.set_input_embeddings(self.resized_table(self.get_input_embeddings(), *shape))
@@ -399,7 +403,7 @@ class MaglevModel(MaglevPreTrainedModel):
         self.memory_residual_proj = (
             with_init(nn.Linear(config.hidden_size, config.hidden_size, bias=False), "zeros")
             if config.memory_residual_injection else None)
-        separate_prefiller = config.use_memory and config.has_prefiller and not config.prefiller_shares_blocks
+        separate_prefiller = config.separate_prefiller
         self.prefiller_layers = (
             nn.ModuleList([MaglevBlock(config, i, with_memory=False) for i in range(layers)])
             if separate_prefiller else None
@@ -781,7 +785,8 @@ def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
         if input_ids is not None:
             raise ValueError("pass either input_ids or inputs_embeds, not both (Maglev reads input_ids only)")
         raise ValueError("Maglev needs input_ids (value embeddings and smear read token ids); "
-                         "inputs_embeds is not supported")
+                         "inputs_embeds is not supported, so PEFT prompt tuning and P-tuning (which feed "
+                         "inputs_embeds) do not apply to Maglev: use LoRA (peft.LoraConfig(target_modules='all-linear'))")
     if input_ids is None:
         raise ValueError("input_ids is required")
     check_token_ids(input_ids, vocab_size, cache)
