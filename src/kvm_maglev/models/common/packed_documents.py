@@ -73,9 +73,12 @@ def boundaries_from_seq_idx(seq_idx: torch.Tensor, batch: int, length: int) -> l
 def packed_documents(position_ids, attention_mask, kwargs: dict, batch: int, length: int,
                      model_name: str) -> list[Document] | None:
     """The documents of a packed batch, from position_ids restarts, `cu_seq_lens_q` or `seq_idx` (those that are
-    given must agree), or None when the batch is not packed (every row one document)."""
+    given must agree), or None when the batch is not packed (every row one document). A padded batch's
+    position_ids are not read here: the model checks them against its own positions, as before."""
     sources = {}
-    if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 and position_ids.shape[1] == length \
+    padded = attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all())
+    # a padded batch's position ids hold placeholders on pads (generate() writes 1s there): not restarts
+    if not padded and isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 and position_ids.shape[1] == length \
             and position_ids.shape[0] in (1, batch) and not position_ids.dtype.is_floating_point:
         found = boundaries_from_positions(position_ids, batch)
         if found is not None:
@@ -93,7 +96,7 @@ def packed_documents(position_ids, attention_mask, kwargs: dict, batch: int, len
                              "pass boundaries that agree (or only one of them)")
     if all(len(cuts) == 1 for cuts in first):
         return None
-    if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
+    if padded:
         raise ValueError(f"{model_name}: a packed batch (documents delimited by {first_name}) cannot also have "
                          "padding (attention_mask zeros); pack without padding, as DataCollatorWithFlattening does")
     return [Document(row, begin, end)
@@ -160,12 +163,13 @@ def bucket_mask(count: int, width: int, index, device: torch.device) -> torch.Te
 
 def scatter_outputs(outputs: list, indices: list, counts: list[int], batch: int, length: int) -> dict:
     """The buckets' outputs in the packed layout: [count, width, ...] tensors scattered back to [B, T, ...],
-    tuples of them likewise, scalars (mean losses over real tokens) as the token-weighted mean, None as None."""
+    tuples of them likewise, scalars (mean losses over real tokens) as the token-weighted mean; an output some
+    bucket lacks (Maglev's prefiller memories, which a one-token document does not make) is None."""
     total = sum(counts)
 
     def combine(values):
         first = values[0]
-        if first is None:
+        if any(value is None for value in values):
             return None
         if isinstance(first, (tuple, list)):
             return tuple(combine(list(group)) for group in zip(*values))

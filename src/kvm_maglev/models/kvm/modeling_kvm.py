@@ -573,7 +573,7 @@ class KVMModel(KVMPreTrainedModel):
         cache = take_cache(past_key_values, cache)
         source = input_ids if input_ids is not None else inputs_embeds
         documents = packed_documents(position_ids, attention_mask, kwargs, *source.shape[:2], "KVM") \
-            if source is not None and source.ndim >= 2 else None
+            if isinstance(source, torch.Tensor) and source.ndim >= 2 else None
         if documents is not None:
             refuse_packed_cache(use_cache, cache, "KVM")
             return self.packed_forward(documents, input_ids, inputs_embeds, output_attentions, output_hidden_states)
