@@ -79,7 +79,8 @@ def packed_documents(position_ids, attention_mask, kwargs: dict, batch: int, len
     sources = {}
     padded = attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all())
     # a padded batch's position ids hold placeholders on pads (generate() writes 1s there): not restarts
-    if not padded and isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 and position_ids.shape[1] == length \
+    # one-token steps cannot restart, and reading their ids would stall an accelerator every decoded token
+    if length > 1 and not padded and isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 and position_ids.shape[1] == length \
             and position_ids.shape[0] in (1, batch) and not position_ids.dtype.is_floating_point:
         found = boundaries_from_positions(position_ids, batch)
         if found is not None:
