@@ -30,6 +30,8 @@ from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, confi
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
+from .packed_documents import (boundary_kwargs, bucket_index, gather_bucket, length_buckets, packed_documents, refuse_packed_cache,
+                               scatter_outputs)
 from .row_block_loss import RowBlockLossMixin
 from .runtime_kvm import advance_folds, attend_chunks_at_once, runtime_speedups, take_fold_ahead
 from .state_kvm import Overflow, fold_overflow, query_slice, readable_state, slot_norms, state_keys
@@ -603,9 +605,16 @@ class KVMModel(KVMPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         """Padding (attention_mask == 0, anywhere) is skipped per row: each row's chunk boundaries and state
         follow its own real tokens. Without a mask every token is real and the model is strictly causal
-        (right padding needs no mask). Rotary positions are `position_ids` when given (a restart inside a row,
-        as packed sequences have, is refused), else each row's count of real tokens before."""
+        (right padding needs no mask). Rotary positions are `position_ids` when given, else each row's count of
+        real tokens before. A packed batch (position_ids restarting at 0, or `cu_seq_lens_q`/`seq_idx`) runs
+        each document as if alone in its row (`packed_forward`)."""
         cache = take_cache(past_key_values, cache)
+        source = input_ids if input_ids is not None else inputs_embeds
+        documents = packed_documents(position_ids, attention_mask, kwargs, *source.shape[:2], "KVM") \
+            if isinstance(source, torch.Tensor) and source.ndim >= 2 else None
+        if documents is not None:
+            refuse_packed_cache(use_cache, cache, "KVM")
+            return self.packed_forward(documents, input_ids, inputs_embeds, output_attentions, output_hidden_states)
         if cache is not None:
             check_cache(cache, KVMCache, self.config)
         check_input_ids(input_ids, inputs_embeds, self.config.vocab_size, cache)
@@ -664,6 +673,24 @@ class KVMModel(KVMPreTrainedModel):
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             **{CACHE_NAME: cache if use_cache else None},
         )
+
+    def packed_forward(self, documents, input_ids, inputs_embeds, output_attentions, output_hidden_states):
+        """A packed batch: its documents in chunk-aligned length buckets, each bucket run as an unpacked
+        right-padded batch (window, chunk grid, state, token shift, value residual and rotary positions all
+        start at each document's first token), the outputs scattered back to the packed layout."""
+        source = input_ids if input_ids is not None else inputs_embeds
+        batch, length = source.shape[:2]
+        align = self.config.chunk_size
+        outputs, indices, counts = [], [], []
+        for bucket in length_buckets(documents, align):
+            width, index = bucket_index(bucket, align, source.device)
+            part = gather_bucket(source, len(bucket), width, index)
+            inputs = {"input_ids": part} if input_ids is not None else {"inputs_embeds": part}
+            outputs.append(self(**inputs, use_cache=False, output_attentions=output_attentions,
+                                output_hidden_states=output_hidden_states, return_dict=True))
+            indices.append(index)
+            counts.append(sum(doc.length for doc in bucket))
+        return BaseModelOutputWithPast(**scatter_outputs(outputs, indices, counts, batch, length))
 
 
 def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache: KVMCache | None) -> None:
@@ -739,6 +766,7 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
             output_hidden_states=output_hidden_states,
             cache=cache,
             return_dict=True,
+            **boundary_kwargs(kwargs),
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits, loss = self.logits_and_loss(outputs.last_hidden_state[:, keep, :], labels, **kwargs)

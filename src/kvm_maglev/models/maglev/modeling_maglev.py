@@ -26,6 +26,8 @@ from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, confi
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, real_tokens, take_cache
+from .packed_documents import (boundary_kwargs, bucket_index, bucket_mask, gather_bucket, length_buckets,
+                               packed_documents, refuse_packed_cache, scatter_outputs)
 from .row_block_loss import RowBlockLossMixin, row_block_head_loss
 from .runtime_maglev import runtime_speedups
 from .tensor_parallel import local_columns, local_tensor
@@ -698,8 +700,15 @@ class MaglevModel(MaglevPreTrainedModel):
 
         Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
         and the model is strictly causal (right padding needs no mask). `position_ids`, when given, must be
-        the model's own (`check_positions`)."""
+        the model's own (`check_positions`). A packed batch (position_ids restarting at 0, or
+        `cu_seq_lens_q`/`seq_idx`) runs each document as if alone in its row (`packed_forward`)."""
         cache = take_cache(past_key_values, kwargs.pop("cache", None))
+        documents = packed_documents(position_ids, attention_mask, kwargs, *input_ids.shape[:2], "Maglev") \
+            if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
+        if documents is not None:
+            refuse_packed_cache(use_cache, cache, "Maglev")
+            return self.packed_forward(documents, input_ids, output_attentions, output_hidden_states, lifted,
+                                       memory_inputs)
         config = self.config
         check_input_ids(input_ids, inputs_embeds, config.vocab_size, cache)
         if cache is not None:
@@ -765,6 +774,25 @@ class MaglevModel(MaglevPreTrainedModel):
             pass_hidden_states=tuple(pass_heads) if pass_heads is not None and len(pass_heads) > 1 else None,
             **{CACHE_NAME: cache},
         )
+
+    def packed_forward(self, documents, input_ids, output_attentions, output_hidden_states, lifted, memory_inputs):
+        """A packed batch: its documents in length buckets, each bucket run as an unpacked right-padded batch (the
+        windows, memory from memory_init, smear, value embeddings, rotary positions, the prefiller Q and every
+        self-fed pass start at each document's first token), the outputs scattered back to the packed layout;
+        the consistency loss is the mean over all real tokens, as one padded batch of the documents has it."""
+        batch, length = input_ids.shape
+        outputs, indices, counts = [], [], []
+        for bucket in length_buckets(documents, 1):
+            width, index = bucket_index(bucket, 1, input_ids.device)
+            part = gather_bucket(input_ids, len(bucket), width, index)
+            mu = None if memory_inputs is None else gather_bucket(memory_inputs, len(bucket), width, index)
+            outputs.append(self(input_ids=part, attention_mask=bucket_mask(len(bucket), width, index, part.device),
+                                use_cache=False, output_attentions=output_attentions,
+                                output_hidden_states=output_hidden_states, lifted=lifted, memory_inputs=mu,
+                                return_dict=True))
+            indices.append(index)
+            counts.append(sum(doc.length for doc in bucket))
+        return MaglevModelOutput(**scatter_outputs(outputs, indices, counts, batch, length))
 
 
 def kept_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -880,6 +908,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             lifted=training,
             memory_inputs=memory_inputs,
             return_dict=True,
+            **boundary_kwargs(kwargs),
         )
         logits, last_pass_loss = self.logits_and_loss(kept_positions(outputs.last_hidden_state, logits_to_keep),
                                                       labels, **kwargs)
