@@ -131,6 +131,8 @@ class MaglevConfig(PretrainedConfig):
 
     model_type = "maglev"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
+    # transformers' name for the softcap (TRL's log-prob head reads it); one stored value, `logit_softcap`
+    attribute_map = {"final_logit_softcapping": "logit_softcap"}
 
     def __init__(self, *args, **kwargs):
         kwargs = assign_fields(self, MAGLEV_FIELDS, args, kwargs)
