@@ -125,7 +125,7 @@ def test_tensor_parallel_size_must_keep_key_value_heads_whole():
 
 def test_no_gqa_is_one_key_value_head_per_query_head():
     config = KVMConfig(**BASE)
-    assert config.num_key_value_heads is None and config.kv_heads == 4 and config.kv_group_size == 1
+    assert config.num_key_value_heads == 4 and config.kv_heads == 4 and config.kv_group_size == 1  # None written out
     same = random_model(num_key_value_heads=4)
     plain = random_model()
     assert same.state_dict().keys() == plain.state_dict().keys()

@@ -188,6 +188,10 @@ class KVMConfig(PretrainedConfig):
                 self.rotary_dim = max(2, self.qk_head_dim // 4 * 2)
             if self.sliding_window_rotary_dim is None:
                 self.sliding_window_rotary_dim = self.qk_head_dim
+            # None: one key/value head per query head, written out as transformers' models do (PEFT and
+            # other libraries multiply by it).
+            if self.num_key_value_heads is None:
+                self.num_key_value_heads = self.num_attention_heads
         self.validate_kvm()
 
     # ---- derived sizes -------------------------------------------------------------------

@@ -97,6 +97,8 @@ def run_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch
         if out is None:  # in the dtype attention returns (autocast's), not the inputs'
             out = y.new_zeros(q.shape[:3] + y.shape[-1:])
         segment.put(out, y)
+    if out is None:  # no row has a real token in this step
+        out = v.new_zeros(q.shape[:3] + v.shape[-1:])
     return out
 
 
