@@ -17,6 +17,7 @@ from kvm_maglev.cli import main
 from kvm_maglev.convert.kvm import (CHANGED_DEFAULTS, convert, kvm_config_from_research, read_research_checkpoint,
                                     research_commit_of)
 from kvm_maglev.models.kvm import KVMForCausalLM
+from tests.convert.test_kvm_parity import full_and_cached_run
 
 CASES = ("kvm_gqa_fixed", "kvm_upstream_fixed")
 FORMS = ("research_pt", "research_final")
@@ -48,16 +49,7 @@ def converted(data_dir, tmp_path_factory):
 def test_parity_with_upstream_research(case, form, converted, data_dir):
     reference = load_file(str(data_dir / "kvm_upstream" / case / "reference.safetensors"))
     model = KVMForCausalLM.from_pretrained(converted(case, form), dtype=torch.float32).eval()
-    input_ids, prefill = reference["input_ids"], int(reference["prefill_len"])
-    with torch.no_grad():
-        full = model(input_ids, use_cache=False).logits
-        out = model(input_ids[:, :prefill], use_cache=True)
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values
-        state_len, decoded = [cache.state_lengths()], []
-        for pos in range(prefill, input_ids.shape[1]):
-            decoded.append(model(input_ids[:, pos : pos + 1], cache=cache).logits)
-            state_len.append(cache.state_lengths())
-    decoded = torch.cat(decoded, dim=1)
+    full, out, decoded, state_len = full_and_cached_run(model, reference)
     full_err = (full - reference["logits_full_fp32rope"]).abs().max().item()
     decode_err = (decoded - reference["decode_logits_fp32rope"]).abs().max().item()
     print(f"\n[{case}/{form}] max abs error: full {full_err:.2e}, decode {decode_err:.2e}; vs research as run: "
@@ -65,7 +57,7 @@ def test_parity_with_upstream_research(case, form, converted, data_dir):
     assert full_err <= TOLERANCE
     assert decode_err <= TOLERANCE
     assert torch.equal(torch.tensor(state_len), reference["state_len"])
-    assert torch.allclose(out.logits, full[:, :prefill], atol=1e-5, rtol=0)
+    assert torch.allclose(out.logits, full[:, : out.logits.shape[1]], atol=1e-5, rtol=0)
 
 
 def test_gqa_case_keeps_state_per_key_value_head(converted):
