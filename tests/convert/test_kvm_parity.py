@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from kvm_maglev.convert.kvm import convert
 from kvm_maglev.models.kvm import KVMForCausalLM
+from tests.returned_cache import returned_cache
 
 CASES = ("kvm_fixed", "kvm_sqrt", "kvm_saturate_swa")
 FORMS = ("research_pt", "research_final")
@@ -48,7 +49,7 @@ def full_and_cached_run(model, reference: dict):
     with torch.no_grad():
         full = model(input_ids, use_cache=False).logits
         out = model(input_ids[:, :prefill], use_cache=True)
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        cache = returned_cache(out)
         state_len, decoded = [cache.state_lengths()], []
         for pos in range(prefill, input_ids.shape[1]):
             decoded.append(model(input_ids[:, pos : pos + 1], cache=cache).logits)

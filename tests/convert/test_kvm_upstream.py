@@ -18,6 +18,7 @@ from kvm_maglev.convert.kvm import (CHANGED_DEFAULTS, convert, kvm_config_from_r
                                     research_commit_of)
 from kvm_maglev.models.kvm import KVMForCausalLM
 from tests.convert.test_kvm_parity import full_and_cached_run
+from tests.returned_cache import returned_cache
 
 CASES = ("kvm_gqa_fixed", "kvm_upstream_fixed")
 FORMS = ("research_pt", "research_final")
@@ -65,7 +66,7 @@ def test_gqa_case_keeps_state_per_key_value_head(converted):
     config = model.config
     assert (config.num_attention_heads, config.num_key_value_heads, config.kv_group_size) == (4, 2, 2)
     with torch.no_grad():
-        cache = model(torch.arange(70).view(1, -1), use_cache=True).cache
+        cache = returned_cache(model(torch.arange(70).view(1, -1), use_cache=True))
     layer = cache.groups[0].layers[0]
     assert layer.state_keys.shape[1] == 2 and cache.nbytes() == config.cache_bytes(70, dtype=torch.float32)
 

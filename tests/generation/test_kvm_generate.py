@@ -7,6 +7,7 @@ import torch
 
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from kvm_maglev.models.common.model_inputs import CACHE_NAME
+from tests.returned_cache import returned_cache
 
 CONFIG = dict(
     vocab_size=61, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, rotary_dim=8, chunk_size=4,
@@ -66,7 +67,7 @@ def test_sampling_batch_and_num_return_sequences_match_uncached(model):
 def test_generate_uses_kvm_cache_and_continues_a_user_cache(model):
     inputs = prompt(2, 5)
     out = model.generate(inputs, max_new_tokens=10, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    cache = returned_cache(out)
     assert isinstance(cache, KVMCache)
     assert cache.get_seq_length() == 14  # the last generated token is not fed back
     user_cache = KVMCache(model.config)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
+from tests.returned_cache import returned_cache
 
 BASE = dict(
     vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, rotary_dim=8,
@@ -49,10 +50,6 @@ def random_model(seed: int = 0, **overrides) -> KVMForCausalLM:
     return model
 
 
-def cache_of(output) -> KVMCache:
-    return output.cache if hasattr(output, "cache") else output.past_key_values
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_cached_decoding_equals_uncached_forward(variant):
     model = random_model(**VARIANTS[variant])
@@ -63,7 +60,7 @@ def test_cached_decoding_equals_uncached_forward(variant):
         # prompt of 1 token, a partial chunk, an exact chunk boundary, exactly the front window, beyond it
         for prompt in (1, chunk - 1, chunk, model.config.window_size, model.config.window_size + 1):
             for steps in ((1,), (1, 2, 5, 3, 7)):  # one token per step, and multi-token steps
-                cache = cache_of(model(ids[:, :prompt]))
+                cache = returned_cache(model(ids[:, :prompt]))
                 logits, pos = [model(ids[:, :prompt], use_cache=False).logits], prompt
                 for step in itertools.cycle(steps):
                     if pos >= LENGTH:
@@ -114,7 +111,7 @@ def test_decode_step_writes_in_place_without_copying_the_window():
     model = random_model(chunk_size=8)
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        cache = cache_of(model(ids[:, :17]))
+        cache = returned_cache(model(ids[:, :17]))
         layer = cache.groups[0].layers[0]
         pointers = [s.data_ptr() for s in layer.window.storage]
         state = layer.state_keys
@@ -138,13 +135,13 @@ def test_batch_operations():
             return model(ids[rows, 20:], cache=cache).logits
 
         reference = model(ids, use_cache=False).logits[:, 20:]
-        cache = cache_of(model(ids[:, :20]))
+        cache = returned_cache(model(ids[:, :20]))
         cache.reorder_cache(torch.tensor([1, 0]))
         assert torch.allclose(run(cache, [1, 0]), reference[[1, 0]], atol=1e-5)
-        cache = cache_of(model(ids[:, :20]))
+        cache = returned_cache(model(ids[:, :20]))
         cache.batch_repeat_interleave(2)
         assert torch.allclose(run(cache, [0, 0, 1, 1]), reference[[0, 0, 1, 1]], atol=1e-5)
-        cache = cache_of(model(ids[:, :20]))
+        cache = returned_cache(model(ids[:, :20]))
         cache.batch_select_indices(torch.tensor([1]))
         assert torch.allclose(run(cache, [1]), reference[[1]], atol=1e-5)
         cache.reset()
@@ -154,7 +151,7 @@ def test_batch_operations():
 
 def test_unsupported_cache_operations_raise_clear_errors():
     model = random_model()
-    cache = cache_of(model(torch.tensor([[1, 2, 3]])))
+    cache = returned_cache(model(torch.tensor([[1, 2, 3]])))
     assert cache.is_compileable is False and cache.is_croppable is False
     with pytest.raises(ValueError, match="recording is not active"):
         cache.crop(-1)
@@ -167,7 +164,7 @@ def test_past_key_values_keyword_and_attention_mask_of_ones():
     model = random_model()
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        cache = cache_of(model(ids[:, :7], attention_mask=torch.ones(2, 7, dtype=torch.long)))
+        cache = returned_cache(model(ids[:, :7], attention_mask=torch.ones(2, 7, dtype=torch.long)))
         step = model(ids[:, 7:], past_key_values=cache).logits
         assert torch.allclose(step, model(ids, use_cache=False).logits[:, 7:], atol=1e-5)
 

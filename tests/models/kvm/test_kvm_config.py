@@ -10,6 +10,7 @@ import yaml
 from kvm_maglev.convert.kvm import convert, convert_state_dict, kvm_config_from_research
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.models.kvm.configuration_kvm import BUDGET_FIELDS
+from tests.returned_cache import returned_cache
 
 TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, rotary_dim=8, chunk_size=4,
             state_budget_min=4)
@@ -72,7 +73,7 @@ def test_budget_fields_can_be_overridden_when_loading(tmp_path):
     ids = torch.randint(0, 50, (1, 60))
     with torch.no_grad():
         out = loaded(ids)
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    cache = returned_cache(out)
     assert cache.state_lengths()[0] == loaded.config.state_slots_after(60) > 4
     with pytest.raises(ValueError, match="state_budget_mode"):
         KVMForCausalLM.from_pretrained(tmp_path, state_budget_mode="unbounded")

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
+from tests.returned_cache import returned_cache
 
 BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, rotary_dim=4, chunk_size=4,
             window_chunks=2, state_max_chunks=100, state_budget_min=4)
@@ -51,7 +52,8 @@ def expanded(gqa: KVMForCausalLM) -> KVMForCausalLM:
 def decode(model: KVMForCausalLM, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     with torch.no_grad():
         out = model(ids[:, :prefill], use_cache=True)
-        steps = [out.logits] + [model(ids[:, i : i + 1], cache=out.cache).logits for i in range(prefill, ids.shape[1])]
+        cache = returned_cache(out)
+        steps = [out.logits] + [model(ids[:, i : i + 1], cache=cache).logits for i in range(prefill, ids.shape[1])]
     return torch.cat(steps, dim=1)
 
 
@@ -89,7 +91,7 @@ def test_gqa_cached_decode_equals_full_forward(budget, kv_heads, data):
 def test_gqa_cache_holds_key_value_heads(kv_heads):
     model = random_model(num_key_value_heads=kv_heads, **BUDGETS["power_law"])
     with torch.no_grad():
-        cache = model(torch.randint(0, 61, (3, 41)), use_cache=True).cache
+        cache = returned_cache(model(torch.randint(0, 61, (3, 41)), use_cache=True))
     layer = cache.groups[0].layers[1]
     assert layer.state_keys.shape[1] == kv_heads
     assert cache.nbytes() == model.config.cache_bytes(41, batch_size=3, dtype=torch.float32)
@@ -140,7 +142,7 @@ def test_saved_gqa_cache_continues_and_is_refused_by_another_head_count(tmp_path
     model = random_model(num_key_value_heads=2, **BUDGETS["power_law"])
     ids = torch.randint(0, 61, (1, 40))
     with torch.no_grad():
-        live = model(ids, use_cache=True).cache
+        live = returned_cache(model(ids, use_cache=True))
         live.save(tmp_path / "c")
         loaded = KVMCache.load(tmp_path / "c", model)
         step = ids[:, -1:]

@@ -9,6 +9,7 @@ import torch
 
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.models.kvm.state_kvm import most_similar_slot
+from tests.returned_cache import returned_cache
 
 BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, rotary_dim=4, chunk_size=8,
             window_chunks=2, state_budget_mode="fixed", state_budget_min=8, state_max_chunks=1)
@@ -49,9 +50,9 @@ def bf16_model(routing: str | None) -> KVMForCausalLM:
 def state_after(model: KVMForCausalLM, ids: torch.Tensor, prefill: int | None = None) -> torch.Tensor:
     with torch.no_grad():
         if prefill is None:
-            cache = model(ids, use_cache=True).cache
+            cache = returned_cache(model(ids, use_cache=True))
         else:
-            cache = model(ids[:, :prefill], use_cache=True).cache
+            cache = returned_cache(model(ids[:, :prefill], use_cache=True))
             for pos in range(prefill, ids.shape[1]):
                 model(ids[:, pos : pos + 1], cache=cache)
     return cache.groups[0].layers[0].state_keys

@@ -7,6 +7,7 @@ import torch
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import CACHE_NAME, MaglevForCausalLM
+from tests.returned_cache import returned_cache
 
 VOCAB = 97
 
@@ -374,7 +375,7 @@ def test_query_blocks_equal_one_dense_attention(monkeypatch, padding):
         model.eval()
         with torch.no_grad():
             prompt = model(ids[:, :60], attention_mask=mask[:, :60], use_cache=True)
-            cache = prompt.past_key_values if getattr(prompt, "past_key_values", None) is not None else prompt.cache
+            cache = returned_cache(prompt)
             step = model(ids[:, 60:], attention_mask=mask, past_key_values=cache, use_cache=True)
         return out.logits.detach(), grads, prompt.logits, step.logits
 
@@ -415,7 +416,10 @@ def test_padding_positions_do_not_see_the_next_real_token(memory_prefill):
 def test_tensor_parallel_plan_names_only_modules_the_config_builds(overrides):
     """Every plan entry shards some linear layer of this model (transformers' own check), and every attention /
     MLP / memory linear layer of the blocks is in the plan (a missed one would stay whole on every rank)."""
-    from transformers.distributed.parallel_utils import _get_parameter_plan
+    try:
+        from transformers.distributed.parallel_utils import _get_parameter_plan
+    except ImportError:  # transformers < 5.24
+        from transformers.distributed.tensor_parallel import _get_parameter_tp_plan as _get_parameter_plan
 
     model = MaglevForCausalLM(tiny_config(**overrides))
     modules = [name for name, _ in model.named_modules()]

@@ -269,7 +269,17 @@ class MaglevConfig(PretrainedConfig):
         if self.use_memory:
             plan.update({f"layers.*.self_attn.{name}": "colwise"
                          for name in ("memory_k_proj", "memory_v_proj", "memory_gate")})
+        if self.tie_word_embeddings:  # the vocabulary-sharded table the tied head shares (transformers' rule)
+            plan["embed_tokens"] = "embedding_rowwise"
         return plan
+
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, plan: dict[str, str]) -> None:
+        # transformers < 5.24 writes the tied-embedding entry back into the config at init; the plan is derived
+        # from the other fields, so only that same plan can be stored.
+        if plan != self.base_model_tp_plan:
+            raise AttributeError("MaglevConfig.base_model_tp_plan is computed from the fields that choose which "
+                                 "modules exist; set those fields instead")
 
     def has_value_embedding(self, layer_idx: int) -> bool:
         """nanochat puts value embeddings on alternating layers, the last one always included."""
