@@ -16,7 +16,7 @@ import torch
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
-from tests.returned_cache import returned_cache
+from kvm_maglev.models.common.model_inputs import CACHE_NAME
 
 VOCAB = 61
 PAD = 0
@@ -71,7 +71,7 @@ def greedy_and_steps(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     torch.manual_seed(3)
     sampled = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=True, pad_token_id=PAD)
     output = model(ids[:, :7], attention_mask=mask[:, :7], use_cache=True)
-    cache = returned_cache(output)
+    cache = getattr(output, CACHE_NAME)  # this file also runs as a script, outside the tests package
     logits = [output.logits]
     for start, stop in ((7, 9), (9, 10), (10, 11)):
         logits.append(model(ids[:, start:stop], attention_mask=mask[:, :stop], past_key_values=cache).logits)
