@@ -27,6 +27,7 @@ setup(
         "bench": ["matplotlib>=3.7", "tqdm>=4"],
         "test": [
             "pytest>=8",
+            "pytest-xdist>=3",  # the suite runs on two worker processes (`-n 2`)
             "hypothesis>=6",
             "accelerate>=1.0",
             "datasets>=3",
