@@ -33,7 +33,7 @@ from .packed_documents import (boundary_kwargs, bucket_index, gather_bucket, len
                                scatter_outputs)
 from .row_block_loss import RowBlockLossMixin
 from .runtime_kvm import one_query_attention, prepare_next_fold, runtime_speedups, take_fold_ahead
-from .state_kvm import Overflow, append_count, fold_overflow, query_slice, readable_state, slot_norms, state_keys
+from .state_kvm import Fold, Overflow, append_count, query_slice, readable_state, run_fold, slot_norms, state_keys
 from .tensor_parallel import full_tensor, local_tensor
 
 logger = logging.get_logger(__name__)
@@ -442,16 +442,18 @@ class KVMAttention(KVMAttentionBase):
         cache.set_state(keys, values, norms)
 
     def fold_block(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> None:
-        """Fold window block `block` (>= 1), which is leaving the window, into the state; a fold computed
-        ahead from this state is swapped in (the same tensors bit for bit)."""
-        if take_fold_ahead(cache, block):
-            return
-        state = fold_overflow(
-            cache.state(), self.reference_keys(cache), self.overflow(cache, block, state_dtype),
-            append_count(self.config, block, cache.state_len), self.config.sink_slots, self.state_key_norm,
-            self.config.state_value_norms, self.merge_score_dtype(cache),
-        )
-        cache.set_state(*state)
+        """Fold window block `block` (>= 1), which is leaving the window, into the state, every stage at once;
+        a fold computed ahead from this state is swapped in (the same tensors bit for bit)."""
+        if not take_fold_ahead(cache, block):
+            cache.set_state(*run_fold(self.block_fold(cache, block, state_dtype)))
+
+    def block_fold(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> Fold:
+        """The fold of window block `block` into the cache's state, before its stages (state_kvm): the block
+        as the state takes it, the budget's appends, the routing dtype, and the state keys normed to read
+        this state when the cache has them (else normed at the first stage)."""
+        return Fold(cache.state(), cache.normed_state_keys(), self.overflow(cache, block, state_dtype),
+                    append_count(self.config, block, cache.state_len), self.config.sink_slots, self.state_key_norm,
+                    self.config.state_value_norms, self.merge_score_dtype(cache))
 
     def merge_score_dtype(self, cache: KVMLayerCache) -> torch.dtype:
         """dtype the merge routing is scored in (config.merge_routing_dtype): float32 or the finer state dtype,
@@ -472,11 +474,6 @@ class KVMAttention(KVMAttentionBase):
         if config.merge_gate_appends:
             return Overflow(keys, merge_keys, merge_values, merge_keys, merge_values)
         return Overflow(keys, keys, values, merge_keys, merge_values)
-
-    def reference_keys(self, cache: KVMLayerCache) -> torch.Tensor:
-        """Layer-normed state keys, those normed to read this state when the cache has them."""
-        normed = cache.normed_state_keys()
-        return self.state_key_norm(cache.state_keys) if normed is None else normed
 
     def read_state(self, cache: KVMLayerCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """State keys and value columns as attention reads them; recomputed only when the state changed."""

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .onednn_linear import onednn_linears
-from .state_kvm import Fold, append_count, fold_stages, query_slice
+from .state_kvm import Fold, fold_stages, query_slice
 
 
 def one_query_attention(q, window_q, keys, values, state_keys, state_value_columns, scale: float) -> torch.Tensor:
@@ -60,21 +60,14 @@ class PacedFold:
         self.dtype = cache.window.storage[0].dtype  # the read form's: the queries', as the window keys'
         self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
         self.read: list[torch.Tensor] | None = None  # their attention-ready form
-        config = attention.config
-        overflow = attention.overflow(cache, block, cache.state_keys.dtype)
-        n_append = append_count(config, block, cache.state_len)
-        score_dtype, normed = attention.merge_score_dtype(cache), cache.normed_state_keys()
+        whole = attention.block_fold(cache, block, cache.state_keys.dtype)
         self.num_heads = cache.state_keys.shape[1]  # key/value heads: the rank's own under tensor parallelism
         self.stages: list = []
         for head in range(self.num_heads):
-            heads = slice(head, head + 1)
-            # the state keys normed to read this state when they are at hand, else normed at the first stage
-            fold = Fold(tuple(t[:, heads] for t in cache.state()), None if normed is None else normed[:, heads],
-                        overflow.heads(heads), n_append, config.sink_slots, attention.state_key_norm,
-                        config.state_value_norms, score_dtype)
-            self.stages += fold_stages(fold) + [partial(self.write_result, attention, fold, heads)]
+            fold = whole.heads(slice(head, head + 1))
+            self.stages += fold_stages(fold) + [partial(self.write_result, attention, fold, slice(head, head + 1))]
         self.next_stage = 0
-        self.stride = max(1, (config.chunk_size * 7 // 8) // (len(self.stages) + 1))  # one more for the start
+        self.stride = max(1, (attention.config.chunk_size * 7 // 8) // (len(self.stages) + 1))  # one more: the start
 
     def write_result(self, attention, fold: Fold, heads: slice) -> None:
         """Stage: one head's folded state and its read form (`KVMAttention.readable`, for the group's query

@@ -197,6 +197,12 @@ class Fold:
             self.reference = self.normalize(self.state[0])
         return self.reference
 
+    def heads(self, heads: slice) -> "Fold":
+        """The fold of key/value heads `heads` alone (before any stage has run)."""
+        return Fold(tuple(t[:, heads] for t in self.state), None if self.reference is None else self.reference[:, heads],
+                    self.block.heads(heads), self.n_append, self.sink_slots, self.normalize, self.value_norms,
+                    self.score_dtype)
+
 
 def score_overflow(fold: Fold, rows: slice) -> None:
     """Stage: the novelty of block tokens `rows` against the state's slots."""
@@ -250,7 +256,11 @@ def fold_overflow(state: State, reference: torch.Tensor, block: Overflow, n_appe
     """The state after `block` enters it, every stage at once: its `n_append` most novel tokens (by similarity
     to `reference`, the layer-normed state keys) become new slots, the others merge into their most similar
     slot (similarities scored in `score_dtype`)."""
-    fold = Fold(state, reference, block, n_append, sink_slots, normalize, value_norms, score_dtype)
+    return run_fold(Fold(state, reference, block, n_append, sink_slots, normalize, value_norms, score_dtype))
+
+
+def run_fold(fold: Fold) -> State:
+    """The state after every stage of `fold`, run at once."""
     for stage in fold_stages(fold):
         stage()
     return fold.state
