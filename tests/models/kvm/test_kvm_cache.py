@@ -216,7 +216,7 @@ def test_folds_computed_ahead_are_bitwise_identical(monkeypatch, budget, speedup
     """A model stepped with its cache, by a loop of one's own (`speedups` off) or inside runtime_speedups
     as generate() steps it, folds the next block head by head during the chunk before its boundary; the
     boundary step swaps the result in. Logits and state equal the fold at the boundary's bit for bit."""
-    from kvm_maglev.models.kvm import runtime_kvm
+    from kvm_maglev.models.kvm import modeling_kvm
 
     model = random_model(num_attention_heads=4, hidden_size=64, rotary_dim=8, **budget)
     ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(6))
@@ -234,7 +234,7 @@ def test_folds_computed_ahead_are_bitwise_identical(monkeypatch, budget, speedup
 
     with torch.no_grad(), model.runtime_speedups() if speedups else contextlib.nullcontext():
         ahead, ahead_cache = decode(True)
-        monkeypatch.setattr(runtime_kvm, "prepare_next_fold", lambda *args, **kwargs: None)
+        monkeypatch.setattr(modeling_kvm, "prepare_next_fold", lambda *args, **kwargs: None)
         at_boundary, boundary_cache = decode(False)
     assert torch.equal(ahead, at_boundary)
     for a, b in zip(ahead_cache.groups[0].layers, boundary_cache.groups[0].layers):

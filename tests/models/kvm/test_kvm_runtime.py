@@ -79,11 +79,11 @@ def test_generate_runs_inside_runtime_speedups_and_agrees_with_stepping():
     model = random_model()
     ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(3))
     seen = []
-    hook = model.model.layers[0].self_attn.register_forward_hook(lambda module, *_: seen.append(type(module)))
+    hook = model.model.layers[0].self_attn.register_forward_hook(lambda module, *_: seen.append(module.one_query_kernel))
     out = model.generate(ids, max_new_tokens=20, do_sample=False, output_scores=True, return_dict_in_generate=True)
     hook.remove()
-    assert seen and all(issubclass(cls, runtime_kvm.FastKVMAttention) for cls in seen)
-    assert type(model.model.layers[0].self_attn) is KVMAttention
+    assert seen and all(seen)
+    assert type(model.model.layers[0].self_attn) is KVMAttention and not model.model.layers[0].self_attn.one_query_kernel
     cache = KVMCache(model.config)
     scores = [model(ids, cache=cache).logits[:, -1]]
     for step in range(19):
@@ -94,12 +94,34 @@ def test_generate_runs_inside_runtime_speedups_and_agrees_with_stepping():
 
 def test_nested_blocks_leave_the_switch_to_the_outermost():
     model = random_model()
+    attention = model.model.layers[0].self_attn
     with model.runtime_speedups():
-        fast = type(model.model.layers[0].self_attn)
+        assert attention.one_query_kernel
         with model.runtime_speedups():
-            assert type(model.model.layers[0].self_attn) is fast
-        assert type(model.model.layers[0].self_attn) is fast
-    assert type(model.model.layers[0].self_attn) is KVMAttention
+            assert attention.one_query_kernel
+        assert attention.one_query_kernel
+    assert not attention.one_query_kernel and type(attention) is KVMAttention
+
+
+@torch.no_grad()
+def test_the_one_query_kernel_is_chosen_at_its_call_site_and_equals_the_plain_products(monkeypatch):
+    """With the flag on, a one-query float32 CPU step takes `one_query_attention` (and nothing else does);
+    its output equals the plain products'."""
+    model = random_model()
+    attention = model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(2, 4, 6, 16, generator=generator), torch.randn(2, 4, 6, 16, generator=generator)
+    state_keys, columns = torch.randn(2, 4, 3, 16, generator=generator), torch.randn(2, 4, 16, 3, generator=generator)
+    calls, kernel = [], modeling_kvm.one_query_attention
+    monkeypatch.setattr(modeling_kvm, "one_query_attention", lambda *args: calls.append(args[0].shape[2]) or kernel(*args))
+    for queries in (1, 6):
+        q = torch.randn(2, 4, queries, 16, generator=generator)
+        attention.one_query_kernel = False
+        plain = attention.attend_state_and_window(q, keys, values, state_keys, columns)
+        attention.one_query_kernel = True
+        fast = attention.attend_state_and_window(q, keys, values, state_keys, columns)
+        torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)
+    assert calls == [1]
 
 
 def test_training_inside_the_block_takes_the_plain_path():
@@ -127,6 +149,6 @@ def test_the_math_files_hold_no_runtime_tuning():
     """modeling_kvm names no mkldnn; state_kvm and onednn_linear import only torch (onednn_linear can serve
     any model folder)."""
     assert "mkldnn" not in inspect.getsource(modeling_kvm)
-    assert imported_modules(state_kvm) <= {"__future__", "collections.abc", "dataclasses", "torch",
-                                           "torch.nn.functional"}
+    assert imported_modules(state_kvm) <= {"__future__", "collections.abc", "dataclasses", "functools", "math",
+                                           "torch", "torch.nn.functional"}
     assert imported_modules(onednn_linear) <= {"__future__", "collections.abc", "contextlib", "torch"}

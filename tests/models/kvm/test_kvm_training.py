@@ -130,8 +130,9 @@ def test_training_attention_of_all_chunks_at_once_equals_the_chunk_loop(budget, 
         mask = torch.ones_like(ids)
         mask[1, :5] = 0
     calls = []
-    batched = modeling_kvm.attend_chunks_at_once
-    monkeypatch.setattr(modeling_kvm, "attend_chunks_at_once", lambda *args: calls.append(1) or batched(*args))
+    batched = modeling_kvm.KVMAttention.attend_chunks_at_once
+    monkeypatch.setattr(modeling_kvm.KVMAttention, "attend_chunks_at_once",
+                        lambda *args: calls.append(1) or batched(*args))
     loop_logits, loop_grads = logits_and_gradients(model, ids, mask, False, monkeypatch)
     assert not calls
     logits, grads = logits_and_gradients(model, ids, mask, True, monkeypatch)

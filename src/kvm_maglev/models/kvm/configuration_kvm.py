@@ -8,8 +8,6 @@ table in docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are re
 
 from __future__ import annotations
 
-import math
-
 import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging
@@ -23,6 +21,7 @@ if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.
 # ----- end of version guard -----
 
 from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields
+from .state_kvm import append_count, state_budget
 
 logger = logging.get_logger(__name__)
 
@@ -143,10 +142,6 @@ RESEARCH_ONLY_FIELDS = (
 )
 # Config fields that decide what a cache holds and how a model reads it.
 CACHE_CONFIG_FIELDS = cache_fields(KVM_FIELDS)
-
-
-def _round_down(value: int, multiple: int) -> int:
-    return (max(value, 0) // max(multiple, 1)) * max(multiple, 1)
 
 
 @declare_fields(KVM_FIELDS)
@@ -337,30 +332,17 @@ class KVMConfig(PretrainedConfig):
 
     # ---- state budget ---------------------------------------------------------------------
     def state_budget(self, context_len: int) -> int:
-        """Budget target of the state after `context_len` tokens, before the coverage cap."""
-        if self.state_budget_mode == "fixed":
-            target = self.state_budget_min
-        elif self.state_budget_mode == "power_law":
-            target = int(math.floor(self.state_budget_factor * float(max(context_len, 0)) ** self.state_budget_exponent))
-            target = max(_round_down(target, self.state_budget_round_to), self.state_budget_min)
-        else:
-            n, t = float(self.state_budget_saturation), float(max(context_len, 0))
-            target = int(math.floor(n * t / (n + t)))
-            target = max(_round_down(target, self.state_budget_round_to), self.state_budget_min)
-        return min(target, self.max_state_slots)
+        """Budget target of the state after `context_len` tokens, before the coverage cap (`state_kvm.state_budget`)."""
+        return state_budget(self, context_len)
 
     def state_slots_after(self, num_tokens: int) -> int:
-        """Closed-form state length of a KVM layer after `num_tokens` tokens (one row)."""
+        """Closed-form state length of a KVM layer after `num_tokens` tokens (one row): the first chunk's tokens,
+        then what `state_kvm.append_count` appends of each block that has left the window."""
         chunk, window = self.chunk_size, self.window_chunks
         slots = min(num_tokens, chunk)
-        if num_tokens <= window * chunk:
-            return slots
         # block j >= 1 enters the state when the first token of chunk j + window arrives
-        last_chunk = (num_tokens - 1) // chunk
-        for block in range(1, last_chunk - window + 1):
-            ctx_len = (block + window) * chunk
-            desired = min(self.state_budget(ctx_len), (block + 1) * chunk)
-            slots = max(slots, min(max(desired, slots), slots + chunk))
+        for block in range(1, (max(num_tokens, 1) - 1) // chunk - window + 1):
+            slots += append_count(self, block, slots)
         return slots
 
     def window_tokens_after(self, num_tokens: int) -> int:

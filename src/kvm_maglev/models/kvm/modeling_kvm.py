@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +32,8 @@ from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens,
 from .packed_documents import (boundary_kwargs, bucket_index, gather_bucket, length_buckets, packed_documents, refuse_packed_cache,
                                scatter_outputs)
 from .row_block_loss import RowBlockLossMixin
-from .runtime_kvm import advance_folds, attend_chunks_at_once, runtime_speedups, take_fold_ahead
-from .state_kvm import Overflow, fold_overflow, query_slice, readable_state, slot_norms, state_keys
+from .runtime_kvm import one_query_attention, prepare_next_fold, runtime_speedups, take_fold_ahead
+from .state_kvm import Fold, Overflow, append_count, query_slice, readable_state, run_fold, slot_norms, state_keys
 from .tensor_parallel import full_tensor, local_tensor
 
 logger = logging.get_logger(__name__)
@@ -264,16 +263,22 @@ class KVMAttention(KVMAttentionBase):
 
     @torch.compiler.disable
     def cached_step(self, plan: StepPlan, caches: list, q, k, v, gate) -> torch.Tensor:
-        """`run_chunks` on a cache, then the next fold computed ahead whatever steps the model (runtime_kvm).
-        Never compiled: traced, the cache's positions and buffer offsets become symbolic sizes, and inductor's
-        kernels for them returned NaN logits in decoding steps (greedy tokens other than eager's)."""
+        """`run_chunks` on a cache, then, without autograd, each cache's next fold computed ahead whatever steps
+        the model (runtime_kvm.prepare_next_fold); a forward that builds a graph folds at the boundary, as
+        training does. Never compiled: traced, the cache's positions and buffer offsets become symbolic sizes,
+        and inductor's kernels for them returned NaN logits in decoding steps (greedy tokens other than eager's)."""
         y = run_segments(plan, caches, self.run_chunks, q, k, v, gate)
-        advance_folds(self, caches, whole=q.shape[2] > 1)
+        if not torch.is_grad_enabled():
+            for cache in caches:
+                prepare_next_fold(self, cache, whole=q.shape[2] > 1)
         return y
 
     # Under autograd a fresh forward past the front window attends all its chunks in one call
-    # (runtime_kvm.attend_chunks_at_once); False keeps the chunk loop, the reference it equals.
+    # (`attend_chunks_at_once`); False keeps the chunk loop, the reference it equals.
     chunks_at_once = True
+    # Inside `runtime_speedups`: a one-query CPU float32 step takes runtime_kvm's matrix-vector products
+    # (`attend_state_and_window`); False keeps the plain products, the reference they equal.
+    one_query_kernel = False
 
     def run_chunks(self, cache: KVMLayerCache, q, k, v, gate) -> torch.Tensor:
         """Process one group's new tokens (any count, any cache state) chunk by chunk; returns [G, H, T, Dv].
@@ -299,9 +304,59 @@ class KVMAttention(KVMAttentionBase):
             else:
                 outputs.append(self.attend_state_and_window(q_piece, window_k, window_v, *state))
         if at_once:
-            return attend_chunks_at_once(q, self.query_heads(k), self.query_heads(v), reads, chunk, window_chunks,
-                                         self.temperature("window_temperature"), partial(attention, eager=self.eager))
+            return self.attend_chunks_at_once(q, self.query_heads(k), self.query_heads(v), reads)
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+
+    def attend_chunks_at_once(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reads: list) -> torch.Tensor:
+        """The chunk loop's attention over a fresh forward's tokens as one attention call: every chunk's
+        queries over its state (`reads[c]`: keys [G, H, slots, D] and value columns [G, H, Dv, slots] as
+        `read_state` gives them, None for the front chunks, which read no state) and its causal block window.
+
+        Chunks become a batch dimension: states are padded to the largest one and windows gathered as
+        `window_chunks` shifted copies of the blocks (zero blocks before the first), masked. q, k, v:
+        [G, H, T, D] (query heads); returns [G, H, T, Dv].
+        """
+        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
+        groups, heads, length, _ = q.shape
+        count = len(reads)  # chunks, the last one possibly partial
+
+        def blocks(x: torch.Tensor) -> torch.Tensor:  # [G, chunks, H, chunk, D], the layout attention takes
+            x = F.pad(x, (0, 0, 0, count * chunk - length))
+            return x.view(groups, heads, count, chunk, x.shape[-1]).transpose(1, 2)
+
+        def windows(x: torch.Tensor) -> torch.Tensor:  # [G, chunks, H, window_chunks * chunk, D]
+            x = F.pad(blocks(x), (0, 0, 0, 0, 0, 0, window_chunks - 1, 0))
+            return torch.cat([x[:, offset : offset + count] for offset in range(window_chunks)], dim=3)
+
+        # the window temperature scales keys here (the loop scales queries): the same logits
+        window_k, window_v = windows(k * self.temperature("window_temperature")), windows(v)
+        sizes = [0 if read is None else read[0].shape[2] for read in reads]
+        slots = max(sizes)
+
+        def stacked(index: int, dim: int) -> torch.Tensor:  # [G, chunks, H, slots, dim]: every chunk's state, padded
+            parts = []
+            for read in reads:
+                if read is None:
+                    parts.append(q.new_zeros(groups, heads, slots, dim))
+                    continue
+                part = read[index] if index == 0 else read[index].transpose(-1, -2)
+                parts.append(F.pad(part, (0, 0, 0, slots - part.shape[2])))
+            return torch.stack(parts, dim=1)
+
+        keys = torch.cat([stacked(0, k.shape[-1]), window_k], dim=3).flatten(0, 1)
+        values = torch.cat([stacked(1, v.shape[-1]), window_v], dim=3).flatten(0, 1)
+        # state slot s is seen by chunk c when the chunk has that many slots; window key m by query i when it is
+        # at or before the query and not before position 0
+        state_seen = torch.arange(slots, device=q.device) < torch.tensor(sizes, device=q.device).unsqueeze(1)
+        query = torch.arange(chunk, device=q.device).view(1, chunk, 1)
+        key = torch.arange(window_chunks * chunk, device=q.device).view(1, 1, -1)
+        first_block = (window_chunks - 1 - torch.arange(count, device=q.device)).clamp(min=0).view(count, 1, 1)
+        window_seen = (key <= query + (window_chunks - 1) * chunk) & (key >= first_block * chunk)
+        mask = torch.cat([state_seen.unsqueeze(1).expand(count, chunk, slots), window_seen], dim=2)
+        mask = mask.unsqueeze(1).repeat(groups, 1, 1, 1)  # [G * chunks, 1, chunk, keys]
+        y = attention(blocks(q).flatten(0, 1), keys, values, mask, self.eager)  # [G * chunks, H, chunk, Dv]
+        y = y.view(groups, count, heads, chunk, -1).transpose(1, 2).flatten(2, 3)
+        return y[:, :, :length]
 
     def chunk_pieces(self, cache: KVMLayerCache, length: int) -> list[tuple[int, int]]:
         """Absolute [pos, stop) of the pieces `length` new tokens are processed in: the front window (no
@@ -362,6 +417,9 @@ class KVMAttention(KVMAttentionBase):
         """
         scale = 1.0 / math.sqrt(q.shape[-1])
         window_q = q * self.temperature("window_temperature")
+        if self.one_query_kernel and q.shape[2] == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
+            # the same softmax as the products below, as matrix-vector products (runtime_kvm)
+            return one_query_attention(q, window_q, keys, values, state_keys, state_value_columns, scale)
         state_logits = torch.matmul(q, state_keys.transpose(-1, -2)).float()
         window_logits = torch.matmul(window_q, keys.transpose(-1, -2)).float()
         if q.shape[2] > 1:
@@ -384,16 +442,18 @@ class KVMAttention(KVMAttentionBase):
         cache.set_state(keys, values, norms)
 
     def fold_block(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> None:
-        """Fold window block `block` (>= 1), which is leaving the window, into the state; a fold computed
-        ahead from this state is swapped in (the same tensors bit for bit)."""
-        if take_fold_ahead(cache, block):
-            return
-        state = fold_overflow(
-            cache.state(), self.reference_keys(cache), self.overflow(cache, block, state_dtype),
-            self.append_count(block, cache.state_len), self.config.sink_slots, self.state_key_norm,
-            self.config.state_value_norms, self.merge_score_dtype(cache),
-        )
-        cache.set_state(*state)
+        """Fold window block `block` (>= 1), which is leaving the window, into the state, every stage at once;
+        a fold computed ahead from this state is swapped in (the same tensors bit for bit)."""
+        if not take_fold_ahead(cache, block):
+            cache.set_state(*run_fold(self.block_fold(cache, block, state_dtype)))
+
+    def block_fold(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> Fold:
+        """The fold of window block `block` into the cache's state, before its stages (state_kvm): the block
+        as the state takes it, the budget's appends, the routing dtype, and the state keys normed to read
+        this state when the cache has them (else normed at the first stage)."""
+        return Fold(cache.state(), cache.normed_state_keys(), self.overflow(cache, block, state_dtype),
+                    append_count(self.config, block, cache.state_len), self.config.sink_slots, self.state_key_norm,
+                    self.config.state_value_norms, self.merge_score_dtype(cache))
 
     def merge_score_dtype(self, cache: KVMLayerCache) -> torch.dtype:
         """dtype the merge routing is scored in (config.merge_routing_dtype): float32 or the finer state dtype,
@@ -414,18 +474,6 @@ class KVMAttention(KVMAttentionBase):
         if config.merge_gate_appends:
             return Overflow(keys, merge_keys, merge_values, merge_keys, merge_values)
         return Overflow(keys, keys, values, merge_keys, merge_values)
-
-    def append_count(self, block: int, slots: int) -> int:
-        """Tokens of block `block` appended to a `slots`-slot state: up to the budget of the context the
-        state then covers, at most what that context holds, at most the block."""
-        chunk = self.config.chunk_size
-        budget = self.config.state_budget((block + self.config.window_chunks) * chunk)
-        return min(max(min(budget, (block + 1) * chunk), slots) - slots, chunk)
-
-    def reference_keys(self, cache: KVMLayerCache) -> torch.Tensor:
-        """Layer-normed state keys, those normed to read this state when the cache has them."""
-        normed = cache.normed_state_keys()
-        return self.state_key_norm(cache.state_keys) if normed is None else normed
 
     def read_state(self, cache: KVMLayerCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """State keys and value columns as attention reads them; recomputed only when the state changed."""

@@ -1,12 +1,15 @@
 """Inference speed-ups for KVM models, kept apart from the math (modeling_kvm, state_kvm).
 
 Whatever steps the model (generate(), a server's own loop), a forward without autograd that has a cache
-computes ahead the fold of the block that leaves the window at the next chunk boundary, a stage every
-few decoding steps, so that the boundary step costs what any other step costs: the cache's layers carry
-the fold under way (`pending_fold`), `KVMAttention.forward` advances it and `fold_block` swaps it in.
+computes ahead the fold of the block that leaves the window at the next chunk boundary, one of
+state_kvm's fold stages every few decoding steps, so that the boundary step costs what any other step
+costs: the cache's layers carry the fold under way (`pending_fold`), `KVMAttention.cached_step` advances it
+(`prepare_next_fold`) and `KVMAttention.fold_block` swaps it in (`take_fold_ahead`).
 Inside `runtime_speedups(model)`, which `model.runtime_speedups()` returns and `generate()` opens, also:
 - linear layers compute on oneDNN, batched steps on blocked weight copies (onednn_linear);
-- a one-query decoding step on CPU in float32 reads the state and window as matrix-vector products.
+- a one-query decoding step on CPU in float32 reads the state and window as matrix-vector products
+  (`one_query_attention`, which `KVMAttention.attend_state_and_window` calls when its `one_query_kernel`
+  flag is on, beside the plain products it equals).
 Each computes what the plain path computes: the fold bit for bit, the others up to float rounding.
 Measurements behind them: docs/kvm_runtime_notes.md.
 """
@@ -14,24 +17,14 @@ Measurements behind them: docs/kvm_runtime_notes.md.
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable
+from collections.abc import Iterator
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .runtime_switch import speedups_switched_on
-from .state_kvm import (
-    Overflow,
-    append_slots,
-    merge_into_slots,
-    most_similar_slot,
-    novelty,
-    query_slice,
-    similarity_rows,
-)
+from .onednn_linear import onednn_linears
+from .state_kvm import Fold, fold_stages, query_slice
 
 
 def one_query_attention(q, window_q, keys, values, state_keys, state_value_columns, scale: float) -> torch.Tensor:
@@ -48,68 +41,6 @@ def one_query_attention(q, window_q, keys, values, state_keys, state_value_colum
     return state_part + (probs[..., slots:].transpose(-1, -2) * values).sum(dim=2, keepdim=True)
 
 
-class HeadFold:
-    """One head's share of a fold computed ahead: the steps of `state_kvm.fold_overflow`, each a stage."""
-
-    def __init__(self, attention, state: tuple, normed: torch.Tensor | None, block: Overflow, n_append: int,
-                 head: int, fold: "PacedFold") -> None:
-        self.attention, self.fold = attention, fold
-        self.heads = slice(head, head + 1)
-        self.state = tuple(t[:, self.heads] for t in state)
-        # layer-normed state keys: those at hand for reading this state, or normed at the first stage
-        self.reference = None if normed is None else normed[:, self.heads]
-        self.block = block.heads(self.heads)
-        self.n_append = n_append
-        self.scores: list[torch.Tensor] = []
-        self.merge_keys, self.merge_values = self.block.merge_keys, self.block.merge_values
-        self.slots: list[torch.Tensor] = []
-
-    def stages(self) -> list[Callable[[], None]]:
-        """The stages in order: novelty row blocks, appends, similarity row blocks, merge, read form."""
-        tokens, slots = self.block.keys.shape[2], self.state[0].shape[2]
-        appended = min(max(self.n_append, 0), tokens)
-        stages: list[Callable[[], None]] = []
-        if 0 < appended < tokens:
-            stages += [partial(self.rank, rows) for rows in similarity_rows(tokens, slots)]
-        if appended:
-            stages.append(self.append)
-        stages += [partial(self.match, rows) for rows in similarity_rows(tokens - appended, slots + appended)]
-        return stages + [self.merge, self.read]
-
-    def normed_state_keys(self) -> torch.Tensor:
-        if self.reference is None:
-            self.reference = self.attention.state_key_norm(self.state[0])
-        return self.reference
-
-    def rank(self, rows: slice) -> None:
-        self.scores.append(novelty(self.block.keys[:, :, rows], self.normed_state_keys()))
-
-    def append(self) -> None:
-        scores = torch.cat(self.scores, dim=2) if self.scores else None
-        append_keys, append_values, self.merge_keys, self.merge_values = self.block.split(self.n_append, scores)
-        self.state = append_slots(self.state, append_keys, append_values, self.attention.config.state_value_norms)
-        normalize = self.attention.state_key_norm
-        self.reference = torch.cat([self.normed_state_keys(), normalize(append_keys)], dim=2)
-
-    def match(self, rows: slice) -> None:
-        protected = min(self.attention.config.sink_slots, self.state[0].shape[2])
-        self.slots.append(most_similar_slot(self.merge_keys[:, :, rows], self.normed_state_keys(), protected,
-                                            self.fold.score_dtype))
-
-    def merge(self) -> None:
-        if self.slots:
-            slot = torch.cat(self.slots, dim=2)
-            self.state = merge_into_slots(self.state, self.merge_keys, self.merge_values, slot,
-                                          self.attention.config.state_value_norms)
-        self.fold.state = write_head(self.fold.state, self.state, self.heads, self.fold.num_heads)
-
-    def read(self) -> None:
-        normed = self.attention.state_key_norm(self.state[0])
-        read = self.attention.readable(self.state, normed, self.fold.dtype, self.heads)  # the group's query heads
-        group = self.attention.config.kv_group_size
-        self.fold.read = write_head(self.fold.read, read, query_slice(self.heads, group), self.fold.num_heads * group)
-
-
 def write_head(full: list[torch.Tensor] | None, part, heads: slice, num_heads: int) -> list[torch.Tensor]:
     """Write one head's tensors into the all-heads tensors, allocating those on the first head."""
     if full is None:
@@ -120,24 +51,31 @@ def write_head(full: list[torch.Tensor] | None, part, heads: slice, num_heads: i
 
 
 class PacedFold:
-    """The fold of window block `block` computed ahead of its chunk boundary, one stage per `advance()`,
-    from the state it started on; its stride spreads its stages over 7/8 of a chunk of decoding steps."""
+    """The fold of window block `block` computed ahead of its chunk boundary, from the state it started on:
+    head by head, state_kvm's `fold_stages` and then the head's read form, one stage per `advance()`; its
+    stride spreads the stages over 7/8 of a chunk of decoding steps."""
 
     def __init__(self, attention, cache, block: int) -> None:
         self.block, self.source = block, cache.state_keys
         self.dtype = cache.window.storage[0].dtype  # the read form's: the queries', as the window keys'
-        self.score_dtype = attention.merge_score_dtype(cache)
         self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
         self.read: list[torch.Tensor] | None = None  # their attention-ready form
-        overflow = attention.overflow(cache, block, cache.state_keys.dtype)
-        n_append = attention.append_count(block, cache.state_len)
+        whole = attention.block_fold(cache, block, cache.state_keys.dtype)
         self.num_heads = cache.state_keys.shape[1]  # key/value heads: the rank's own under tensor parallelism
-        heads = [HeadFold(attention, cache.state(), cache.normed_state_keys(), overflow, n_append, head, self)
-                 for head in range(self.num_heads)]
-        self.stages = [stage for head in heads for stage in head.stages()]
+        self.stages: list = []
+        for head in range(self.num_heads):
+            fold = whole.heads(slice(head, head + 1))
+            self.stages += fold_stages(fold) + [partial(self.write_result, attention, fold, slice(head, head + 1))]
         self.next_stage = 0
-        chunk = attention.config.chunk_size
-        self.stride = max(1, (chunk * 7 // 8) // (len(self.stages) + 1))  # one stride more for where it starts
+        self.stride = max(1, (attention.config.chunk_size * 7 // 8) // (len(self.stages) + 1))  # one more: the start
+
+    def write_result(self, attention, fold: Fold, heads: slice) -> None:
+        """Stage: one head's folded state and its read form (`KVMAttention.readable`, for the group's query
+        heads) written into the all-heads tensors."""
+        self.state = write_head(self.state, fold.state, heads, self.num_heads)
+        read = attention.readable(fold.state, attention.state_key_norm(fold.state[0]), self.dtype, heads)
+        group = attention.config.kv_group_size
+        self.read = write_head(self.read, read, query_slice(heads, group), self.num_heads * group)
 
     @property
     def done(self) -> bool:
@@ -171,15 +109,6 @@ def prepare_next_fold(attention, cache, whole: bool) -> None:
         fold.advance()
 
 
-def advance_folds(attention, caches, whole: bool) -> None:
-    """After a forward of `attention` without autograd: start or advance each layer cache's next fold
-    (`prepare_next_fold`); a forward that builds a graph folds at the boundary, as training does."""
-    if torch.is_grad_enabled():
-        return
-    for cache in caches:
-        prepare_next_fold(attention, cache, whole)
-
-
 def take_fold_ahead(cache, block: int) -> bool:
     """Swap in the fold computed ahead when it is block `block`'s, from the cache's current state; False
     when the caller must fold now."""
@@ -192,70 +121,18 @@ def take_fold_ahead(cache, block: int) -> bool:
     return True
 
 
-class FastKVMAttention:
-    """Mixed into a KVM attention module inside `runtime_speedups`: its speed-ups over the plain methods."""
-
-    def attend_state_and_window(self, q, keys, values, state_keys, state_value_columns) -> torch.Tensor:
-        if q.shape[2] == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
-            window_q = q * self.temperature("window_temperature")
-            return one_query_attention(q, window_q, keys, values, state_keys, state_value_columns,
-                                       1.0 / math.sqrt(q.shape[-1]))
-        return super().attend_state_and_window(q, keys, values, state_keys, state_value_columns)
-
-
-def runtime_speedups(model: nn.Module, attention_class: type) -> contextlib.AbstractContextManager:
-    """A block in which `model` runs with the speed-ups above (its `attention_class` modules take
-    FastKVMAttention's methods); on leaving it the model is plain again. Nested blocks are free."""
-    return speedups_switched_on(model, attention_class, FastKVMAttention)
-
-
-def attend_chunks_at_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reads: list, chunk: int,
-                          window_chunks: int, window_temperature: torch.Tensor | float, attend) -> torch.Tensor:
-    """`KVMAttention`'s chunk loop over a fresh forward's tokens as one attention call: every chunk's
-    queries over its state (`reads[c]`: keys [G, H, slots, D] and value columns [G, H, Dv, slots] as
-    `read_state` gives them, None for the front chunks, which read no state) and its causal block window.
-
-    Chunks become a batch dimension: states are padded to the largest one and windows gathered as
-    `window_chunks` shifted copies of the blocks (zero blocks before the first), masked. `attend(q, keys,
-    values, mask)` is the model's softmax attention. q, k, v: [G, H, T, D]; returns [G, H, T, Dv].
-    """
-    groups, heads, length, _ = q.shape
-    count = len(reads)  # chunks, the last one possibly partial
-
-    def blocks(x: torch.Tensor) -> torch.Tensor:  # [G, chunks, H, chunk, D], the layout attention takes
-        x = F.pad(x, (0, 0, 0, count * chunk - length))
-        return x.view(groups, heads, count, chunk, x.shape[-1]).transpose(1, 2)
-
-    def windows(x: torch.Tensor) -> torch.Tensor:  # [G, chunks, H, window_chunks * chunk, D]
-        x = F.pad(blocks(x), (0, 0, 0, 0, 0, 0, window_chunks - 1, 0))
-        return torch.cat([x[:, offset : offset + count] for offset in range(window_chunks)], dim=3)
-
-    # the window temperature scales keys here (the loop scales queries): the same logits
-    window_k, window_v = windows(k * window_temperature), windows(v)
-    sizes = [0 if read is None else read[0].shape[2] for read in reads]
-    slots = max(sizes)
-
-    def stacked(index: int, dim: int) -> torch.Tensor:  # [G, chunks, H, slots, dim]: every chunk's state, padded
-        parts = []
-        for read in reads:
-            if read is None:
-                parts.append(q.new_zeros(groups, heads, slots, dim))
-                continue
-            part = read[index] if index == 0 else read[index].transpose(-1, -2)
-            parts.append(F.pad(part, (0, 0, 0, slots - part.shape[2])))
-        return torch.stack(parts, dim=1)
-
-    keys = torch.cat([stacked(0, k.shape[-1]), window_k], dim=3).flatten(0, 1)
-    values = torch.cat([stacked(1, v.shape[-1]), window_v], dim=3).flatten(0, 1)
-    # state slot s is seen by chunk c when the chunk has that many slots; window key m by query i when it is at
-    # or before the query and not before position 0
-    state_seen = torch.arange(slots, device=q.device) < torch.tensor(sizes, device=q.device).unsqueeze(1)
-    query = torch.arange(chunk, device=q.device).view(1, chunk, 1)
-    key = torch.arange(window_chunks * chunk, device=q.device).view(1, 1, -1)
-    first_block = (window_chunks - 1 - torch.arange(count, device=q.device)).clamp(min=0).view(count, 1, 1)
-    window_seen = (key <= query + (window_chunks - 1) * chunk) & (key >= first_block * chunk)
-    mask = torch.cat([state_seen.unsqueeze(1).expand(count, chunk, slots), window_seen], dim=2)
-    mask = mask.unsqueeze(1).repeat(groups, 1, 1, 1)  # [G * chunks, 1, chunk, keys]
-    y = attend(blocks(q).flatten(0, 1), keys, values, mask)  # [G * chunks, H, chunk, Dv]
-    y = y.view(groups, count, heads, chunk, -1).transpose(1, 2).flatten(2, 3)
-    return y[:, :, :length]
+@contextlib.contextmanager
+def runtime_speedups(model: nn.Module, attention_class: type) -> Iterator[nn.Module]:
+    """A block in which `model` runs with the speed-ups above: its `attention_class` modules' `one_query_kernel`
+    flag on and its linear layers on oneDNN; on leaving it the model is plain again. Nested blocks leave
+    the switch to the outermost one."""
+    switched = [module for module in model.modules()
+                if isinstance(module, attention_class) and not module.one_query_kernel]
+    for attention in switched:
+        attention.one_query_kernel = True
+    try:
+        with onednn_linears(model):
+            yield model
+    finally:
+        for attention in switched:
+            del attention.one_query_kernel  # the class's default again

@@ -1,18 +1,22 @@
-"""The key-value-means state as small pure functions: no cache, no module, no device tuning.
+"""The key-value-means state: how big it may grow and how a block enters it, as small pure functions.
 
 A state is three tensors per layer: key sums [B, H, slots, D] (layer-normed, rotary channels zeroed),
 value sums [B, H, slots, Dv] and float32 value norms or merge counts [B, H, slots, 1], H the key/value heads
-(query heads of a group read their key/value head's state, `query_slice`). A block leaving
-the window enters it by `fold_overflow`: its most novel tokens are appended while the state is below
-its budget, the rest are added to their most similar slot (sink slots protected). Attention reads the
-state through `readable_state`. modeling_kvm calls these at once; runtime_kvm spreads the same calls
-over decoding steps.
+(query heads of a group read their key/value head's state, `query_slice`). How many slots it may have is the
+budget rule (`state_budget`, `append_count`). A block leaving the window enters it in stages (`Fold`):
+score the block's tokens against the slots (`score_overflow`), choose the most novel to append while the
+state is below its budget (`choose_appends`), append them (`append`), route the rest to their most similar
+slot (`route_merges`, sink slots protected) and add them to it (`merge`); attention reads the state
+renormalised (`readable_state`). `fold_overflow` runs a fold's stages at once (the full forward);
+runtime_kvm runs the same stages one per decoding step. No cache, no module, no device tuning.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -128,21 +132,138 @@ class Overflow:
                 gather_tokens(self.merge_keys, merge), gather_tokens(self.merge_values, merge))
 
 
+# ---- the budget rule -------------------------------------------------------------------------------
+def round_down(value: int, multiple: int) -> int:
+    """`value` (at least 0) rounded down to a multiple of `multiple`."""
+    return (max(value, 0) // max(multiple, 1)) * max(multiple, 1)
+
+
+def state_budget(config, context_len: int) -> int:
+    """Budget target of the state after `context_len` tokens (the config's `state_budget_*` fields), at most
+    `max_state_slots`, before the coverage cap of `append_count`."""
+    if config.state_budget_mode == "fixed":
+        target = config.state_budget_min
+    elif config.state_budget_mode == "power_law":
+        target = int(math.floor(config.state_budget_factor * float(max(context_len, 0)) ** config.state_budget_exponent))
+        target = max(round_down(target, config.state_budget_round_to), config.state_budget_min)
+    else:
+        n, t = float(config.state_budget_saturation), float(max(context_len, 0))
+        target = int(math.floor(n * t / (n + t)))
+        target = max(round_down(target, config.state_budget_round_to), config.state_budget_min)
+    return min(target, config.max_state_slots)
+
+
+def append_count(config, block: int, slots: int) -> int:
+    """Tokens of window block `block` (>= 1) appended to a `slots`-slot state: up to the budget of the context
+    the state then covers, at most what that context holds, at most the block; the rest are merged."""
+    chunk = config.chunk_size
+    budget = state_budget(config, (block + config.window_chunks) * chunk)
+    return min(max(min(budget, (block + 1) * chunk), slots) - slots, chunk)
+
+
+# ---- a block entering the state, in stages -----------------------------------------------------------
+@dataclass
+class Fold:
+    """A block's fold into a state under way: the state so far and what each stage has computed for the next.
+
+    `reference` holds the layer-normed keys of the state's slots (appended ones included); None until the
+    first stage that needs them norms them with `normalize`. Similarities run in `similarity_rows` blocks,
+    each its own stage, so that the stages of a fold computed at once or one per step are the same products.
+    """
+
+    state: State
+    reference: torch.Tensor | None
+    block: Overflow
+    n_append: int
+    sink_slots: int
+    normalize: Callable[[torch.Tensor], torch.Tensor]
+    value_norms: bool
+    score_dtype: torch.dtype | None = None  # routing similarities' dtype (None: the keys')
+    scores: list[torch.Tensor] = field(default_factory=list)  # novelty of the block's tokens, row block by block
+    merge_keys: torch.Tensor | None = None  # the tokens to merge, once chosen
+    merge_values: torch.Tensor | None = None
+    append_keys: torch.Tensor | None = None  # the tokens to append, once chosen
+    append_values: torch.Tensor | None = None
+    slots: list[torch.Tensor] = field(default_factory=list)  # each merge token's slot, row block by block
+
+    @property
+    def appended(self) -> int:
+        """How many of the block's tokens become new slots."""
+        return min(max(self.n_append, 0), self.block.keys.shape[2])
+
+    def reference_keys(self) -> torch.Tensor:
+        """Layer-normed keys of the state's slots, normed at the first call when none were given."""
+        if self.reference is None:
+            self.reference = self.normalize(self.state[0])
+        return self.reference
+
+    def heads(self, heads: slice) -> "Fold":
+        """The fold of key/value heads `heads` alone (before any stage has run)."""
+        return Fold(tuple(t[:, heads] for t in self.state), None if self.reference is None else self.reference[:, heads],
+                    self.block.heads(heads), self.n_append, self.sink_slots, self.normalize, self.value_norms,
+                    self.score_dtype)
+
+
+def score_overflow(fold: Fold, rows: slice) -> None:
+    """Stage: the novelty of block tokens `rows` against the state's slots."""
+    fold.scores.append(novelty(fold.block.keys[:, :, rows], fold.reference_keys()))
+
+
+def choose_appends(fold: Fold) -> None:
+    """Stage: the tokens to append, the most novel while the state is below its budget, and those to merge."""
+    scores = torch.cat(fold.scores, dim=2) if fold.scores else None
+    fold.append_keys, fold.append_values, fold.merge_keys, fold.merge_values = fold.block.split(fold.n_append, scores)
+
+
+def append(fold: Fold) -> None:
+    """Stage: the chosen tokens become new slots, and their normed keys join the reference merges route by."""
+    reference = fold.reference_keys()
+    fold.state = append_slots(fold.state, fold.append_keys, fold.append_values, fold.value_norms)
+    fold.reference = torch.cat([reference, fold.normalize(fold.append_keys)], dim=2)
+
+
+def route_merges(fold: Fold, rows: slice) -> None:
+    """Stage: the slot each of merge tokens `rows` enters, its most similar one past the sink slots."""
+    protected = min(fold.sink_slots, fold.state[0].shape[2])
+    fold.slots.append(most_similar_slot(fold.merge_keys[:, :, rows], fold.reference_keys(), protected,
+                                        fold.score_dtype))
+
+
+def merge(fold: Fold) -> None:
+    """Stage: the merge tokens added to their slots."""
+    if fold.slots:
+        fold.state = merge_into_slots(fold.state, fold.merge_keys, fold.merge_values, torch.cat(fold.slots, dim=2),
+                                      fold.value_norms)
+
+
+def fold_stages(fold: Fold) -> list[Callable[[], None]]:
+    """The stages of `fold` in order: novelty row blocks (when some but not all tokens are appended), the
+    choice, the append (when any), routing row blocks, the merge."""
+    tokens, slots, appended = fold.block.keys.shape[2], fold.state[0].shape[2], fold.appended
+    stages: list[Callable[[], None]] = []
+    if 0 < appended < tokens:
+        stages += [partial(score_overflow, fold, rows) for rows in similarity_rows(tokens, slots)]
+    stages.append(partial(choose_appends, fold))
+    if appended:
+        stages.append(partial(append, fold))
+    stages += [partial(route_merges, fold, rows) for rows in similarity_rows(tokens - appended, slots + appended)]
+    return stages + [partial(merge, fold)]
+
+
 def fold_overflow(state: State, reference: torch.Tensor, block: Overflow, n_append: int, sink_slots: int,
                   normalize: Callable[[torch.Tensor], torch.Tensor], value_norms: bool,
                   score_dtype: torch.dtype | None = None) -> State:
-    """The state after `block` enters it: its `n_append` most novel tokens (by similarity to `reference`,
-    the layer-normed state keys) become new slots, the others merge into their most similar slot (similarities
-    scored in `score_dtype`)."""
-    scores = novelty(block.keys, reference) if 0 < n_append < block.keys.shape[2] else None
-    append_keys, append_values, merge_keys, merge_values = block.split(n_append, scores)
-    if append_keys.shape[2]:
-        state = append_slots(state, append_keys, append_values, value_norms)
-        reference = torch.cat([reference, normalize(append_keys)], dim=2)
-    if merge_keys.shape[2] == 0:
-        return state
-    slot = most_similar_slot(merge_keys, reference, min(sink_slots, state[0].shape[2]), score_dtype)
-    return merge_into_slots(state, merge_keys, merge_values, slot, value_norms)
+    """The state after `block` enters it, every stage at once: its `n_append` most novel tokens (by similarity
+    to `reference`, the layer-normed state keys) become new slots, the others merge into their most similar
+    slot (similarities scored in `score_dtype`)."""
+    return run_fold(Fold(state, reference, block, n_append, sink_slots, normalize, value_norms, score_dtype))
+
+
+def run_fold(fold: Fold) -> State:
+    """The state after every stage of `fold`, run at once."""
+    for stage in fold_stages(fold):
+        stage()
+    return fold.state
 
 
 def query_slice(kv_heads: slice, group: int) -> slice:
