@@ -85,8 +85,10 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 def plain_forward(model):
-    """The model's own forward, under TRL's patch (which only changes a call that passes `fused_lm_head=True`)."""
-    return lambda **kwargs: model(**kwargs, fused_lm_head=False)
+    """The model's own forward, also under TRL's patch (which only changes a call that passes `fused_lm_head=True`)."""
+    if "forward" in vars(model):  # patched by TRL
+        return lambda **kwargs: model(**kwargs, fused_lm_head=False)
+    return lambda **kwargs: model(**kwargs)
 
 
 class Recorder:
@@ -99,6 +101,21 @@ class Recorder:
         result = self.function(*args, **kwargs)
         self.calls.append((args, kwargs, result, torch.is_grad_enabled()))
         return result if self.transform is None else self.transform(result)
+
+
+class CallList(list):
+    handle = None
+
+
+def record_calls(model) -> CallList:
+    """Every call of the model (TRL's patched forward included): (args, kwargs, output, grad enabled)."""
+    calls = CallList()
+
+    def hook(module, args, kwargs, output):
+        calls.append((args, dict(kwargs), output, torch.is_grad_enabled()))
+
+    calls.handle = model.register_forward_hook(hook, with_kwargs=True)
+    return calls
 
 
 # ----- SFT ------------------------------------------------------------------------------------------------------
@@ -146,3 +163,114 @@ def test_sft_first_loss_equals_the_documents_run_alone_and_steps_lower_it(kind, 
     fresh = tiny_model(kind, tokenizer)
     assert losses[0] == pytest.approx(per_document_loss(fresh, docs), abs=ATOL)
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.05, losses
+
+
+# ----- DPO ------------------------------------------------------------------------------------------------------
+def preference_pairs(count: int) -> datasets.Dataset:
+    lines = support.corpus_lines()
+    rows = [(" ".join(lines[i].split()[:6]), " ".join(lines[i].split()[6:12]), " ".join(lines[i + 1].split()[6:10]))
+            for i in range(count)]
+    return datasets.Dataset.from_dict({key: [row[j] for row in rows] for j, key in
+                                       enumerate(("prompt", "chosen", "rejected"))})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dpo_log_probs_are_the_models_own_and_steps_run(kind, tmp_path):
+    tokenizer = tokenizer_for(kind)
+    model = tiny_model(kind, tokenizer)
+    args = DPOConfig(**common_args(tmp_path, per_device_train_batch_size=2, max_steps=2), beta=0.1,
+                     gradient_checkpointing=False, max_length=64)
+    reference = tiny_model(kind, tokenizer)  # TRL would reload the model by name; ours are built here
+    trainer = DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=preference_pairs(4),
+                         processing_class=tokenizer)
+    calls = record_calls(model)
+    trainer.train()
+    calls.handle.remove()
+    fused = [call for call in calls if call[1].get("fused_lm_head")]
+    assert fused, "DPO scored nothing through the model"
+    # the first call ran on the initial weights (a fresh model with the same seed has them): the chosen and
+    # rejected rows of both pairs, in one forward, score as the model's own plain forward scores them
+    _, kwargs, output, _ = fused[0]
+    labels = kwargs["labels"]
+    assert labels.shape[0] == 4
+    inputs = {key: value for key, value in kwargs.items() if key not in ("labels", "fused_lm_head")}
+    with torch.no_grad():
+        logits = plain_forward(tiny_model(kind, tokenizer))(**inputs).logits
+    mask = labels[:, 1:] != -100
+    own = token_log_probs(logits[:, :-1], labels[:, 1:].clamp(min=0))
+    difference = (output.log_probs.detach()[mask] - own[mask]).abs().max().item()
+    assert difference < ATOL, difference
+    print(f"DPO {kind}: max |TRL - own| log-prob {difference:.2e}")
+    assert all(torch.isfinite(torch.tensor(entry["loss"])) for entry in trainer.state.log_history if "loss" in entry)
+
+
+# ----- GRPO -----------------------------------------------------------------------------------------------------
+def length_reward(completions, **kwargs) -> list[float]:
+    """Any reward will do: the test checks the log-probs and ratios, not what is learned."""
+    return [float(len(completion)) for completion in completions]
+
+
+def run_grpo(kind: str, tmp_path, **config_overrides):
+    """Two GRPO steps on four prompts (two completions each, sampled by the model's own generate()), recording what
+    generate() sampled from (its raw logits) and every per-token log-prob TRL computed (no-grad: the old policy;
+    with grad: the loss's). Two iterations per generation make TRL score the old policy itself."""
+    tokenizer = tokenizer_for(kind)
+    model = tiny_model(kind, tokenizer, **config_overrides)
+    prompts = [" ".join(line.split()[:5]) for line in documents(4)]
+    args = GRPOConfig(**common_args(tmp_path, per_device_train_batch_size=4, max_steps=2), num_generations=2,
+                      max_completion_length=8, num_iterations=2, temperature=0.9, top_k=0, top_p=1.0,
+                      gradient_checkpointing=False, beta=0.0)
+    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=args,
+                          train_dataset=datasets.Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
+    sampled = []
+    generate = model.generate
+
+    def generate_with_logits(*args, **kwargs):
+        out = generate(*args, **kwargs, output_logits=True, return_dict_in_generate=True)
+        sampled.append((out.sequences, torch.stack(out.logits, dim=1)))
+        return out.sequences
+
+    model.generate = generate_with_logits
+    scored = Recorder(trainer._get_per_token_logps_and_entropies)
+    trainer._get_per_token_logps_and_entropies = scored
+    trainer.train()
+    return trainer, sampled, scored.calls
+
+
+def scored_rows(call):
+    """(input ids, attention mask, per-token log-probs) of one recorded `_get_per_token_logps_and_entropies` call."""
+    args, kwargs, (log_probs, _, _), _ = call
+    names = ("input_ids", "attention_mask")
+    values = dict(zip(names, args[1:3]), **{name: kwargs[name] for name in names if name in kwargs})
+    return values["input_ids"], values["attention_mask"], log_probs
+
+
+def sampled_log_probs(sequences, logits, temperature: float):
+    """log p(sampled token) under the distribution generate() sampled from (raw logits / temperature)."""
+    completion = sequences[:, -logits.shape[1]:]
+    return token_log_probs(logits / temperature, completion)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grpo_log_probs_equal_generate_and_first_ratios_are_one(kind, tmp_path):
+    # KVM soft-caps here too, so TRL must read the cap under transformers' name; Maglev scores with P recurrent
+    overrides = dict(logit_softcap=10.0) if kind == "kvm" else dict(training_forward="recurrent")
+    trainer, sampled, scored = run_grpo(kind, tmp_path, **overrides)
+    sequences, logits = sampled[0]
+    old = [call for call in scored if not call[3]]
+    new = [call for call in scored if call[3]]
+    assert old and new, "TRL computed no old-policy log-probs (num_iterations > 1 should make it)"
+    old_ids, old_mask, old_log_probs = scored_rows(old[0])
+    width = logits.shape[1]
+    assert torch.equal(old_ids[:, -width:], sequences[:, -width:])  # TRL scored what generate() sampled
+    mask = old_mask[:, -width:].bool()
+    behaviour = sampled_log_probs(sequences, logits, 0.9)
+    difference = (old_log_probs[mask] - behaviour[mask]).abs().max().item()
+    assert difference < ATOL, difference
+    # the loss's log-probs at the first step: same weights, so every importance ratio is 1 (TRL shuffles the rows)
+    new_ids, _, new_log_probs = scored_rows(new[0])
+    order = [next(i for i in range(len(old_ids)) if torch.equal(old_ids[i], row)) for row in new_ids]
+    ratio = torch.exp(new_log_probs.detach() - old_log_probs[order])[mask[order]]
+    assert (ratio - 1).abs().max().item() < ATOL
+    print(f"GRPO {kind}: max |TRL - generate| log-prob {difference:.2e}, max |ratio - 1| "
+          f"{(ratio - 1).abs().max().item():.2e}")
