@@ -36,6 +36,7 @@ setup(
             "matplotlib>=3.7",
             "tqdm>=4",
             "parameterized>=0.9",  # transformers' own test_modeling_common.py, run by the suite
+            "trl==1.16.0",  # tests/ecosystem/test_ecosystem_trl.py: SFT (packed), DPO and GRPO as a client
         ],
     },
     entry_points={"console_scripts": ["kvm-maglev=kvm_maglev.cli:main"]},

@@ -241,6 +241,10 @@ def convert_state_dict(
             converted[ours] = value
     if unknown:
         raise ValueError(f"checkpoint keys with no mapping (use --key-map): {sorted(unknown)[:10]}")
+    head = converted.get("lm_head.weight")
+    if head is not None and not config.lm_head_padded and head.shape[0] > config.head_rows:
+        # nanochat pads the head's rows; ours has exactly vocab_size (padded rows never get probability mass)
+        converted["lm_head.weight"] = head[: config.head_rows]
     return converted
 
 

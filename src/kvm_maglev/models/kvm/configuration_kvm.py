@@ -189,6 +189,17 @@ class KVMConfig(PretrainedConfig):
                 self.num_key_value_heads = self.num_attention_heads
         self.validate_kvm()
 
+    # transformers' name for the softcap, which TRL's fused log-prob head reads: None there means off, where
+    # `logit_softcap` (the research field, stored) uses 0; TRL would read a 0 as a cap of 1.
+    @property
+    def final_logit_softcapping(self) -> float | None:
+        """The logit softcap under transformers' name: `logit_softcap`, None when it is 0 (off)."""
+        return self.logit_softcap or None
+
+    @final_logit_softcapping.setter
+    def final_logit_softcapping(self, value: float | None) -> None:
+        self.logit_softcap = 0.0 if value is None else float(value)
+
     # ---- derived sizes -------------------------------------------------------------------
     @property
     def qk_head_dim(self) -> int:

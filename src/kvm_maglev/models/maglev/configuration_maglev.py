@@ -24,6 +24,7 @@ from .config_fields import ConfigField, assign_fields, cache_fields, declare_fie
 WINDOW_LETTERS = "SL"
 CONSISTENCY_LOSSES = ("mse", "cosine")
 MEMORY_PREFILL_MODES = ("recurrent", "prefiller")
+TRAINING_FORWARDS = ("lifted", "recurrent")
 WEIGHT_INITS = ("nanochat", "torch")
 
 # In `__init__` order (positional arguments follow it).
@@ -32,6 +33,10 @@ MAGLEV_FIELDS = (
                 cache=True),
     ConfigField("pad_vocab_size_to", int, 64, "embedding / lm_head rows padded to a multiple of this "
                 "(resize_token_embeddings sets 1: it gives the rows asked for)", cache=True),
+    ConfigField("lm_head_padded", bool | None, None, "lm_head rows padded like the embeddings (None: true for "
+                "configs saved before this field, whose heads from_pretrained unpads; false for new ones): false "
+                "gives exactly vocab_size rows, so a library that reads the head's weight (TRL's fused log-prob "
+                "head) normalises over real ids only"),
     ConfigField("hidden_size", int, 768, "model width; also the memory dimension", "model_config.n_embd", cache=True),
     ConfigField("intermediate_size", int | None, None, "relu^2 MLP width (None: 4 * hidden_size)", cache=True),
     ConfigField("num_hidden_layers", int, 12, "decoder layers", "model_config.n_layer", cache=True),
@@ -80,6 +85,9 @@ MAGLEV_FIELDS = (
                 "maglev.consistency_detach_target"),
     ConfigField("memory_prefill", str, "recurrent", 'prompt processing: "recurrent" (token after token) or '
                 '"prefiller" (needs Q)'),
+    ConfigField("training_forward", str, "lifted", 'forwards in training mode or with labels: "lifted" (lifted '
+                'parallel training: Q feeds P, when Q is kept) or "recurrent" (P alone fed its own memory, the '
+                "distribution generate() samples from: scoring samples, e.g. TRL's GRPO)"),
     ConfigField("memory_source_layer", int | None, None, "block whose output the memory is read from (None: the "
                 "head input)", "maglev.memory_source_layer", cache=True),
     ConfigField("memory_projection", bool, False, "memory m = rms_norm(W_m source), a learned projection",
@@ -145,6 +153,9 @@ class MaglevConfig(PretrainedConfig):
             self.sequence_len = self.max_position_embeddings
         if self.backout_layer is None:
             self.backout_layer = self.num_hidden_layers // 2
+        if self.lm_head_padded is None:
+            # a saved config (it carries transformers_version) from before the field has a padded head
+            self.lm_head_padded = "transformers_version" in kwargs
         super().__init__(**kwargs)
         self.validate_maglev()
 
@@ -193,6 +204,8 @@ class MaglevConfig(PretrainedConfig):
             raise ValueError(f"consistency_weight must be >= 0, got {self.consistency_weight}")
         if self.memory_prefill not in MEMORY_PREFILL_MODES:
             raise ValueError(f"memory_prefill must be one of {MEMORY_PREFILL_MODES}, got {self.memory_prefill!r}")
+        if self.training_forward not in TRAINING_FORWARDS:
+            raise ValueError(f"training_forward must be one of {TRAINING_FORWARDS}, got {self.training_forward!r}")
         if self.memory_prefill == "prefiller" and not (self.use_memory and self.has_prefiller):
             raise ValueError("memory_prefill='prefiller' needs use_memory=true and the prefiller's weights "
                              "(has_prefiller=true); convert with --keep-prefiller")
@@ -248,6 +261,16 @@ class MaglevConfig(PretrainedConfig):
     def padded_vocab_size(self) -> int:
         """Rows of the embedding and lm_head tables (nanochat pads for efficiency)."""
         return math.ceil(self.vocab_size / self.pad_vocab_size_to) * self.pad_vocab_size_to
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of lm_head: vocab_size, or the padded rows of a head saved before `lm_head_padded` existed."""
+        return self.padded_vocab_size if self.lm_head_padded else self.vocab_size
+
+    @property
+    def embedding_rows(self) -> int:
+        """Rows of embed_tokens: padded, except when tied to an unpadded head (one table)."""
+        return self.head_rows if self.tie_word_embeddings else self.padded_vocab_size
 
     @property
     def separate_prefiller(self) -> bool:

@@ -383,7 +383,7 @@ class MaglevModel(MaglevPreTrainedModel):
         config.validate_maglev()  # from_pretrained(..., field=value) sets fields after the config's checks
         super().__init__(config)
         rows, bound = config.padded_vocab_size, uniform_bound(config)
-        self.embed_tokens = with_init(nn.Embedding(rows, config.hidden_size), "normal", 1.0)
+        self.embed_tokens = with_init(nn.Embedding(config.embedding_rows, config.hidden_size), "normal", 1.0)
         self.value_embeddings = nn.ModuleDict({
             str(i): with_init(nn.Embedding(rows, config.kv_dim), "uniform", bound)
             for i in range(config.num_hidden_layers) if config.has_value_embedding(i)
@@ -695,8 +695,8 @@ class MaglevModel(MaglevPreTrainedModel):
         memory_inputs: torch.Tensor | None = None,
         **kwargs,
     ) -> MaglevModelOutput:
-        """`lifted` (default: in training mode) runs lifted parallel training when the prefiller is
-        kept; `memory_inputs` (tests, research) runs P in parallel on the given `mu`.
+        """`lifted` (default: in training mode, unless `config.training_forward` is "recurrent") runs lifted
+        parallel training when the prefiller is kept; `memory_inputs` (tests, research) runs P in parallel on the given `mu`.
 
         Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
         and the model is strictly causal (right padding needs no mask). `position_ids`, when given, must be
@@ -730,8 +730,8 @@ class MaglevModel(MaglevPreTrainedModel):
             cache.prepare(batch, memories_like(self), memory_init)
         if position_ids is not None:
             self.check_positions(position_ids, cache, valid, input_ids)
-        if lifted is None:
-            lifted = self.training
+        if lifted is None:  # config.training_forward says which distribution training-mode forwards score
+            lifted = self.training and config.training_forward == "lifted"
         hidden_states = [] if output_hidden_states else None
         prefiller_memories = consistency_loss = pass_heads = None
 
@@ -838,9 +838,46 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
     def __init__(self, config: MaglevConfig):
         super().__init__(config)
         self.model = MaglevModel(config)
-        self.lm_head = with_init(nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False),
-                                 "normal", 0.001)
+        # exactly vocab_size rows (config.head_rows) unless loaded from a padded save: libraries read this
+        # weight directly (TRL's fused log-prob head) and would give padded rows probability mass
+        self.lm_head = with_init(nn.Linear(config.hidden_size, config.head_rows, bias=False), "normal", 0.001)
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' from_pretrained; a head saved with padded rows (before `lm_head_padded`) is unpadded."""
+        model = super().from_pretrained(*args, **kwargs)
+        if isinstance(model, MaglevForCausalLM):  # output_loading_info=True returns a tuple
+            model.unpad_lm_head()
+        elif isinstance(model, tuple) and isinstance(model[0], MaglevForCausalLM):
+            model[0].unpad_lm_head()
+        return model
+
+    def unpad_lm_head(self) -> bool:
+        """Drop lm_head's padded rows (and a tied embedding's), keeping the real ids' rows; returns whether it did.
+        Heads whose weight is not a plain local tensor (sharded, offloaded, on the meta device) stay as they are."""
+        weight = self.lm_head.weight
+        rows = self.config.vocab_size
+        if weight.shape[0] == rows:
+            self.config.lm_head_padded = False
+            return False
+        if type(weight.data) is not torch.Tensor or weight.is_meta or hasattr(self.lm_head, "_hf_hook"):
+            return False
+        tied = self.config.tie_word_embeddings
+        head = with_init(nn.Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype),
+                         self.lm_head.init_kind, self.lm_head.init_value)
+        head.weight = nn.Parameter(weight.detach()[:rows].clone(), requires_grad=weight.requires_grad)
+        head._is_hf_initialized = True
+        self.lm_head = head
+        if tied:
+            old = self.get_input_embeddings()
+            table = with_init(nn.Embedding(rows, old.weight.shape[1], device=weight.device, dtype=old.weight.dtype),
+                              old.init_kind, old.init_value)
+            table.weight = head.weight
+            table._is_hf_initialized = True
+            self.set_input_embeddings(table)
+        self.config.lm_head_padded = False
+        return True
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -891,7 +928,8 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         **kwargs,
     ) -> MaglevCausalLMOutput:
         """Training forward (labels given or training mode): lifted parallel training with the
-        consistency loss; otherwise inference with `config.memory_prefill`. `return_dict=False` (argument or
+        consistency loss, or with `config.training_forward="recurrent"` P alone fed its own memory (what
+        generate() samples from); otherwise inference with `config.memory_prefill`. `return_dict=False` (argument or
         config) returns the tuple."""
         cache = take_cache(past_key_values, kwargs.pop("cache", None))
         kwargs.pop("cache_position", None)
@@ -905,7 +943,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
-            lifted=training,
+            lifted=training and self.config.training_forward == "lifted",
             memory_inputs=memory_inputs,
             return_dict=True,
             **boundary_kwargs(kwargs),
