@@ -162,3 +162,15 @@ def test_vllm_serve_answers_completions(folder, reference):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
     assert server.returncode is not None
+
+
+def test_kvm_folders_are_refused_with_the_reason(tmp_path):
+    from vllm import LLM
+
+    from kvm_maglev import KVMConfig, KVMForCausalLM
+
+    folder = tmp_path / "kvm"
+    KVMForCausalLM(KVMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             chunk_size=8)).save_pretrained(folder)
+    with pytest.raises(Exception, match="KVMForCausalLM is not served on vLLM by kvm_maglev yet"):
+        LLM(model=str(folder), **ENGINE, skip_tokenizer_init=True)

@@ -27,4 +27,7 @@ def register() -> None:
             ModelRegistry.register_model(architecture, target)
         MODELS_CONFIG_MAP[architecture] = RecurrentStateServing
     for architecture in NOT_SERVED:
-        MODELS_CONFIG_MAP.setdefault(architecture, Unserved)
+        # registered so that vLLM reaches the config check that names the reason, not its list of architectures
+        if architecture not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(architecture, "kvm_maglev.vllm.unserved:VllmUnservedModel")
+        MODELS_CONFIG_MAP[architecture] = Unserved
