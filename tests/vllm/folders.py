@@ -1,0 +1,51 @@
+"""Tiny random-weight converted folders (config, safetensors, tokenizer) for the vLLM tests and benchmark."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 97
+
+
+def tiny_tokenizer(vocab: int = VOCAB):
+    """A word-level tokenizer of `vocab` ids: vLLM's server needs one in the folder to detokenize."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token=f"w{vocab - 1}",
+                                   bos_token="w1")
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random (gates and memory projections included), so that no feature is a no-op."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2:
+                std = 1.0 if "embed" in name else param.shape[1] ** -0.5
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+            elif "residual_lambdas" in name:
+                param.copy_(0.8 + 0.4 * torch.rand(param.shape, generator=generator))
+            else:
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def make_maglev_folder(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A converted-style Maglev folder: window 8, 3 layers, GQA, every nanochat feature on, random weights."""
+    from kvm_maglev import MaglevConfig, MaglevForCausalLM
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, window_pattern="SL", sliding_window=8,
+                  prefiller_window_pattern="SL", memory_gate_channels=12, has_prefiller=False)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = randomize(MaglevForCausalLM(MaglevConfig(**fields)), seed).eval()
+    model.save_pretrained(folder)
+    tiny_tokenizer(fields["vocab_size"]).save_pretrained(folder)
+    return folder
