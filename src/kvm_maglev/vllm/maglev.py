@@ -117,7 +117,10 @@ class VllmMaglevForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             outputs = self.model(input_ids=tokens, attention_mask=None if min(lengths) == width else valid.long(),
                                  past_key_values=cache, use_cache=True, return_dict=True)
         self.scatter(layers, cache)
-        return outputs.last_hidden_state[valid]
+        # one row per input position: vLLM may pad the token count past the scheduled tokens (rows left at zero)
+        hidden = outputs.last_hidden_state.new_zeros(input_ids.shape[0], self.config.hidden_size)
+        hidden[:starts[-1]] = outputs.last_hidden_state[valid]
+        return hidden
 
     def gather(self, layers, row_positions: torch.Tensor) -> MaglevCache:
         """A MaglevCache whose rows are the scheduled requests' pages; rows at position 0 start fresh."""
