@@ -82,7 +82,8 @@ def test_resize_round_trips_and_keeps_old_ids(tmp_path, name, resize):
     assert (loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight) == tied
     for key, table in token_tables(loaded).items():
         assert torch.equal(table, token_tables(model)[key]), key
-    assert torch.allclose(loaded(with_new).logits, logits, atol=1e-6)
+    # same weights; a reloaded model's hidden states can differ by float rounding (7e-7 seen), times the head
+    assert torch.allclose(loaded(with_new).logits, logits, atol=1e-5)
 
 
 @torch.no_grad()

@@ -31,8 +31,8 @@ WEIGHT_INITS = ("nanochat", "torch")
 MAGLEV_FIELDS = (
     ConfigField("vocab_size", int, 32768, "tokenizer size; logits are sliced to it", "model_config.vocab_size",
                 cache=True),
-    ConfigField("pad_vocab_size_to", int, 64, "embedding / lm_head rows padded to a multiple of this "
-                "(resize_token_embeddings sets 1: it gives the rows asked for)", cache=True),
+    ConfigField("pad_vocab_size_to", int, 64, "embedding rows (lm_head's too when lm_head_padded) padded to a "
+                "multiple of this (resize_token_embeddings sets 1: it gives the rows asked for)", cache=True),
     ConfigField("lm_head_padded", bool | None, None, "lm_head rows padded like the embeddings (None: true for "
                 "configs saved before this field, whose heads from_pretrained unpads; false for new ones): false "
                 "gives exactly vocab_size rows, so a library that reads the head's weight (TRL's fused log-prob "

@@ -861,6 +861,8 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         if weight.shape[0] == rows:
             self.config.lm_head_padded = False
             return False
+        if weight.shape[0] < rows:  # a shard of the head (tensor parallelism): its rows are not the padding
+            return False
         if type(weight.data) is not torch.Tensor or weight.is_meta or hasattr(self.lm_head, "_hf_hook"):
             return False
         tied = self.config.tie_word_embeddings
