@@ -74,7 +74,7 @@ class VllmMaglevForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         self.config = config
         dtype = vllm_config.model_config.dtype
         self.model = MaglevModel(config).to(dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False, dtype=dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.head_rows, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         slots = ring_slots(config, vllm_config.model_config.max_model_len)
