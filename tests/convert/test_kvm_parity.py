@@ -57,23 +57,27 @@ def full_and_cached_run(model, reference: dict):
     return full, out, torch.cat(decoded, dim=1), state_len
 
 
+def assert_matches_reference(model, reference: dict, label: str) -> None:
+    """Full forward and cached decode equal the reference's float32-rotary logits, with the same state lengths;
+    the errors against the research code as run (bf16 roundings) are printed for the record."""
+    full, out, decoded, state_len = full_and_cached_run(model, reference)
+    errors = {name: (ours - reference[key]).abs().max().item() for name, ours, key in (
+        ("full", full, "logits_full_fp32rope"), ("decode", decoded, "decode_logits_fp32rope"),
+        ("full as run", full, "logits_full"), ("decode as run", decoded, "decode_logits"))}
+    print(f"\n[{label}] max abs error: " + ", ".join(f"{name} {error:.2e}" for name, error in errors.items()))
+    assert errors["full"] <= TOLERANCE
+    assert errors["decode"] <= TOLERANCE
+    assert torch.equal(torch.tensor(state_len), reference["state_len"])
+    # the cached prefill logits are the full forward's
+    assert torch.allclose(out.logits, full[:, : out.logits.shape[1]], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case", CASES)
 def test_parity_with_research(case, form, converted, data_dir):
     reference = load_file(str(data_dir / "kvm" / case / "reference.safetensors"))
     model = KVMForCausalLM.from_pretrained(converted(case, form), dtype=torch.float32).eval()
-    full, out, decoded, state_len = full_and_cached_run(model, reference)
-    full_err = (full - reference["logits_full_fp32rope"]).abs().max().item()
-    decode_err = (decoded - reference["decode_logits_fp32rope"]).abs().max().item()
-    as_run_err = (full - reference["logits_full"]).abs().max().item()
-    as_run_decode_err = (decoded - reference["decode_logits"]).abs().max().item()
-    print(f"\n[{case}/{form}] max abs error: full vs fp32rope {full_err:.2e}, decode vs fp32rope {decode_err:.2e}; "
-          f"vs research as run (bf16 roundings): full {as_run_err:.2e}, decode {as_run_decode_err:.2e}")
-    assert full_err <= TOLERANCE
-    assert decode_err <= TOLERANCE
-    assert torch.equal(torch.tensor(state_len), reference["state_len"])
-    # the cached prefill logits are the full forward's
-    assert torch.allclose(out.logits, full[:, : out.logits.shape[1]], atol=1e-5, rtol=0)
+    assert_matches_reference(model, reference, f"{case}/{form}")
 
 
 def test_both_forms_give_the_same_weights(converted):

@@ -17,7 +17,7 @@ from kvm_maglev.cli import main
 from kvm_maglev.convert.kvm import (CHANGED_DEFAULTS, convert, kvm_config_from_research, read_research_checkpoint,
                                     research_commit_of)
 from kvm_maglev.models.kvm import KVMForCausalLM
-from tests.convert.test_kvm_parity import full_and_cached_run
+from tests.convert.test_kvm_parity import assert_matches_reference
 from tests.returned_cache import returned_cache
 
 CASES = ("kvm_gqa_fixed", "kvm_upstream_fixed")
@@ -50,15 +50,7 @@ def converted(data_dir, tmp_path_factory):
 def test_parity_with_upstream_research(case, form, converted, data_dir):
     reference = load_file(str(data_dir / "kvm_upstream" / case / "reference.safetensors"))
     model = KVMForCausalLM.from_pretrained(converted(case, form), dtype=torch.float32).eval()
-    full, out, decoded, state_len = full_and_cached_run(model, reference)
-    full_err = (full - reference["logits_full_fp32rope"]).abs().max().item()
-    decode_err = (decoded - reference["decode_logits_fp32rope"]).abs().max().item()
-    print(f"\n[{case}/{form}] max abs error: full {full_err:.2e}, decode {decode_err:.2e}; vs research as run: "
-          f"full {(full - reference['logits_full']).abs().max().item():.2e}")
-    assert full_err <= TOLERANCE
-    assert decode_err <= TOLERANCE
-    assert torch.equal(torch.tensor(state_len), reference["state_len"])
-    assert torch.allclose(out.logits, full[:, : out.logits.shape[1]], atol=1e-5, rtol=0)
+    assert_matches_reference(model, reference, f"{case}/{form}")
 
 
 def test_gqa_case_keeps_state_per_key_value_head(converted):

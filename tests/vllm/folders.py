@@ -1,10 +1,12 @@
-"""Tiny random-weight converted folders (config, safetensors, tokenizer) for the vLLM tests and benchmark."""
+"""Tiny random-weight converted folders (config, safetensors, tokenizer) for the vLLM tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+
+from tests.models.maglev.test_maglev_model import randomize
 
 VOCAB = 97
 
@@ -19,21 +21,6 @@ def tiny_tokenizer(vocab: int = VOCAB):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token=f"w{vocab - 1}",
                                    bos_token="w1")
-
-
-def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Every parameter random (gates and memory projections included), so that no feature is a no-op."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 2:
-                std = 1.0 if "embed" in name else param.shape[1] ** -0.5
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
-            elif "residual_lambdas" in name:
-                param.copy_(0.8 + 0.4 * torch.rand(param.shape, generator=generator))
-            else:
-                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
-    return model
 
 
 def make_maglev_folder(folder: Path, seed: int = 0, **overrides) -> Path:
