@@ -169,7 +169,7 @@ def test_fold_overflow_matches_the_research_update(n_append, gates, value_norms,
     gate_keys, gate_values, gate_appends = gates
     merge_k, merge_v = (k * gate if gate_keys else k), (v * gate if gate_values else v)
     block = Overflow(k, merge_k if gate_appends else k, merge_v if gate_appends else v, merge_k, merge_v)
-    ours = state_kvm.fold_overflow(state, norm(state[0]), block, n_append, sink, norm, value_norms)
+    ours = state_kvm.run_fold(state_kvm.Fold(state, norm(state[0]), block, n_append, sink, norm, value_norms))
     theirs = research_update(state, k, v, gate, n_append, sink, norm, gate_keys, gate_values, gate_appends,
                              value_norms)
     for a, b in zip(ours, theirs):

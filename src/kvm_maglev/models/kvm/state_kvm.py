@@ -7,7 +7,7 @@ budget rule (`state_budget`, `append_count`). A block leaving the window enters 
 score the block's tokens against the slots (`score_overflow`), choose the most novel to append while the
 state is below its budget (`choose_appends`), append them (`append`), route the rest to their most similar
 slot (`route_merges`, sink slots protected) and add them to it (`merge`); attention reads the state
-renormalised (`readable_state`). `fold_overflow` runs a fold's stages at once (the full forward);
+renormalised (`readable_state`). `run_fold` runs a fold's stages at once (the full forward);
 runtime_kvm runs the same stages one per decoding step. No cache, no module, no device tuning.
 """
 
@@ -248,15 +248,6 @@ def fold_stages(fold: Fold) -> list[Callable[[], None]]:
         stages.append(partial(append, fold))
     stages += [partial(route_merges, fold, rows) for rows in similarity_rows(tokens - appended, slots + appended)]
     return stages + [partial(merge, fold)]
-
-
-def fold_overflow(state: State, reference: torch.Tensor, block: Overflow, n_append: int, sink_slots: int,
-                  normalize: Callable[[torch.Tensor], torch.Tensor], value_norms: bool,
-                  score_dtype: torch.dtype | None = None) -> State:
-    """The state after `block` enters it, every stage at once: its `n_append` most novel tokens (by similarity
-    to `reference`, the layer-normed state keys) become new slots, the others merge into their most similar
-    slot (similarities scored in `score_dtype`)."""
-    return run_fold(Fold(state, reference, block, n_append, sink_slots, normalize, value_norms, score_dtype))
 
 
 def run_fold(fold: Fold) -> State:
