@@ -1,4 +1,5 @@
-"""The models' linear layers (oneDNN for float32 CPU inference) compute what nn.Linear computes."""
+"""The models' linear layers (oneDNN for float32 CPU inference) compute what nn.Linear computes, and choose
+oneDNN only with their `onednn` flag on."""
 
 import pytest
 import torch
@@ -12,12 +13,18 @@ OneDNNLinear, MaglevOneDNNLinear = onednn_linear.OneDNNLinear, maglev_onednn_lin
 SHAPES = [(1, 1), (2, 1), (8, 1), (1, 7), (3, 20), (70, 1), (0, 3)]
 
 
+def switched_on(layer):
+    """`layer` with its oneDNN call site chosen, as `onednn_linears()` chooses it."""
+    layer.onednn = True
+    return layer
+
+
 @pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_inference_matches_linear(linear_class, shape, bias):
     torch.manual_seed(0)
-    layer = linear_class(512, 601, bias=bias)  # above ONEDNN_MIN_WEIGHTS: the oneDNN path
+    layer = switched_on(linear_class(512, 601, bias=bias))  # above ONEDNN_MIN_WEIGHTS: the oneDNN path
     x = torch.randn(*shape, 512)
     with torch.no_grad():
         out = layer(x)
@@ -28,7 +35,7 @@ def test_inference_matches_linear(linear_class, shape, bias):
 
 @pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 def test_non_contiguous_input(linear_class):
-    layer = linear_class(512, 601, bias=False)
+    layer = switched_on(linear_class(512, 601, bias=False))
     x = torch.randn(4, 1024)[:, ::2]
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
@@ -37,15 +44,15 @@ def test_non_contiguous_input(linear_class):
 @pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 def test_training_bfloat16_small_layers_and_no_onednn_take_nn_linear(linear_class, monkeypatch):
     torch.manual_seed(0)
-    layer = linear_class(512, 601, bias=False)
+    layer = switched_on(linear_class(512, 601, bias=False))
     x = torch.randn(3, 512, requires_grad=True)
     out = layer(x)
     assert torch.equal(out, torch.nn.functional.linear(x, layer.weight))
     grads = torch.autograd.grad(out.sum(), (x, layer.weight))
     assert all(g is not None for g in grads)
-    half = linear_class(512, 601, bias=False).to(torch.bfloat16)
+    half = switched_on(linear_class(512, 601, bias=False).to(torch.bfloat16))
     xb = torch.randn(4, 512, dtype=torch.bfloat16)
-    small = linear_class(16, 40, bias=False)
+    small = switched_on(linear_class(16, 40, bias=False))
     xs = torch.randn(4, 16)
     with torch.no_grad():
         assert torch.equal(half(xb), torch.nn.functional.linear(xb, half.weight))
@@ -54,6 +61,43 @@ def test_training_bfloat16_small_layers_and_no_onednn_take_nn_linear(linear_clas
     monkeypatch.setattr(module, "ONEDNN_LINEAR", None)
     with torch.no_grad():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+
+
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
+def test_the_flag_chooses_the_product(linear_class, monkeypatch):
+    """Flag off (the class default, outside `onednn_linears()`): nn.Linear's product bit for bit and no oneDNN
+    call; flag on: the oneDNN call, equal up to rounding."""
+    torch.manual_seed(0)
+    layer = linear_class(512, 601, bias=True)
+    x = torch.randn(3, 512)
+    module = packing_module(linear_class)
+    if module.ONEDNN_LINEAR is None:
+        pytest.skip("torch built without oneDNN")
+    calls, real = [], module.ONEDNN_LINEAR
+    monkeypatch.setattr(module, "ONEDNN_LINEAR", lambda *args: calls.append(args[0].shape) or real(*args))
+    with torch.no_grad():
+        plain = layer(x)
+        assert not calls and torch.equal(plain, torch.nn.functional.linear(x, layer.weight, layer.bias))
+        fast = switched_on(layer)(x)
+    assert calls == [(3, 512)]
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
+def test_a_resized_head_shares_its_parameters(linear_class):
+    """transformers' resize builds an nn.Linear head; `sharing_parameters` makes it one of the models' layers
+    holding the very same parameters (other modules pass through)."""
+    module = packing_module(linear_class)
+    plain = torch.nn.Linear(8, 5)
+    plain._is_hf_initialized = True
+    layer = module.sharing_parameters(plain)
+    assert type(layer) is linear_class and layer.weight is plain.weight and layer.bias is plain.bias
+    assert layer._is_hf_initialized and not layer.onednn
+    x = torch.randn(2, 8)
+    assert torch.equal(layer(x), plain(x))
+    assert module.sharing_parameters(layer) is layer
+    embedding = torch.nn.Embedding(3, 4)
+    assert module.sharing_parameters(embedding) is embedding
 
 
 def test_onednn_is_used_on_this_machine():
@@ -75,9 +119,8 @@ def test_blocked_copy_matches_linear(linear_class, rows):
     if packing_module(linear_class).ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")
     torch.manual_seed(0)
-    layer = linear_class(512, 601, bias=True)
+    layer = switched_on(linear_class(512, 601, bias=True))
     x = torch.randn(rows, 512)
-    layer.packing = 1
     with torch.inference_mode():
         out = layer(x)
     assert (layer.packed is not None) == (1 < rows <= 64)
@@ -89,9 +132,8 @@ def test_blocked_copy_follows_in_place_writes(linear_class):
     if packing_module(linear_class).ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")
     torch.manual_seed(0)
-    layer = linear_class(512, 601, bias=False)
+    layer = switched_on(linear_class(512, 601, bias=False))
     x = torch.randn(8, 512)
-    layer.packing = 1
     with torch.no_grad():
         layer(x)
         layer.weight.mul_(-2.0)
@@ -134,7 +176,7 @@ def test_batched_generate_reads_blocked_copies_and_agrees(name, monkeypatch):
     monkeypatch.setattr(module, "ONEDNN_PACK", lambda weight, rows: packs.append(rows) or real_pack(weight, rows))
     packed = model.generate(ids, **settings)
     assert packs == [3]  # the head only (the other layers are small), once for the whole generation
-    assert getattr(model.lm_head, "packed", None) is None and getattr(model.lm_head, "packing", 0) == 0
+    assert model.lm_head.packed is None and not model.lm_head.onednn
     monkeypatch.setattr(module, "ONEDNN_PACK", None)
     plain = model.generate(ids, **settings)
     assert torch.equal(packed.sequences, plain.sequences)
@@ -149,14 +191,14 @@ def test_nested_packing_blocks_free_the_copy_at_the_outermost_end():
         with model.runtime_speedups():
             model.lm_head(torch.randn(4, 32))
         assert model.lm_head.packed is not None
-    assert type(model.lm_head) is torch.nn.Linear and "packed" not in vars(model.lm_head)
+    assert not model.lm_head.onednn and "packed" not in vars(model.lm_head)
 
 
 @pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 def test_torch_compile_leaves_the_product_to_inductor(linear_class):
     """Inductor cannot lower a oneDNN call on a weight it does not own; compiled, the layer is nn.Linear."""
     torch.manual_seed(0)
-    layer = linear_class(512, 601)
+    layer = switched_on(linear_class(512, 601))
     x = torch.randn(3, 512)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(layer)(x), torch.nn.functional.linear(x, layer.weight, layer.bias),

@@ -19,7 +19,7 @@ COMMON_DIR = MODELS_DIR / "common"
 SHARED_MODULES: dict[str, tuple[str, ...]] = {
     "config_fields.py": ("kvm", "maglev"),
     "onednn_linear.py": ("kvm", "maglev"),
-    "runtime_switch.py": ("maglev",),
+    "runtime_switch.py": ("kvm", "maglev"),
     "saved_cache.py": ("kvm", "maglev"),
     "model_inputs.py": ("kvm", "maglev"),
     "generation_cache.py": ("kvm", "maglev"),

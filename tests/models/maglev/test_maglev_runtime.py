@@ -39,8 +39,7 @@ def test_speedups_equal_the_plain_path(overrides):
 
     plain_logits, plain_state = run()
     with model.runtime_speedups():
-        assert all(type(m).__name__ == "FastMaglevAttention" for m in model.modules()
-                   if isinstance(m, MaglevAttention))
+        assert all(m.one_query_kernel for m in model.modules() if isinstance(m, MaglevAttention))
         fast_logits, fast_state = run()
     real = mask.bool()
     torch.testing.assert_close(fast_logits[real], plain_logits[real], rtol=1e-5, atol=1e-5)
@@ -49,10 +48,41 @@ def test_speedups_equal_the_plain_path(overrides):
 
 
 def test_speedups_leave_the_model_plain():
+    """The block sets the flags that choose the fast paths and leaves them to the outermost block; no module
+    changes class."""
     model = tiny()
+    attentions = [m for m in model.modules() if isinstance(m, MaglevAttention)]
     with model.runtime_speedups():
         with model.runtime_speedups():
-            assert isinstance(model.lm_head, OneDNNLinear)
-        assert isinstance(model.lm_head, OneDNNLinear)
-    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.init_kind == "normal"
-    assert all(type(m) is MaglevAttention for m in model.modules() if isinstance(m, MaglevAttention))
+            assert model.lm_head.onednn and all(m.one_query_kernel for m in attentions)
+        assert model.lm_head.onednn and all(m.one_query_kernel for m in attentions)
+    assert type(model.lm_head) is OneDNNLinear and not model.lm_head.onednn and model.lm_head.init_kind == "normal"
+    assert all(type(m) is MaglevAttention and not m.one_query_kernel for m in attentions)
+
+
+@torch.no_grad()
+def test_the_one_query_kernel_is_chosen_at_its_call_site(monkeypatch):
+    """With the flag on, a one-token step over the ring takes `one_query_attention` (a longer chunk does not)
+    and equals the plain attention."""
+    from kvm_maglev.models.maglev import modeling_maglev
+
+    model = tiny(use_memory=False)
+    ids = torch.randint(1, 97, (2, 14), generator=torch.Generator().manual_seed(3))
+    calls, kernel = [], modeling_maglev.one_query_attention
+    monkeypatch.setattr(modeling_maglev, "one_query_attention",
+                        lambda *args: calls.append(args[0].shape[2]) or kernel(*args))
+
+    def run(flag: bool):
+        for attention in (m for m in model.modules() if isinstance(m, MaglevAttention)):
+            attention.one_query_kernel = flag
+        out = model(ids[:, :10], use_cache=True)
+        cache = getattr(out, CACHE_NAME)
+        logits = [model(ids[:, 10:12], past_key_values=cache).logits]
+        logits += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(12, 14)]
+        return torch.cat(logits, dim=1)
+
+    plain = run(False)
+    assert not calls
+    fast = run(True)
+    assert calls and set(calls) == {1}
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
-"""oneDNN products for the nn.Linear layers of a model during float32 CPU inference.
+"""The models' linear layer, whose product is chosen in its forward: oneDNN's during float32 CPU inference
+inside `onednn_linears()`, nn.Linear's (the reference) everywhere else.
 
 Decoding reads every weight once per step, and oneDNN reads them at about twice the memory bandwidth of
 MKL's one-row product; batched steps (2-64 rows) read a copy of each weight in oneDNN's blocked layout.
@@ -12,6 +13,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # torch's oneDNN linear (what torch.compile emits for CPU linears); None where torch is built without oneDNN
@@ -24,24 +26,31 @@ ONEDNN_MIN_WEIGHTS = 1 << 18
 PACKED_MAX_ROWS = 64
 
 
+def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether oneDNN computes `x @ weight^T`: float32 on CPU, no autograd, not compiling (inductor picks the
+    kernel: it cannot lower a oneDNN call on a weight it does not own), a large contiguous weight."""
+    return (ONEDNN_LINEAR is not None and weight.numel() >= ONEDNN_MIN_WEIGHTS and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.is_contiguous())
+
+
 class OneDNNLinear(nn.Linear):
-    """nn.Linear computing on oneDNN when it can: float32 on CPU, no autograd, not compiling, a large weight.
+    """nn.Linear (same parameters, same state dict) whose forward chooses the product: oneDNN's when its
+    `onednn` flag is on (`onednn_linears()` sets it) and `onednn_applies`, nn.Linear's otherwise. Products
+    of 2-64 rows read a blocked copy of the weight, made on first use and remade if the weight changes."""
 
-    A layer is one only inside `onednn_linears()`; everything else takes nn.Linear's path. Products of
-    2-64 rows read a blocked copy of the weight, made on first use and remade if the weight changes.
-    """
-
+    onednn = False  # the class default: nn.Linear's product
     packed: tuple | None = None  # (weight's identity, its blocked copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        # under torch.compile inductor picks the kernel (it cannot lower a oneDNN call on a weight it does not own)
-        if (ONEDNN_LINEAR is None or weight.numel() < ONEDNN_MIN_WEIGHTS or torch.is_grad_enabled()
-                or torch.compiler.is_compiling()
-                or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-                or not weight.is_contiguous()):
-            return super().forward(x)
+        if self.onednn and onednn_applies(x, self.weight):
+            return self.onednn_product(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def onednn_product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ weight^T + bias` on oneDNN, 2-64 rows against the blocked copy."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()
+        weight = self.weight
         if ONEDNN_PACK is not None and 1 < rows.shape[0] <= PACKED_MAX_ROWS:
             weight = self.blocked_weight(rows.shape[0])
         return ONEDNN_LINEAR(rows, weight, self.bias, "none", [], "").view(*x.shape[:-1], self.out_features)
@@ -54,17 +63,29 @@ class OneDNNLinear(nn.Linear):
         return self.packed[1]
 
 
+def sharing_parameters(linear: nn.Module) -> nn.Module:
+    """A plain nn.Linear (a head transformers' resize built) as a OneDNNLinear holding the same parameters;
+    any other module unchanged."""
+    if type(linear) is not nn.Linear:
+        return linear
+    layer = OneDNNLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    layer.weight, layer.bias = linear.weight, linear.bias
+    if hasattr(linear, "_is_hf_initialized"):
+        layer._is_hf_initialized = linear._is_hf_initialized
+    return layer
+
+
 @contextlib.contextmanager
 def onednn_linears(model: nn.Module) -> Iterator[None]:
-    """A block in which the plain nn.Linear layers of `model` are OneDNNLinear; blocked copies are freed at
-    its end. Nested blocks leave the layers to the outermost one. Weights written through `.data` inside
-    the block go unseen by the copies."""
-    linears = [module for module in model.modules() if type(module) is nn.Linear]
+    """A block in which the OneDNNLinear layers of `model` have their `onednn` flag on; blocked copies are
+    freed at its end. Nested blocks leave the layers to the outermost one. Weights written through `.data`
+    inside the block go unseen by the copies."""
+    linears = [module for module in model.modules() if isinstance(module, OneDNNLinear) and not module.onednn]
     for linear in linears:
-        linear.__class__ = OneDNNLinear
+        linear.onednn = True
     try:
         yield
     finally:
         for linear in linears:
-            linear.__class__ = nn.Linear
+            del linear.onednn  # the class's default again
             linear.__dict__.pop("packed", None)

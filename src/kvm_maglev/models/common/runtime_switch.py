@@ -1,4 +1,9 @@
-"""The switch that turns a model's inference speed-ups on for a block and leaves the model plain after it."""
+"""The switch that turns a model's inference speed-ups on for a block and leaves the model plain after it.
+
+Each speed-up is chosen at one call site by a flag the block sets: an attention module's `one_query_kernel`
+(read where it attends) and each OneDNNLinear's `onednn` (read in its forward); outside the block both are
+the class defaults and the plain path runs.
+"""
 
 from __future__ import annotations
 
@@ -9,26 +14,19 @@ from torch import nn
 
 from .onednn_linear import onednn_linears
 
-FAST_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def fast_class(cls: type, fast_methods: type) -> type:
-    """`cls` with the methods of `fast_methods` in front (they call the plain ones through super), made once."""
-    if (cls, fast_methods) not in FAST_CLASSES:
-        FAST_CLASSES[cls, fast_methods] = type(f"Fast{cls.__name__}", (fast_methods, cls), {})
-    return FAST_CLASSES[cls, fast_methods]
-
 
 @contextlib.contextmanager
-def speedups_switched_on(model: nn.Module, attention_class: type, fast_methods: type) -> Iterator[nn.Module]:
-    """A block in which `model`'s `attention_class` modules take `fast_methods`' methods and its linear layers
-    compute on oneDNN; on leaving it the model is plain again. Nested blocks are free."""
-    attentions = [module for module in model.modules() if type(module) is attention_class]
-    for attention in attentions:
-        attention.__class__ = fast_class(attention_class, fast_methods)
+def runtime_speedups(model: nn.Module, attention_class: type) -> Iterator[nn.Module]:
+    """A block in which `model`'s `attention_class` modules have their `one_query_kernel` flag on and its
+    linear layers compute on oneDNN; on leaving it the model is plain again. Nested blocks leave the switch
+    to the outermost one."""
+    switched = [module for module in model.modules()
+                if isinstance(module, attention_class) and not module.one_query_kernel]
+    for attention in switched:
+        attention.one_query_kernel = True
     try:
         with onednn_linears(model):
             yield model
     finally:
-        for attention in attentions:
-            attention.__class__ = attention_class
+        for attention in switched:
+            del attention.one_query_kernel  # the class's default again

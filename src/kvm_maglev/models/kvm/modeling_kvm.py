@@ -31,8 +31,10 @@ from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
 from .packed_documents import (boundary_kwargs, bucket_index, gather_bucket, length_buckets, packed_documents, refuse_packed_cache,
                                scatter_outputs)
+from .onednn_linear import OneDNNLinear, sharing_parameters
 from .row_block_loss import RowBlockLossMixin
-from .runtime_kvm import one_query_attention, prepare_next_fold, runtime_speedups, take_fold_ahead
+from .runtime_kvm import one_query_attention, prepare_next_fold, take_fold_ahead
+from .runtime_switch import runtime_speedups
 from .state_kvm import Fold, Overflow, append_count, query_slice, readable_state, run_fold, slot_norms, state_keys
 from .tensor_parallel import full_tensor, local_tensor
 
@@ -128,10 +130,10 @@ class KVMAttentionBase(nn.Module):
         self.value_head_dim = config.v_head_dim
         qk, kk, vv = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim,
                       self.kv_heads * self.value_head_dim)
-        self.q_proj = nn.Linear(config.hidden_size, qk, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kk, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, vv, bias=False)
-        self.o_proj = zero_initialised(nn.Linear(self.num_heads * self.value_head_dim, config.hidden_size, bias=False))
+        self.q_proj = OneDNNLinear(config.hidden_size, qk, bias=False)
+        self.k_proj = OneDNNLinear(config.hidden_size, kk, bias=False)
+        self.v_proj = OneDNNLinear(config.hidden_size, vv, bias=False)
+        self.o_proj = zero_initialised(OneDNNLinear(self.num_heads * self.value_head_dim, config.hidden_size, bias=False))
         self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.token_shift_on = token_shift_on
@@ -147,8 +149,8 @@ class KVMAttentionBase(nn.Module):
         elif self.value_residual_mode != "none":
             rank = value_residual_rank(config.hidden_size)
             self.value_gate_bias = nn.Parameter(torch.zeros(1, 1, vv))
-            self.value_gate_down = zero_initialised(nn.Linear(config.hidden_size, rank, bias=False))
-            self.value_gate_up = nn.Linear(rank, vv, bias=False)
+            self.value_gate_down = zero_initialised(OneDNNLinear(config.hidden_size, rank, bias=False))
+            self.value_gate_up = OneDNNLinear(rank, vv, bias=False)
 
     def value_gate(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(local_tensor(self.value_gate_bias) + self.value_gate_up(self.value_gate_down(x)))
@@ -234,7 +236,7 @@ class KVMAttention(KVMAttentionBase):
         self.state_key_norm = KVMStateKeyNorm(self.head_dim, eps=config.layer_norm_eps)
         self.gated = config.merge_gate_keys or config.merge_gate_values
         if self.gated:
-            self.merge_gate_proj = nn.Linear(config.hidden_size, self.kv_heads, bias=False)  # one per state
+            self.merge_gate_proj = OneDNNLinear(config.hidden_size, self.kv_heads, bias=False)  # one per state
         if config.head_temperatures:
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
@@ -501,8 +503,8 @@ class KVMMLP(nn.Module):
     def __init__(self, config: KVMConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.up_proj = nn.Linear(config.hidden_size, config.ffn_size, bias=False)
-        self.down_proj = zero_initialised(nn.Linear(config.ffn_size, config.hidden_size, bias=False))
+        self.up_proj = OneDNNLinear(config.hidden_size, config.ffn_size, bias=False)
+        self.down_proj = zero_initialised(OneDNNLinear(config.ffn_size, config.hidden_size, bias=False))
         self.token_shift_on = config.ffn_token_shift
         if self.token_shift_on:
             self.shift = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
@@ -767,7 +769,7 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
     def __init__(self, config: KVMConfig):
         super().__init__(config)
         self.model = KVMModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = OneDNNLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -781,6 +783,10 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
+
+    def _get_resized_lm_head(self, *args, **kwargs) -> nn.Module:
+        """transformers' resized head (an nn.Linear) as a OneDNNLinear: the model's layers choose their product."""
+        return sharing_parameters(super()._get_resized_lm_head(*args, **kwargs))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head, then tanh soft-capping when the config sets a cap."""

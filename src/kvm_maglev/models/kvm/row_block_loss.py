@@ -9,12 +9,14 @@ instead of the logits, `row_block_logits_and_loss` makes the logits and the loss
 goes from each block of rows straight to the gradients of the hidden states and the weight: no [tokens,
 vocab] gradient at all. For a training pass whose logits nobody reads, `row_block_head_loss` never holds
 the logits either. Same loss and gradients up to float rounding; transformers' own function is the
-reference (tests/models/test_row_block_loss.py). Imports only torch.
+reference (tests/models/test_row_block_loss.py). Imports only torch and its sibling onednn_linear.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .onednn_linear import OneDNNLinear
 
 # elements of one block's float32 temporaries (16 MB): small enough to be reused from the heap, not mapped anew
 BLOCK_ELEMENTS = 1 << 22
@@ -151,9 +153,10 @@ class RowBlockHeadCrossEntropy(torch.autograd.Function):
 
 
 def is_plain_linear(module: torch.nn.Module) -> bool:
-    """Whether `module` is an nn.Linear whose weight can be used outside its forward: no adapter class, no
-    hooks (DeepSpeed ZeRO-3 gathers weights in them, accelerate moves them), not a sharded tensor."""
-    return (type(module) is torch.nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+    """Whether `module` is an nn.Linear (or the models' OneDNNLinear, nn.Linear's product under autograd) whose
+    weight can be used outside its forward: no adapter class, no hooks (DeepSpeed ZeRO-3 gathers weights in
+    them, accelerate moves them), not a sharded tensor."""
+    return (type(module) in (torch.nn.Linear, OneDNNLinear) and not module._forward_hooks and not module._forward_pre_hooks
             and not hasattr(module, "_hf_hook") and type(module.weight.data) is torch.Tensor)
 
 

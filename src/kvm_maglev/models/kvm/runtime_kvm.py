@@ -5,7 +5,7 @@ computes ahead the fold of the block that leaves the window at the next chunk bo
 state_kvm's fold stages every few decoding steps, so that the boundary step costs what any other step
 costs: the cache's layers carry the fold under way (`pending_fold`), `KVMAttention.cached_step` advances it
 (`prepare_next_fold`) and `KVMAttention.fold_block` swaps it in (`take_fold_ahead`).
-Inside `runtime_speedups(model)`, which `model.runtime_speedups()` returns and `generate()` opens, also:
+Inside `model.runtime_speedups()` (runtime_switch), which `generate()` opens, also:
 - linear layers compute on oneDNN, batched steps on blocked weight copies (onednn_linear);
 - a one-query decoding step on CPU in float32 reads the state and window as matrix-vector products
   (`one_query_attention`, which `KVMAttention.attend_state_and_window` calls when its `one_query_kernel`
@@ -16,14 +16,10 @@ Measurements behind them: docs/kvm_runtime_notes.md.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from functools import partial
 
 import torch
-from torch import nn
 
-from .onednn_linear import onednn_linears
 from .state_kvm import Fold, fold_stages, query_slice
 
 
@@ -119,20 +115,3 @@ def take_fold_ahead(cache, block: int) -> bool:
     cache.set_state(*fold.state)
     cache.read_cache = tuple(fold.read)
     return True
-
-
-@contextlib.contextmanager
-def runtime_speedups(model: nn.Module, attention_class: type) -> Iterator[nn.Module]:
-    """A block in which `model` runs with the speed-ups above: its `attention_class` modules' `one_query_kernel`
-    flag on and its linear layers on oneDNN; on leaving it the model is plain again. Nested blocks leave
-    the switch to the outermost one."""
-    switched = [module for module in model.modules()
-                if isinstance(module, attention_class) and not module.one_query_kernel]
-    for attention in switched:
-        attention.one_query_kernel = True
-    try:
-        with onednn_linears(model):
-            yield model
-    finally:
-        for attention in switched:
-            del attention.one_query_kernel  # the class's default again

@@ -28,8 +28,10 @@ from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, real_tokens, take_cache
 from .packed_documents import (boundary_kwargs, bucket_index, bucket_mask, gather_bucket, length_buckets,
                                packed_documents, refuse_packed_cache, scatter_outputs)
+from .onednn_linear import OneDNNLinear
 from .row_block_loss import RowBlockLossMixin, row_block_head_loss
-from .runtime_maglev import runtime_speedups
+from .runtime_maglev import one_query_attention
+from .runtime_switch import runtime_speedups
 from .tensor_parallel import local_columns, local_tensor
 
 # why the models refuse what transformers offers for plain attention
@@ -157,6 +159,10 @@ def windowed_attention(plan: StepPlan, q, k, v, left: int, eager: bool, prefix_m
 class MaglevAttention(nn.Module):
     """nanochat attention (GQA, value embeddings, rotary, QK-norm) with optional memory injection."""
 
+    # Inside `runtime_speedups`: a one-token step attends the ring as runtime_maglev's matrix-vector products
+    # (`attend_ring`); False keeps the plain masked attention, the reference they equal.
+    one_query_kernel = False
+
     def __init__(self, config: MaglevConfig, layer_idx: int, with_memory: bool):
         super().__init__()
         self.config = config
@@ -170,21 +176,21 @@ class MaglevAttention(nn.Module):
         self.value_gate_channels = config.value_embedding_gate_channels
         self.value_gate_scale = config.value_embedding_gate_scale
         bound = uniform_bound(config)
-        self.q_proj = with_init(nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False),
+        self.q_proj = with_init(OneDNNLinear(config.hidden_size, self.num_heads * self.head_dim, bias=False),
                                 "uniform", bound)
-        self.k_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
-        self.v_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
-        self.o_proj = with_init(nn.Linear(config.hidden_size, config.hidden_size, bias=False), "zeros")
+        self.k_proj = with_init(OneDNNLinear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
+        self.v_proj = with_init(OneDNNLinear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
+        self.o_proj = with_init(OneDNNLinear(config.hidden_size, config.hidden_size, bias=False), "zeros")
         self.value_gate = (
-            with_init(nn.Linear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False), "zeros")
+            with_init(OneDNNLinear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False), "zeros")
             if config.has_value_embedding(layer_idx) else None
         )
         self.with_memory = with_memory
         if with_memory:
             std = config.memory_init_std
-            self.memory_k_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
-            self.memory_v_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
-            self.memory_gate = with_init(nn.Linear(config.memory_gate_channels, self.num_kv_heads, bias=False),
+            self.memory_k_proj = with_init(OneDNNLinear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
+            self.memory_v_proj = with_init(OneDNNLinear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
+            self.memory_gate = with_init(OneDNNLinear(config.memory_gate_channels, self.num_kv_heads, bias=False),
                                          "zeros")
 
     def forward(self, x, value_embedding, memory, rotary, window, store, plan):
@@ -223,8 +229,12 @@ class MaglevAttention(nn.Module):
         return y
 
     def attend_ring(self, q, k, v, ring: RingKeyValues, plan: StepPlan) -> torch.Tensor:
-        """Over the ring's written slots within the layer's window before the chunk, and the chunk itself."""
+        """Over the ring's written slots within the layer's window before the chunk, and the chunk itself: a
+        one-token step with `one_query_kernel` on as runtime_maglev's matrix-vector products, else the plain
+        masked attention they equal."""
         keys, values = ring.read(k)
+        if self.one_query_kernel and plan.length == 1:
+            return one_query_attention(q, k, v, keys, values, ring.written(plan))
         slot_positions, capacity, window = ring.slot_positions(plan), ring.capacity, ring.window
 
         def ring_mask(begin: int, end: int) -> torch.Tensor:
@@ -238,9 +248,9 @@ class MaglevMLP(nn.Module):
 
     def __init__(self, config: MaglevConfig):
         super().__init__()
-        self.up_proj = with_init(nn.Linear(config.hidden_size, config.intermediate_size, bias=False),
+        self.up_proj = with_init(OneDNNLinear(config.hidden_size, config.intermediate_size, bias=False),
                                  "uniform", uniform_bound(config))
-        self.down_proj = with_init(nn.Linear(config.intermediate_size, config.hidden_size, bias=False), "zeros")
+        self.down_proj = with_init(OneDNNLinear(config.intermediate_size, config.hidden_size, bias=False), "zeros")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.up_proj(x)
@@ -344,7 +354,7 @@ class MaglevPreTrainedModel(CarriedCardMixin, SdpaOrEagerMixin, RowBlockLossMixi
         if isinstance(table, nn.Embedding):
             fresh = nn.Embedding(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
         else:
-            fresh = nn.Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype)
+            fresh = OneDNNLinear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype)
         with_init(fresh, table.init_kind, table.init_value)
         kept = min(old_vocab, vocab)
         with torch.no_grad():
@@ -393,17 +403,17 @@ class MaglevModel(MaglevPreTrainedModel):
         lambdas = config.use_layer_lambdas
         self.residual_lambdas = nn.Parameter(torch.ones(layers)) if lambdas else None
         self.x0_lambdas = nn.Parameter(torch.zeros(layers)) if lambdas else None
-        self.smear_gate = (with_init(nn.Linear(config.smear_gate_channels, 1, bias=False), "zeros")
+        self.smear_gate = (with_init(OneDNNLinear(config.smear_gate_channels, 1, bias=False), "zeros")
                            if config.use_smear else None)
         self.smear_lambda = nn.Parameter(torch.zeros(1)) if config.use_smear else None
         self.backout_lambda = nn.Parameter(torch.zeros(1)) if config.use_backout else None
         self.memory_init = nn.Parameter(torch.zeros(config.hidden_size)) if config.use_memory else None
         # where the memory is read: a learned projection of h (m = rms_norm(W_m h)), and a second way in
         # through P's block input (zero at the start, so a fresh model is the paper's)
-        self.memory_proj = (with_init(nn.Linear(config.hidden_size, config.hidden_size, bias=False), "uniform",
+        self.memory_proj = (with_init(OneDNNLinear(config.hidden_size, config.hidden_size, bias=False), "uniform",
                                       bound) if config.memory_projection else None)
         self.memory_residual_proj = (
-            with_init(nn.Linear(config.hidden_size, config.hidden_size, bias=False), "zeros")
+            with_init(OneDNNLinear(config.hidden_size, config.hidden_size, bias=False), "zeros")
             if config.memory_residual_injection else None)
         separate_prefiller = config.separate_prefiller
         self.prefiller_layers = (
@@ -840,7 +850,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         self.model = MaglevModel(config)
         # exactly vocab_size rows (config.head_rows) unless loaded from a padded save: libraries read this
         # weight directly (TRL's fused log-prob head) and would give padded rows probability mass
-        self.lm_head = with_init(nn.Linear(config.hidden_size, config.head_rows, bias=False), "normal", 0.001)
+        self.lm_head = with_init(OneDNNLinear(config.hidden_size, config.head_rows, bias=False), "normal", 0.001)
         self.post_init()
 
     @classmethod
@@ -866,7 +876,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         if type(weight.data) is not torch.Tensor or weight.is_meta or hasattr(self.lm_head, "_hf_hook"):
             return False
         tied = self.config.tie_word_embeddings
-        head = with_init(nn.Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype),
+        head = with_init(OneDNNLinear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype),
                          self.lm_head.init_kind, self.lm_head.init_value)
         head.weight = nn.Parameter(weight.detach()[:rows].clone(), requires_grad=weight.requires_grad)
         head._is_hf_initialized = True

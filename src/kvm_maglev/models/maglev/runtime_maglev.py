@@ -1,19 +1,16 @@
 """Inference speed-ups for Maglev models, kept apart from the math (modeling_maglev).
 
-Inside `runtime_speedups(model)`, which `model.runtime_speedups()` returns and `generate()` opens:
+Inside `model.runtime_speedups()` (runtime_switch), which `generate()` opens:
 - linear layers compute on oneDNN, batched steps on blocked weight copies (onednn_linear);
-- a one-token step attends over a ring as matrix-vector products, without copying the ring.
+- a one-token step attends over a ring as matrix-vector products, without copying the ring
+  (`one_query_attention`, which `MaglevAttention.attend_ring` calls when its `one_query_kernel` flag is on,
+  beside the plain attention it equals).
 Each computes what the plain path computes, up to float rounding.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from torch import nn
-
-from .runtime_switch import speedups_switched_on
 
 
 def one_query_attention(q, k, v, ring_keys, ring_values, written) -> torch.Tensor:
@@ -30,18 +27,3 @@ def one_query_attention(q, k, v, ring_keys, ring_values, written) -> torch.Tenso
     weights = (torch.cat([ring_scores, own_score], dim=-1).float() * dim ** -0.5).softmax(dim=-1).to(q.dtype)
     y = weights[..., :-1] @ ring_values + weights[..., -1:] * v
     return y.reshape(batch, heads, 1, dim)
-
-
-class FastMaglevAttention:
-    """Mixed into a Maglev attention module inside `runtime_speedups`: its speed-ups over the plain methods."""
-
-    def attend_ring(self, q, k, v, ring, plan) -> torch.Tensor:
-        if plan.length == 1:
-            keys, values = ring.read(k)
-            return one_query_attention(q, k, v, keys, values, ring.written(plan))
-        return super().attend_ring(q, k, v, ring, plan)
-
-
-def runtime_speedups(model: nn.Module, attention_class: type) -> contextlib.AbstractContextManager:
-    """A block in which `model` runs with the speed-ups above; on leaving it the model is plain again."""
-    return speedups_switched_on(model, attention_class, FastMaglevAttention)
