@@ -242,12 +242,13 @@ class LossComponentsTrainer(Trainer):
 
 
 class MaglevStepCallback(TrainerCallback):
-    """Sets `training_step` on every Maglev model inside the trained model (PEFT wrappers included) at each
-    step's start, so that ramps and the teacher switch follow Trainer's global step, resumed runs too."""
+    """Sets the training schedules (ramps, teacher switch) of every Maglev model inside the trained model (PEFT
+    wrappers included) at each step's start from Trainer's global step, resumed runs too; the models read the
+    schedules, not the step."""
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
         if model is None:
             return
         for module in model.modules():
-            if hasattr(module, "training_step") and hasattr(module, "consistency_weight_now"):
-                module.training_step = state.global_step
+            if hasattr(module, "schedule") and hasattr(module, "set_training_step"):  # a MaglevModel
+                module.set_training_step(state.global_step)

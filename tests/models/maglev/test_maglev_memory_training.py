@@ -6,6 +6,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
+from kvm_maglev.models.maglev.curriculum_maglev import Schedule
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
 from kvm_maglev.training import MaglevStepCallback
 
@@ -117,11 +118,12 @@ def test_mix_ramp_and_consistency_schedule_follow_the_step():
     model.set_training_step(0)
     first, second = model.model(ids, lifted=True).pass_hidden_states
     assert torch.equal(first, second)  # mix ramps from 0: all prefiller at step 0
-    assert model.model.consistency_weight_now() == pytest.approx(0.1)
+    assert model.model.schedule == Schedule(self_feed_mix=0.0, consistency_weight=pytest.approx(0.1),
+                                            frozen_teacher=False)
     model.set_training_step(5)
-    assert model.model.consistency_weight_now() == pytest.approx(0.6)
+    assert model.model.schedule == Schedule(0.5, pytest.approx(0.6), False)
     model.set_training_step(25)
-    assert model.model.consistency_weight_now() == 5.0
+    assert model.model.schedule == Schedule(1.0, 5.0, True)
     # past the teacher step the prefiller gets no gradient at all
     separate = tiny_model(prefiller_shares_blocks=False, consistency_detach_target_after=3).train()
     separate.set_training_step(3)
@@ -141,13 +143,13 @@ def test_step_callback_sets_the_step_inside_trainer_with_accumulation_and_checkp
 
     class Record(MaglevStepCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            seen.append(model.model.training_step)
+            seen.append(model.model.schedule.self_feed_mix)
 
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, gradient_checkpointing=True, learning_rate=1e-3,
                              report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
     Trainer(model=model, args=args, train_dataset=data, callbacks=[Record()]).train()
-    assert seen == [0, 1, 2]
+    assert seen == [0.0, 0.25, 0.5]  # the ramp over 4 steps, at Trainer's global steps 0, 1, 2
     assert model.model.memory_residual_proj.weight.abs().max() > 0  # the zero-initialised way in learned
 
 
@@ -190,3 +192,29 @@ def test_model_card_names_the_training_recipe():
                                         weight_init="torch"), num_parameters=10)
     assert "training recipe" in paper and "own memories" not in paper
     assert "P fed its own memories in 2 more passes" in fed and "block input" in fed and "torch init" in fed
+
+
+def test_the_forward_mode_is_chosen_in_one_place_from_the_callers_switches(monkeypatch):
+    """`forward_mode` picks each of FORWARD_MODES: in training mode `training_forward` decides (lifted, or what
+    generate() samples from: here the prefiller reads the prompt), a cache that has read tokens continues
+    recurrently, given memory inputs and use_memory=False have their own."""
+    from kvm_maglev.models.maglev import modeling_maglev
+
+    picked = []
+    real = modeling_maglev.MaglevModel.forward_mode
+    monkeypatch.setattr(modeling_maglev.MaglevModel, "forward_mode",
+                        lambda self, *args: picked.append(real(self, *args)) or picked[-1])
+    ids = random_ids(2, 12)
+    model = tiny_model(memory_prefill="prefiller")
+    model.train()
+    model(ids)
+    model.config.training_forward = "recurrent"
+    model(ids)
+    model.eval()
+    with torch.no_grad():
+        cache = model(ids[:, :8], use_cache=True).past_key_values
+        model(ids[:, 8:], past_key_values=cache)
+        model.model(ids, memory_inputs=torch.zeros(2, 12, 64))
+        tiny_model(use_memory=False)(ids)
+    assert picked == ["lifted", "prefill", "prefill", "recurrent", "given_memory", "no_memory"]
+    assert set(picked) == set(modeling_maglev.FORWARD_MODES)

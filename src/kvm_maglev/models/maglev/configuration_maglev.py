@@ -2,8 +2,9 @@
 
 `MAGLEV_FIELDS` declares every field once: type, default, meaning, where a nanochat checkpoint's meta json
 gives it (`model_config.*` for nanochat's GPT, `maglev.*` for the Maglev fields) and whether a saved cache
-depends on it. `MaglevConfig.__init__` and its docstring, `CACHE_CONFIG_FIELDS` and the table in
-docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from it.
+depends on it; the architecture's and inference's fields (`MAGLEV_MODEL_FIELDS`) first, the training-only
+ones (`MAGLEV_TRAINING_FIELDS`) after them. `MaglevConfig.__init__` and its docstring, `CACHE_CONFIG_FIELDS`
+and the tables in docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from it.
 """
 
 import math
@@ -27,8 +28,8 @@ MEMORY_PREFILL_MODES = ("recurrent", "prefiller")
 TRAINING_FORWARDS = ("lifted", "recurrent")
 WEIGHT_INITS = ("nanochat", "torch")
 
-# In `__init__` order (positional arguments follow it).
-MAGLEV_FIELDS = (
+# The architecture's and inference's fields, in `__init__` order (positional arguments follow it).
+MAGLEV_MODEL_FIELDS = (
     ConfigField("vocab_size", int, 32768, "tokenizer size; logits are sliced to it", "model_config.vocab_size",
                 cache=True),
     ConfigField("pad_vocab_size_to", int, 64, "embedding rows (lm_head's too when lm_head_padded) padded to a "
@@ -78,22 +79,32 @@ MAGLEV_FIELDS = (
                 "maglev.prefiller_window_pattern"),
     ConfigField("prefiller_shares_blocks", bool, True, "Q runs P's blocks (else its own prefiller_layers)",
                 "maglev.prefiller_shares_blocks"),
-    ConfigField("consistency_weight", float, 1.0, "loss = lm_loss + consistency_weight * consistency_loss",
-                "maglev.consistency_weight"),
-    ConfigField("consistency_loss", str, "mse", '"mse" or "cosine"', "maglev.consistency_loss"),
-    ConfigField("consistency_detach_target", bool, False, "stop the consistency gradient into Q's memories",
-                "maglev.consistency_detach_target"),
     ConfigField("memory_prefill", str, "recurrent", 'prompt processing: "recurrent" (token after token) or '
                 '"prefiller" (needs Q)'),
-    ConfigField("training_forward", str, "lifted", 'forwards in training mode or with labels: "lifted" (lifted '
-                'parallel training: Q feeds P, when Q is kept) or "recurrent" (P alone fed its own memory, the '
-                "distribution generate() samples from: scoring samples, e.g. TRL's GRPO)"),
     ConfigField("memory_source_layer", int | None, None, "block whose output the memory is read from (None: the "
                 "head input)", "maglev.memory_source_layer", cache=True),
     ConfigField("memory_projection", bool, False, "memory m = rms_norm(W_m source), a learned projection",
                 "maglev.memory_projection", cache=True),
     ConfigField("memory_residual_injection", bool, False, "the memory also enters P's block input, through a "
                 "zero-initialised projection", "maglev.memory_residual_injection", cache=True),
+    ConfigField("weight_init", str, "nanochat", 'fresh weights: "nanochat" (its per-layer inits) or "torch" '
+                "(PyTorch's layer defaults)"),
+    ConfigField("initializer_range", float, 0.02, "transformers' conventional init std; the model's own init does "
+                "not read it"),
+    ConfigField("use_cache", bool, True, "forward returns a MaglevCache"),
+    ConfigField("tie_word_embeddings", bool, False, "share the embedding and output weights"),
+)
+# Training-only fields (the lifted and self-fed passes, the consistency loss, their step schedules:
+# curriculum_maglev), after the others in `__init__`. Inference reads none of them.
+MAGLEV_TRAINING_FIELDS = (
+    ConfigField("consistency_weight", float, 1.0, "loss = lm_loss + consistency_weight * consistency_loss",
+                "maglev.consistency_weight"),
+    ConfigField("consistency_loss", str, "mse", '"mse" or "cosine"', "maglev.consistency_loss"),
+    ConfigField("consistency_detach_target", bool, False, "stop the consistency gradient into Q's memories",
+                "maglev.consistency_detach_target"),
+    ConfigField("training_forward", str, "lifted", 'forwards in training mode or with labels: "lifted" (lifted '
+                'parallel training: Q feeds P, when Q is kept) or "recurrent" (P alone fed its own memory, the '
+                "distribution generate() samples from: scoring samples, e.g. TRL's GRPO)"),
     ConfigField("memory_self_feed_steps", int, 0, "training: passes that feed P its own shifted memories after the "
                 "prefiller-fed one", "maglev.memory_self_feed_steps"),
     ConfigField("memory_self_feed_detach", bool, False, "training: no gradient through the fed-back memories",
@@ -112,13 +123,8 @@ MAGLEV_FIELDS = (
                 "teacher (None: never)", "maglev.consistency_detach_target_after"),
     ConfigField("consistency_weight_after_detach", float | None, None, "training: the consistency weight once Q "
                 "is frozen (None: unchanged)", "maglev.consistency_weight_after_detach"),
-    ConfigField("weight_init", str, "nanochat", 'fresh weights: "nanochat" (its per-layer inits) or "torch" '
-                "(PyTorch's layer defaults)"),
-    ConfigField("initializer_range", float, 0.02, "transformers' conventional init std; the model's own init does "
-                "not read it"),
-    ConfigField("use_cache", bool, True, "forward returns a MaglevCache"),
-    ConfigField("tie_word_embeddings", bool, False, "share the embedding and output weights"),
 )
+MAGLEV_FIELDS = MAGLEV_MODEL_FIELDS + MAGLEV_TRAINING_FIELDS
 # Config fields that decide what a cache holds and how a model reads it (training-only fields excluded).
 CACHE_CONFIG_FIELDS = cache_fields(MAGLEV_FIELDS)
 

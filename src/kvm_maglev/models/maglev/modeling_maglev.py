@@ -24,6 +24,7 @@ from .carried_card import CarriedCardMixin
 from .configuration_maglev import MaglevConfig
 from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
                           refuse_attention_weights)
+from .curriculum_maglev import Schedule, current_schedule, lifted_passes, schedule_at
 from .generation_cache import OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, real_tokens, take_cache
 from .packed_documents import (boundary_kwargs, bucket_index, bucket_mask, gather_bucket, length_buckets,
@@ -39,6 +40,18 @@ MAGLEV_NO_KERNELS = ("decoding attends over a ring of cached window keys with pe
                      "its own; flash, flex and paged kernels do not run them")
 MAGLEV_NO_WEIGHTS = ("Maglev models return no attention weights: decoding attends token by token over a ring of "
                      "cached keys whose slots are not token positions")
+
+# A forward's modes, chosen in one place (`MaglevModel.forward_mode`)
+FORWARD_MODES = {
+    "no_memory": "use_memory=False: P (nanochat's GPT) over the chunk in parallel",
+    "given_memory": "memory_inputs given (tests, research): P in parallel fed those memories",
+    "lifted": "lifted training (training mode and training_forward='lifted', or lifted=True; a kept prefiller, a "
+              "fresh sequence): curriculum_maglev.lifted_passes",
+    "prefill": "memory_prefill='prefiller' and a first forward of several tokens: Q reads the prompt and P runs on "
+               "it in parallel (what follows the prompt in the same forward, recurrently: assisted decoding)",
+    "recurrent": "everything else (decoding, continuing a cache, a first forward under memory_prefill='recurrent', "
+                 "training_forward='recurrent' included): P token after token fed its own memory",
+}
 
 # Queries per attention call when a long chunk runs in parallel (prefiller prompts, training). Each call
 # computes its block's queries against QUERY_BLOCK + window keys, masked, so smaller blocks waste less.
@@ -425,11 +438,16 @@ class MaglevModel(MaglevPreTrainedModel):
         self.prefiller_x0_lambdas = nn.Parameter(torch.zeros(layers)) if prefiller_lambdas else None
         self.gradient_checkpointing = False
         self._inv_freq: torch.Tensor | None = None  # rotary frequencies, computed at first use on each device
-        self.training_step: int | None = None  # the optimizer step, for step-dependent training switches
+        self.schedule: Schedule | None = None  # the training loop's step schedules (curriculum_maglev)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
+
+    def set_training_step(self, step: int) -> None:
+        """Set the step schedules of training at optimizer step `step` (curriculum_maglev.schedule_at); the
+        training loop calls it once per step (kvm_maglev.training.MaglevStepCallback), the forward reads them."""
+        self.schedule = schedule_at(self.config, int(step))
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
@@ -587,86 +605,19 @@ class MaglevModel(MaglevPreTrainedModel):
             hidden_states.extend(torch.cat(pair, dim=1) for pair in zip(prompt_states, draft_states))
         return torch.cat([head, draft_head], dim=1), torch.cat([memories, draft_memories], dim=1), prefiller_memories
 
-    # ----- lifted training ----------------------------------------------------------------------
-    def lifted_passes(self, input_ids, valid, cache, context, hidden_states=None):
-        """Lifted parallel training: pass 0 feeds P the prefiller's shifted memories m'; each of the
-        `memory_self_feed_steps` self-fed passes (training only) feeds P the shifted memories of the pass
-        before, as inference will. Returns per pass the head inputs, the last pass's memories, m' and the
-        consistency loss averaged over passes."""
-        config = self.config
-        step = self.current_training_step()
-        targets = self.prefiller_memories(input_ids, valid)
-        teacher = config.consistency_detach_target_after is not None and step >= config.consistency_detach_target_after
-        prefiller_mu = self.shifted_memories(targets.detach() if teacher else targets, None, valid)
-        passes = 1 + (config.memory_self_feed_steps if self.training else 0)
-        heads, losses, memories = [], [], None
-        for i in range(passes):
-            last = i == passes - 1
-            mu = prefiller_mu
-            if memories is not None:
-                own = memories.detach() if config.memory_self_feed_detach else memories
-                mu = self.mixed_memories(self.shifted_memories(own, None, valid), prefiller_mu, step)
-            plan = context() if last else StepPlan(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
-            head, memories = self.decode_chunk(input_ids, self.noisy(mu), cache if last else None, plan,
-                                               hidden_states if last else None)
-            heads.append(head)
-            losses.append(self.consistency(memories, targets, valid, detach=teacher))
-        return heads, memories, targets, torch.stack(losses).mean()
-
-    def current_training_step(self) -> int:
-        """The optimizer step that step-dependent switches read; training with them needs it to be set."""
-        if self.training_step is not None or not self.config.step_dependent_training:
-            return self.training_step or 0
-        if self.training:
-            raise ValueError("this Maglev config changes its training with the step (memory_self_feed_mix_ramp_steps, "
-                             "consistency_weight_ramp_steps or consistency_detach_target_after): pass "
-                             "kvm_maglev.training.MaglevStepCallback() to Trainer, or call "
-                             "model.set_training_step(step) in your loop")
-        return 0
-
-    def mixed_memories(self, own: torch.Tensor, prefiller_mu: torch.Tensor, step: int) -> torch.Tensor:
-        """Per position P's own shifted memory with probability `memory_self_feed_mix` (ramped linearly over
-        `memory_self_feed_mix_ramp_steps`), else the prefiller's: parallel scheduled sampling."""
-        chance = self.config.memory_self_feed_mix
-        ramp = self.config.memory_self_feed_mix_ramp_steps
-        if ramp:
-            chance *= min(1.0, step / ramp)
-        if chance >= 1.0:
-            return own
-        pick = torch.rand(own.shape[:2], device=own.device) < chance
-        return torch.where(pick[..., None], own, prefiller_mu)
-
-    def noisy(self, mu: torch.Tensor) -> torch.Tensor:
-        """Training-time Gaussian noise on the memory inputs (`memory_noise_std`), so P learns to read imperfect
-        memories like its own at inference."""
-        std = self.config.memory_noise_std
-        return mu + std * torch.randn_like(mu) if std and self.training else mu
-
-    def consistency_weight_now(self) -> float:
-        """The consistency weight at the current training step: constant, a linear ramp to
-        `consistency_weight_final`, or `consistency_weight_after_detach` once the prefiller is a frozen teacher."""
-        config, step = self.config, self.current_training_step()
-        after = config.consistency_detach_target_after
-        if after is not None and step >= after and config.consistency_weight_after_detach is not None:
-            return config.consistency_weight_after_detach
-        if config.consistency_weight_ramp_steps:
-            progress = min(1.0, step / config.consistency_weight_ramp_steps)
-            return config.consistency_weight + progress * (config.consistency_weight_final - config.consistency_weight)
-        return config.consistency_weight
-
-    def consistency(self, memories, targets, valid, detach: bool = False):
-        """L_cons over real tokens: mean squared error over tokens and channels, or mean 1 - cosine."""
-        if detach or self.config.consistency_detach_target:
-            targets = targets.detach()
-        memories, targets = memories.float(), targets.float()
-        if self.config.consistency_loss == "mse":
-            per_token = (memories - targets).square().mean(dim=-1)
-        else:
-            per_token = 1.0 - F.cosine_similarity(memories, targets, dim=-1)
-        if valid is None:
-            return per_token.mean()
-        weights = valid.to(per_token.dtype)
-        return (per_token * weights).sum() / weights.sum().clamp(min=1.0)
+    def forward_mode(self, lifted: bool | None, memory_given: bool, start: int, length: int) -> str:
+        """The one place a forward's mode (FORWARD_MODES) is chosen, from the caller's switches - `lifted`
+        (None: training mode with `config.training_forward == "lifted"`), given `memory_inputs` - and where the
+        cache stands (`start` tokens read before, `length` now)."""
+        if lifted is None:
+            lifted = self.training and self.config.training_forward == "lifted"
+        if not self.config.use_memory:
+            return "no_memory"
+        if memory_given:
+            return "given_memory"
+        if self.uses_prefiller(lifted, start, length):
+            return "lifted" if lifted else "prefill"
+        return "recurrent"
 
     def uses_prefiller(self, lifted: bool, start: int, length: int) -> bool:
         """Q reads a fresh sequence for lifted training, and in "prefiller" mode the prompt: the first forward
@@ -705,8 +656,9 @@ class MaglevModel(MaglevPreTrainedModel):
         memory_inputs: torch.Tensor | None = None,
         **kwargs,
     ) -> MaglevModelOutput:
-        """`lifted` (default: in training mode, unless `config.training_forward` is "recurrent") runs lifted
-        parallel training when the prefiller is kept; `memory_inputs` (tests, research) runs P in parallel on the given `mu`.
+        """One of FORWARD_MODES, chosen by `forward_mode`: `lifted` (default: in training mode, unless
+        `config.training_forward` is "recurrent") runs lifted parallel training when the prefiller is kept;
+        `memory_inputs` (tests, research) runs P in parallel on the given `mu`.
 
         Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
         and the model is strictly causal (right padding needs no mask). `position_ids`, when given, must be
@@ -740,8 +692,7 @@ class MaglevModel(MaglevPreTrainedModel):
             cache.prepare(batch, memories_like(self), memory_init)
         if position_ids is not None:
             self.check_positions(position_ids, cache, valid, input_ids)
-        if lifted is None:  # config.training_forward says which distribution training-mode forwards score
-            lifted = self.training and config.training_forward == "lifted"
+        mode = self.forward_mode(lifted, memory_inputs is not None, start, length)
         hidden_states = [] if output_hidden_states else None
         prefiller_memories = consistency_loss = pass_heads = None
 
@@ -750,16 +701,16 @@ class MaglevModel(MaglevPreTrainedModel):
                 return cache.step_context(valid, length)
             return StepPlan(input_ids.new_zeros(batch), valid, length)
 
-        if not config.use_memory:
+        if mode == "no_memory":
             head, memories = self.decode_chunk(input_ids, None, cache, context(), hidden_states)
-        elif memory_inputs is not None:
+        elif mode == "given_memory":
             head, memories = self.decode_chunk(input_ids, memory_inputs.to(self.dtype), cache, context(),
                                                hidden_states)
-        elif lifted and self.uses_prefiller(lifted, start, length):
-            pass_heads, memories, prefiller_memories, consistency_loss = self.lifted_passes(
-                input_ids, valid, cache, context, hidden_states)
+        elif mode == "lifted":
+            pass_heads, memories, prefiller_memories, consistency_loss = lifted_passes(
+                self, input_ids, valid, cache, context, hidden_states)
             head = pass_heads[-1]
-        elif self.uses_prefiller(lifted, start, length):
+        elif mode == "prefill":
             prompt = length if cache is None else cache.take_prompt_length(length)
             if prompt == length:
                 head, memories, prefiller_memories = self.prefill(input_ids, valid, cache, context(), hidden_states)
@@ -898,8 +849,8 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         self.model.embed_tokens = value
 
     def set_training_step(self, step: int) -> None:
-        """Tell the model the optimizer step (read by step-dependent training switches, e.g. ramps)."""
-        self.model.training_step = int(step)
+        """Set the training schedules (ramps, teacher switch) at optimizer step `step` (on the base model)."""
+        self.model.set_training_step(step)
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
@@ -970,7 +921,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             lm_loss = (sum(pass_losses) + last_pass_loss) / (len(pass_losses) + 1)
             loss = lm_loss
             if outputs.consistency_loss is not None:
-                loss = lm_loss + self.model.consistency_weight_now() * self._accumulation_share(
+                loss = lm_loss + current_schedule(self.model).consistency_weight * self._accumulation_share(
                     outputs.consistency_loss, labels, kwargs.get("num_items_in_batch")
                 )
         return MaglevCausalLMOutput(
