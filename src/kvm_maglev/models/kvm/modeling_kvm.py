@@ -133,7 +133,8 @@ class KVMAttentionBase(nn.Module):
         self.q_proj = OneDNNLinear(config.hidden_size, qk, bias=False)
         self.k_proj = OneDNNLinear(config.hidden_size, kk, bias=False)
         self.v_proj = OneDNNLinear(config.hidden_size, vv, bias=False)
-        self.o_proj = zero_initialised(OneDNNLinear(self.num_heads * self.value_head_dim, config.hidden_size, bias=False))
+        self.o_proj = zero_initialised(OneDNNLinear(self.num_heads * self.value_head_dim, config.hidden_size,
+                                                    bias=False))
         self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.token_shift_on = token_shift_on

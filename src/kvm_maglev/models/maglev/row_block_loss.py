@@ -156,8 +156,9 @@ def is_plain_linear(module: torch.nn.Module) -> bool:
     """Whether `module` is an nn.Linear (or the models' OneDNNLinear, nn.Linear's product under autograd) whose
     weight can be used outside its forward: no adapter class, no hooks (DeepSpeed ZeRO-3 gathers weights in
     them, accelerate moves them), not a sharded tensor."""
-    return (type(module) in (torch.nn.Linear, OneDNNLinear) and not module._forward_hooks and not module._forward_pre_hooks
-            and not hasattr(module, "_hf_hook") and type(module.weight.data) is torch.Tensor)
+    return (type(module) in (torch.nn.Linear, OneDNNLinear) and not module._forward_hooks
+            and not module._forward_pre_hooks and not hasattr(module, "_hf_hook")
+            and type(module.weight.data) is torch.Tensor)
 
 
 class RowBlockLogitsCrossEntropy(torch.autograd.Function):
