@@ -2,9 +2,9 @@
 
     python examples/summarize_lm.py results/lm_eval --out docs/recall/lm_summary.json
 
-Target (Maglev memory issue): Maglev's recurrent validation BPB below the sliding-window baseline's by more
-than 2 seed standard deviations and by at least 1% relative, per corpus. Also the ladder (train_lm.LADDER) and
-the cast-membership probes, averaged over the seeds each ran on.
+Target (issue 28): Maglev's recurrent validation BPB below the sliding-window baseline's by more than 2 seed
+standard deviations and by at least 3% relative (the earlier memory issue asked 1%), per corpus. Also the
+ladder (train_lm.LADDER) and the cast-membership probes, averaged over the seeds each ran on.
 """
 
 import argparse
@@ -17,6 +17,7 @@ from typing import Dict, List
 from train_lm import ladder_rows
 
 BASELINE = "swa_baseline"
+TARGET_RELATIVE = 0.03  # the least relative BPB gain over the sliding window that meets the target
 MODES = ("recurrent", "prefiller", "oracle")
 
 
@@ -53,7 +54,8 @@ def summarize(runs: Dict[tuple, Dict[int, dict]]) -> List[dict]:
             noise = max(spread(ours)["std"], spread(theirs)["std"])
             entry["vs_baseline"] = {
                 "seeds": seeds, "bpb_gap": gap, "relative": gap / statistics.mean(theirs),
-                "target_met": len(seeds) > 1 and gap > 2 * noise and gap >= 0.01 * statistics.mean(theirs),
+                "target_met": len(seeds) > 1 and gap > 2 * noise
+                              and gap >= TARGET_RELATIVE * statistics.mean(theirs),
             }
         probes = [row["probe"] for row in per_seed.values() if "probe" in row]
         if probes:

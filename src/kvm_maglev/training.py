@@ -47,6 +47,8 @@ MAGLEV_RECIPES: dict[str, dict[str, Any]] = {
     "paper_w1": {"consistency_weight": 1.0},
     "self_feed1": {"memory_self_feed_steps": 1},
     "self_feed2": {"memory_self_feed_steps": 2},
+    # two self-fed passes without the consistency coupling (the language-modelling ladder's suggestion)
+    "self_feed2_w0": {"memory_self_feed_steps": 2, "consistency_weight": 0.0},
     "self_feed4": {"memory_self_feed_steps": 4},
     "residual": {"memory_residual_injection": True},
     "self_feed2_residual": {"memory_self_feed_steps": 2, "memory_residual_injection": True},

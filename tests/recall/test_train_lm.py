@@ -42,6 +42,8 @@ def test_recipes_may_name_their_own_consistency_weight():
     assert train_lm.ARMS["maglev_paper_w0"](10).config.consistency_weight == 0.0
     assert train_lm.ARMS["maglev_paper_w1"](10).config.consistency_weight == 1.0
     assert train_lm.ARMS["maglev_paper"](10).config.consistency_weight == 0.1
+    no_coupling = train_lm.ARMS["maglev_self_feed2_w0"](10).config
+    assert (no_coupling.consistency_weight, no_coupling.memory_self_feed_steps) == (0.0, 2)
     assert MAGLEV_RECIPES["paper_w0"] == {"consistency_weight": 0.0}
 
 
