@@ -59,6 +59,7 @@ def _kvm(**budget) -> torch.nn.Module:
 
 
 def _maglev(use_memory: bool, **recipe) -> torch.nn.Module:
+    recipe = {"consistency_weight": 0.1, **recipe}  # a recipe may name its own weight
     config = MaglevConfig(
         vocab_size=recall_task(1).vocab_size,
         hidden_size=WIDTH,
@@ -72,7 +73,6 @@ def _maglev(use_memory: bool, **recipe) -> torch.nn.Module:
         has_prefiller=use_memory,
         prefiller_window_pattern="L",
         prefiller_shares_blocks=False,
-        consistency_weight=0.1,
         **recipe,
     )
     return MaglevForCausalLM(config)

@@ -6,6 +6,7 @@
 - `stdlib_corpus`: the Python sources of the running interpreter's standard library, split into
   training and validation files by a hash of the file's path (stable across machines and runs).
 Both return lists of byte strings (documents); `pack_bytes` cuts them into fixed-length rows.
+`cast_header` reads a story's cast back (for an oracle memory, or a probe of what a memory holds).
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def cast_corpus(num_documents: int, seed: int, pool_size: int = 200, cast_size: 
     return [cast_story(rng, pool, cast_size, sentences).encode("ascii") for _ in range(num_documents)]
 
 
+def cast_header(story: bytes) -> tuple[list[str], int]:
+    """(the cast's names, the index of the "." that closes the "Cast: A, B, C." header) of a story's opening bytes."""
+    prefix = b"Cast: "
+    end = story.find(b".")
+    if not story.startswith(prefix) or end < 0:
+        raise ValueError(f"not the opening of a cast story: {story[:40]!r}")
+    return story[len(prefix):end].decode("ascii").split(", "), end
+
+
 def stdlib_corpus(split: str, max_files: int | None = None) -> list[bytes]:
     """The standard library's .py files (tests excluded) of the split "train" or "validation" (one file in ten,
     chosen by the SHA-256 of its path relative to the library root)."""
@@ -90,4 +100,4 @@ def pack_bytes(documents: list[bytes], length: int, bos: int = 256, rows_per_doc
     return torch.tensor(rows, dtype=torch.long)
 
 
-__all__ = ["cast_corpus", "cast_story", "name_pool", "pack_bytes", "stdlib_corpus"]
+__all__ = ["cast_corpus", "cast_header", "cast_story", "name_pool", "pack_bytes", "stdlib_corpus"]

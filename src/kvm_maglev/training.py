@@ -41,8 +41,14 @@ LORA_TARGET_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
 # only). Measured on the recall task in docs/maglev_memory.md; `MAGLEV_RECIPE` is the one examples train with.
 MAGLEV_RECIPES: dict[str, dict[str, Any]] = {
     "paper": {},
+    # the paper's pass-0 training at other consistency weights (train_recall/train_lm's default is 0.1): weight 0
+    # leaves the prefiller free (the language-modelling ladder's rung), weight 1 is the paper's separate-parameter run
+    "paper_w0": {"consistency_weight": 0.0},
+    "paper_w1": {"consistency_weight": 1.0},
     "self_feed1": {"memory_self_feed_steps": 1},
     "self_feed2": {"memory_self_feed_steps": 2},
+    # two self-fed passes without the consistency coupling (the language-modelling ladder's suggestion)
+    "self_feed2_w0": {"memory_self_feed_steps": 2, "consistency_weight": 0.0},
     "self_feed4": {"memory_self_feed_steps": 4},
     "residual": {"memory_residual_injection": True},
     "self_feed2_residual": {"memory_self_feed_steps": 2, "memory_residual_injection": True},

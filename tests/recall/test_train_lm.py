@@ -1,0 +1,98 @@
+"""The language-modelling example's ladder pieces: the cast header, the oracle-fed arm, the teacher schedule's
+self-feeding switch, the recipes with their own consistency weight, and the cast-membership probe."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvm_maglev.corpora import cast_header, cast_story, name_pool, pack_bytes
+from kvm_maglev.training import MAGLEV_RECIPES
+from tests.ecosystem.ecosystem_support import load_example
+
+train_lm = load_example("train_lm")
+
+
+def _stories(count: int, seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    return [cast_story(rng, train_lm.CAST_POOL, 3, 10).encode("ascii") for _ in range(count)]
+
+
+def test_cast_header_reads_the_cast_and_where_the_header_ends():
+    story = cast_story(random.Random(3), name_pool(20, seed=1), 3, 4).encode("ascii")
+    names, end = cast_header(story)
+    assert story.startswith(f"Cast: {', '.join(names)}.".encode()) and story[end:end + 1] == b"."
+    assert len(set(names)) == 3
+    with pytest.raises(ValueError, match="not the opening of a cast story"):
+        cast_header(b"Once upon a time.")
+
+
+def test_cast_labels_match_each_rows_story():
+    stories = _stories(4, seed=5)
+    rows = pack_bytes(stories, train_lm.SEQ_LEN, train_lm.BOS, rows_per_document=1)
+    labels = train_lm.cast_labels(rows)
+    for row, story, cast, end in zip(rows, stories, labels["cast"].tolist(), labels["header_end"].tolist()):
+        names, header_end = cast_header(story)
+        assert [train_lm.CAST_POOL[i] for i in cast] == names
+        assert end == header_end + 1 and row[end].item() == ord(".")  # row position 0 is BOS
+
+
+def test_recipes_may_name_their_own_consistency_weight():
+    assert train_lm.ARMS["maglev_paper_w0"](10).config.consistency_weight == 0.0
+    assert train_lm.ARMS["maglev_paper_w1"](10).config.consistency_weight == 1.0
+    assert train_lm.ARMS["maglev_paper"](10).config.consistency_weight == 0.1
+    no_coupling = train_lm.ARMS["maglev_self_feed2_w0"](10).config
+    assert (no_coupling.consistency_weight, no_coupling.memory_self_feed_steps) == (0.0, 2)
+    assert MAGLEV_RECIPES["paper_w0"] == {"consistency_weight": 0.0}
+
+
+def test_oracle_fed_memory_is_unread_until_the_header_closes_then_the_cast_code():
+    model = train_lm.ARMS["oracle_fed"](10)
+    torch.nn.init.normal_(model.unread)
+    cast, header_end = torch.tensor([[0, 1, 2], [5, 6, 7]]), torch.tensor([3, 5])
+    mu = model.memory_inputs(cast, header_end, 9)
+    assert torch.equal(mu[0, :4], model.unread.expand(4, -1)) and torch.equal(mu[1, :6], model.unread.expand(6, -1))
+    assert torch.allclose(mu[0, 4:].square().mean(-1), torch.ones(5), atol=1e-4)  # rms-normed like a memory
+    assert torch.equal(mu[0, 4], mu[0, 8]) and not torch.allclose(mu[0, 8], mu[1, 8])
+    ids = torch.randint(0, 256, (2, 9))
+    loss = model(input_ids=ids, cast=cast, header_end=header_end, labels=ids).loss
+    loss.backward()
+    assert model.cast_embedding.weight.grad[:3].abs().sum() > 0 and model.cast_embedding.weight.grad[3].abs().sum() == 0
+
+
+def test_teacher_arm_self_feeds_from_half_way_with_the_frozen_prefiller():
+    steps = 10
+    model = train_lm.ARMS["maglev_teacher_w1"](steps)
+    config = model.config
+    assert (config.consistency_weight, config.consistency_detach_target_after) == (0.0, 5)
+    assert config.consistency_weight_after_detach == 1.0 and config.memory_projection
+    switch = [c for c in train_lm.arm_callbacks("maglev_teacher_w1", model, steps) if isinstance(c, train_lm.SelfFeedFrom)]
+    assert len(switch) == 1
+    for step, passes in ((0, 0), (4, 0), (5, 2), (9, 2)):
+        switch[0].on_step_begin(None, SimpleNamespace(global_step=step), None, model=model)
+        assert config.memory_self_feed_steps == passes
+    assert not any(isinstance(c, train_lm.SelfFeedFrom) for c in train_lm.arm_callbacks("maglev_paper", model, steps))
+
+
+def test_cast_probe_reads_a_cast_code_and_not_noise():
+    rows = pack_bytes(_stories(500, seed=7), train_lm.SEQ_LEN, train_lm.BOS, rows_per_document=1)
+    labels = train_lm.cast_labels(rows)
+    codes = torch.randn(len(train_lm.CAST_POOL), 64, generator=torch.Generator().manual_seed(0))
+    coded = codes[labels["cast"]].sum(dim=1)[:, None, :].expand(-1, train_lm.SEQ_LEN, -1)
+    fit, held = slice(0, 400), slice(400, 500)
+
+    def probe(features):
+        return train_lm.cast_probe(features[fit], {k: v[fit] for k, v in labels.items()},
+                                   features[held], {k: v[held] for k, v in labels.items()})
+
+    assert min(probe(coded).values()) > 0.8  # a linear read of three 64-wide codes out of 200: about 0.88
+    assert max(probe(torch.randn(500, train_lm.SEQ_LEN, 64)).values()) < 0.1
+
+
+def test_ladder_rows_compare_past_window_bpb_with_the_sliding_window():
+    results = {"swa_baseline": {"recurrent": {"all": 0.7, "first_window": 0.9, "past_window": 0.5}},
+               "oracle_fed": {"oracle": {"all": 0.6, "first_window": 0.9, "past_window": 0.4}}}
+    rows = {row["arm"]: row for row in train_lm.ladder_rows(results)}
+    assert rows["oracle_fed"]["past_vs_sliding_window"] == pytest.approx(-0.2)
+    assert rows["swa_baseline"]["past_vs_sliding_window"] == 0.0
