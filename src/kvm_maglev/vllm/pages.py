@@ -7,6 +7,7 @@ and recomputed) starts from a fresh state whatever its pages hold.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -116,6 +117,7 @@ class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
     PROMPT_EMBEDDINGS_REFUSED = ""  # why prompt embeddings are refused
     # checkpoint tensors the served model does not hold (prefixes), skipped when loading
     SKIPPED_WEIGHTS: tuple[str, ...] = ()
+    speedups: contextlib.ExitStack | None = None  # the model's runtime speed-ups, held open (`hold_speedups`)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (vLLM's interface; the forward reads token ids)."""
@@ -132,12 +134,20 @@ class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
             return torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.lm_head.weight.dtype,
                                device=input_ids.device)
         cache = self.gather(rows)
-        # generate() runs the model inside its runtime speed-ups; so does serving (same math up to rounding)
-        with torch.no_grad(), self.model.runtime_speedups():
+        self.hold_speedups()
+        with torch.no_grad():
             outputs = self.model(input_ids=rows.tokens, attention_mask=rows.valid.long() if rows.ragged else None,
                                  past_key_values=cache, use_cache=True, return_dict=True)
         self.scatter(rows, cache)
         return rows.flat(outputs.last_hidden_state, input_ids.shape[0])
+
+    def hold_speedups(self) -> None:
+        """Open the model's runtime speed-ups (same math up to rounding) once, for the engine's life: generate()
+        holds them for a whole generation, and a serving step is a single forward; leaving the block after each
+        step would drop the linears' blocked weight copies, remade at the next."""
+        if self.speedups is None:
+            self.speedups = contextlib.ExitStack()
+            self.speedups.enter_context(self.model.runtime_speedups())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a folder's safetensors into the parameters of the same names; a tied head counts as loaded."""
