@@ -40,7 +40,7 @@ def make_folder(folder: Path, args) -> Path:
 
 
 def hf_tokens_per_second(folder: Path, prompts: list[list[int]], new_tokens: int) -> float:
-    """Output tokens/s of one greedy generate() batch of the prompts."""
+    """Output tokens/s of one greedy generate() batch of the prompts, after a warm-up call (as vLLM gets one)."""
     from transformers import AutoModelForCausalLM
 
     import kvm_maglev
@@ -48,6 +48,7 @@ def hf_tokens_per_second(folder: Path, prompts: list[list[int]], new_tokens: int
     kvm_maglev.register_auto_classes()
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.tensor(prompts)
+    model.generate(ids[:2], max_new_tokens=2, do_sample=False)
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     seconds = time.perf_counter() - start
@@ -85,9 +86,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of both sides (vLLM's CPU worker takes OMP_NUM_THREADS, else it cuts to 1)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its model is read
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)  # HF's side, in this process
     from vllm import LLM, SamplingParams
 
     generator = torch.Generator().manual_seed(0)
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         settings = ("model", "hidden", "layers", "heads", "kv_heads", "window" if args.model == "maglev" else "chunk",
                     "vocab", "max_model_len", "dtype")
         result = {"command": f"python -m kvm_maglev.benchmarks.serve --model {args.model}",
-                  "torch_threads": torch.get_num_threads(), "model": {k: getattr(args, k) for k in settings},
+                  "torch_threads": args.threads, "model": {k: getattr(args, k) for k in settings},
                   "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rows": rows,
                   "state_page_bytes_per_request": declared, "allocated_page_bytes_per_request": allocated,
                   "config_cache_bytes": expected, "declared_over_cache_bytes": round(declared / expected, 4)}
