@@ -243,3 +243,25 @@ def test_vllm_serve_answers_completions(model_name, tmp_path):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
     assert server.returncode is not None
+
+
+@pytest.mark.parametrize("kept", ["kvm_sqrt", "maglev"])
+def test_hub_folders_built_by_the_converter_serve_the_same_tokens(kept, tmp_path):
+    """The package's trained recall models as the converter writes Hub folders (flat model code, `auto_map`, a card):
+    vLLM serves them through the plugin, with no remote code, and its tokens equal `generate()`'s."""
+    from importlib.resources import files
+
+    from vllm import LLM
+
+    from kvm_maglev.convert.export import build_hub_folder
+
+    folder = build_hub_folder(Path(str(files("kvm_maglev") / "assets" / "recall_models" / kept)), tmp_path / kept,
+                              progress=False)
+    assert "auto_map" in json.loads((Path(folder) / "config.json").read_text())
+    batch = prompts(seed=3)
+    llm = LLM(model=str(folder), **ENGINE, skip_tokenizer_init=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy())
+    model = hf_model(folder)
+    for prompt, output in zip(batch, outputs):
+        assert list(output.outputs[0].token_ids) == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
+    del llm
