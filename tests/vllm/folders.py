@@ -36,3 +36,14 @@ def make_maglev_folder(folder: Path, seed: int = 0, **overrides) -> Path:
     model.save_pretrained(folder)
     tiny_tokenizer(fields["vocab_size"]).save_pretrained(folder)
     return folder
+
+
+def make_kvm_folder(folder: Path, variant: str, seed: int = 0, **overrides) -> Path:
+    """A KVM folder of one of the KVM cache tests' variants (chunk 4, window 2 chunks, every switch exercised
+    there), random weights."""
+    from tests.models.kvm.test_kvm_cache import VARIANTS, random_model
+
+    model = random_model(seed, vocab_size=VOCAB, **{**VARIANTS[variant], **overrides})
+    model.save_pretrained(folder)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    return folder

@@ -1,11 +1,13 @@
-"""Serving benchmark: Maglev on vLLM (the kvm_maglev.vllm plugin) against HF generate() batches of the same prompts.
+"""Serving benchmark: a model on vLLM (the kvm_maglev.vllm plugin) against HF generate() batches of the same prompts.
 
-    python -m kvm_maglev.benchmarks.serve --out docs/bench_serve_cpu.json
+    python -m kvm_maglev.benchmarks.serve --model maglev --out docs/bench_serve_cpu.json
+    python -m kvm_maglev.benchmarks.serve --model kvm --out docs/bench_serve_kvm_cpu.json
 
 Output tokens per second with 1, 16 and 64 requests at once (vLLM: that many requests given to `LLM.generate`
 together; HF: one `generate()` batch of them), greedy, equal-length prompts so that HF needs no padding. Memory per
-request: the bytes of vLLM's state pages for one request against `config.cache_bytes(max_model_len)`. A random-weight
-model is made in a temporary folder (the speed does not depend on the weights' values).
+request: the bytes of vLLM's state pages for one request (as declared per layer, and as allocated: vLLM pads every
+layer's page to the largest) against `config.cache_bytes(max_model_len)`. A random-weight model is made in a
+temporary folder (the speed does not depend on the weights' values).
 """
 
 from __future__ import annotations
@@ -22,47 +24,56 @@ import torch
 
 
 def make_folder(folder: Path, args) -> Path:
-    """A random-weight Maglev folder of the benchmark's size."""
-    from kvm_maglev import MaglevConfig, MaglevForCausalLM
+    """A random-weight folder of the benchmark's model and size."""
+    from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 
-    config = MaglevConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                          max_position_embeddings=args.max_model_len, sliding_window=args.window,
-                          has_prefiller=False)
+    shared = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+    if args.model == "kvm":
+        model = KVMForCausalLM(KVMConfig(**shared, chunk_size=args.chunk))
+    else:
+        model = MaglevForCausalLM(MaglevConfig(**shared, max_position_embeddings=args.max_model_len,
+                                               sliding_window=args.window, has_prefiller=False))
     torch.manual_seed(0)
-    MaglevForCausalLM(config).eval().save_pretrained(folder)
+    model.eval().save_pretrained(folder)
     return folder
 
 
 def hf_tokens_per_second(folder: Path, prompts: list[list[int]], new_tokens: int) -> float:
-    """Output tokens/s of one greedy generate() batch of the prompts."""
-    from kvm_maglev import MaglevForCausalLM
+    """Output tokens/s of one greedy generate() batch of the prompts, after a warm-up call (as vLLM gets one)."""
+    from transformers import AutoModelForCausalLM
 
-    model = MaglevForCausalLM.from_pretrained(folder).eval()
+    import kvm_maglev
+
+    kvm_maglev.register_auto_classes()
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.tensor(prompts)
+    model.generate(ids[:2], max_new_tokens=2, do_sample=False)
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     seconds = time.perf_counter() - start
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / seconds
 
 
-def state_page_bytes(llm) -> int:
-    """Bytes of one request's state pages across the model's layers (what vLLM's cache manager allocates)."""
+def state_page_bytes(llm) -> tuple[int, int]:
+    """Bytes of one request's state pages: summed as the layers declare them, and as vLLM allocates them (every
+    layer's page padded to the largest)."""
     from math import prod
 
     from vllm.utils.torch_utils import get_dtype_size
 
-    def page(model) -> int:
-        return sum(prod(shape) * get_dtype_size(dtype) for layer in model.state_layers
-                   for shape, dtype in zip(layer.get_state_shape(), layer.get_state_dtype()))
     # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its worker's model is reachable
-    executor = llm.llm_engine.engine_core.engine_core.model_executor
-    return page(executor.driver_worker.worker.model_runner.model)
+    model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+    pages = [sum(prod(shape) * get_dtype_size(dtype) for shape, dtype in zip(layer.get_state_shape(),
+                                                                                 layer.get_state_dtype()))
+             for layer in model.state_layers]
+    return sum(pages), max(pages) * len(pages)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print and save its JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["kvm", "maglev"], default="maglev")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -70,20 +81,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--window", type=int, default=128, help="Maglev's sliding window")
+    parser.add_argument("--chunk", type=int, default=16, help="KVM's chunk size (its window: 2 chunks by default)")
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of both sides (vLLM's CPU worker takes OMP_NUM_THREADS, else it cuts to 1)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its model is read
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)  # HF's side, in this process
     from vllm import LLM, SamplingParams
 
     generator = torch.Generator().manual_seed(0)
     most = max(args.concurrency)
     prompts = torch.randint(0, args.vocab, (most, args.prompt_tokens), generator=generator).tolist()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = make_folder(Path(tmp) / "maglev", args)
+        folder = make_folder(Path(tmp) / args.model, args)
         llm = LLM(model=str(folder), enforce_eager=True, max_model_len=args.max_model_len, max_num_seqs=most,
                   dtype=args.dtype, gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 28,
                   skip_tokenizer_init=True)  # token-id prompts: no tokenizer needed
@@ -102,17 +118,15 @@ def main(argv: list[str] | None = None) -> dict:
             print(rows[-1], flush=True)
         config = llm.llm_engine.model_config.hf_config
         dtype = getattr(torch, args.dtype)
-        page = state_page_bytes(llm)
+        declared, allocated = state_page_bytes(llm)
         expected = config.cache_bytes(args.max_model_len, dtype=dtype)
-        # the carry rows of layers 1.. are allocated but unused (every page has one size); positions are vLLM's
-        unused = (config.num_hidden_layers - 1) * 2 * config.hidden_size * dtype.itemsize
-        result = {"command": "python -m kvm_maglev.benchmarks.serve", "torch_threads": torch.get_num_threads(),
-                  "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "window", "vocab",
-                                                          "max_model_len", "dtype")},
+        settings = ("model", "hidden", "layers", "heads", "kv_heads", "window" if args.model == "maglev" else "chunk",
+                    "vocab", "max_model_len", "dtype")
+        result = {"command": f"python -m kvm_maglev.benchmarks.serve --model {args.model}",
+                  "torch_threads": args.threads, "model": {k: getattr(args, k) for k in settings},
                   "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rows": rows,
-                  "state_page_bytes_per_request": page, "config_cache_bytes": expected,
-                  "unused_carry_bytes": unused,
-                  "page_minus_unused_over_cache_bytes": round((page - unused) / expected, 4)}
+                  "state_page_bytes_per_request": declared, "allocated_page_bytes_per_request": allocated,
+                  "config_cache_bytes": expected, "declared_over_cache_bytes": round(declared / expected, 4)}
         del llm
     print(json.dumps(result, indent=1))
     if args.out is not None:

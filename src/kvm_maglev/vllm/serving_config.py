@@ -34,14 +34,3 @@ class RecurrentStateServing(VerifyAndUpdateConfig):
         cache_config.mamba_cache_mode = "none"
         if cache_config.mamba_block_size is None:
             cache_config.mamba_block_size = model_config.max_model_len
-
-
-class Unserved(VerifyAndUpdateConfig):
-    """An architecture of this package that the plugin does not serve: a clear refusal instead of a build error."""
-
-    @staticmethod
-    def verify_and_update_config(vllm_config) -> None:
-        from kvm_maglev.vllm import NOT_SERVED
-
-        architecture = vllm_config.model_config.architecture
-        raise ValueError(f"{architecture} is not served on vLLM by kvm_maglev yet: {NOT_SERVED[architecture]}")

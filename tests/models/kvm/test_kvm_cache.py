@@ -212,11 +212,12 @@ def test_a_decoding_step_advances_the_fold_by_one_stage_at_most(speedups):
 
 @pytest.mark.parametrize("budget", [{}, dict(state_budget_mode="fixed", state_budget_min=6)])
 @pytest.mark.parametrize("speedups", [False, True])
-def test_folds_computed_ahead_are_bitwise_identical(monkeypatch, budget, speedups):
+def test_folds_computed_ahead_are_bitwise_identical(budget, speedups):
     """A model stepped with its cache, by a loop of one's own (`speedups` off) or inside runtime_speedups
     as generate() steps it, folds the next block head by head during the chunk before its boundary; the
-    boundary step swaps the result in. Logits and state equal the fold at the boundary's bit for bit."""
-    from kvm_maglev.models.kvm import modeling_kvm
+    boundary step swaps the result in. Logits and state equal the fold at the boundary's bit for bit, which
+    the attention's `paced_folds` flag off gives (what the vLLM plugin runs)."""
+    from kvm_maglev.models.kvm.modeling_kvm import KVMAttention
 
     model = random_model(num_attention_heads=4, hidden_size=64, rotary_dim=8, **budget)
     ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(6))
@@ -234,8 +235,13 @@ def test_folds_computed_ahead_are_bitwise_identical(monkeypatch, budget, speedup
 
     with torch.no_grad(), model.runtime_speedups() if speedups else contextlib.nullcontext():
         ahead, ahead_cache = decode(True)
-        monkeypatch.setattr(modeling_kvm, "prepare_next_fold", lambda *args, **kwargs: None)
+        attentions = [module for module in model.modules() if isinstance(module, KVMAttention)]
+        for attention in attentions:
+            attention.paced_folds = False
         at_boundary, boundary_cache = decode(False)
+        for attention in attentions:
+            del attention.paced_folds
+    assert all(layer.pending_fold is None for layer in boundary_cache.groups[0].layers)
     assert torch.equal(ahead, at_boundary)
     for a, b in zip(ahead_cache.groups[0].layers, boundary_cache.groups[0].layers):
         assert all(torch.equal(x, y) for x, y in zip(a.state(), b.state()))

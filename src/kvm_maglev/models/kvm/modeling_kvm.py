@@ -267,15 +267,18 @@ class KVMAttention(KVMAttentionBase):
     @torch.compiler.disable
     def cached_step(self, plan: StepPlan, caches: list, q, k, v, gate) -> torch.Tensor:
         """`run_chunks` on a cache, then, without autograd, each cache's next fold computed ahead whatever steps
-        the model (runtime_kvm.prepare_next_fold); a forward that builds a graph folds at the boundary, as
-        training does. Never compiled: traced, the cache's positions and buffer offsets become symbolic sizes,
+        the model (runtime_kvm.prepare_next_fold; unless `paced_folds` is off); a forward that builds a graph
+        folds at the boundary, as training does. Never compiled: traced, the cache's positions and buffer offsets become symbolic sizes,
         and inductor's kernels for them returned NaN logits in decoding steps (greedy tokens other than eager's)."""
         y = run_segments(plan, caches, self.run_chunks, q, k, v, gate)
-        if not torch.is_grad_enabled():
+        if self.paced_folds and not torch.is_grad_enabled():
             for cache in caches:
                 prepare_next_fold(self, cache, whole=q.shape[2] > 1)
         return y
 
+    # Without autograd a cached step computes the next fold ahead (`prepare_next_fold`); False folds at the chunk
+    # boundary instead (the same tensors), for a caller that rebuilds its cache every step (the vLLM plugin).
+    paced_folds = True
     # Under autograd a fresh forward past the front window attends all its chunks in one call
     # (`attend_chunks_at_once`); False keeps the chunk loop, the reference it equals.
     chunks_at_once = True

