@@ -22,12 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from vllm.config import VllmConfig
 
 from kvm_maglev.models.kvm.cache_kvm import KVMCache, RowGroup, new_layer_cache
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
 from kvm_maglev.models.kvm.modeling_kvm import KVMAttention, KVMForCausalLM, KVMModel
+from kvm_maglev.models.kvm.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.pages import PagedStateModel, ScheduledRows, page_layers
 
 
@@ -70,19 +70,13 @@ class VllmKVMForCausalLM(PagedStateModel):
     """`KVMForCausalLM` for vLLM: our model and head, a `StatePages` per decoder layer."""
 
     MODEL_NAME = "KVM"
+    # the state tensors one step's gather made (by id, the tensors kept alive so that ids stay theirs)
+    gathered_states: dict[int, torch.Tensor] = {}
     PROMPT_EMBEDDINGS_REFUSED = "the plugin lays out each request's token ids; embeddings are not wired through"
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        config = vllm_config.model_config.hf_config
-        if not isinstance(config, KVMConfig):
-            config = KVMConfig(**config.to_dict())
-        self.config = config
-        dtype = vllm_config.model_config.dtype
-        self.model = KVMModel(config).to(dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.build(vllm_config, KVMConfig, KVMModel, OneDNNLinear, "vocab_size")
         for module in self.model.modules():
             if isinstance(module, KVMAttention):
                 module.paced_folds = False
@@ -121,10 +115,11 @@ class VllmKVMForCausalLM(PagedStateModel):
         by_position: dict[int, list[int]] = {}
         for row, position in enumerate(rows.positions.tolist()):
             by_position.setdefault(position, []).append(row)
-        groups = []
+        groups, self.gathered_states = [], {}
         for position, members in by_position.items():
             index = [pages[members] for pages in rows.pages]
-            layers = [self.load_layer(i, position, index[i]) for i in range(self.config.num_hidden_layers)]
+            slots = self.config.state_slots_after(position)
+            layers = [self.load_layer(i, position, index[i], slots) for i in range(self.config.num_hidden_layers)]
             groups.append(RowGroup(members, layers))
         cache.groups = sorted(groups, key=lambda group: group.rows[0])
         fresh = rows.fresh[:, None]
@@ -135,8 +130,10 @@ class VllmKVMForCausalLM(PagedStateModel):
                 carries.values = {name: part[:, None] for (name, _), part in zip(layout.carries, parts)}
         return cache
 
-    def load_layer(self, layer_index: int, seen: int, index: torch.Tensor):
-        """Layer `layer_index`'s cache for the requests whose pages are `index`, all at position `seen`."""
+    def load_layer(self, layer_index: int, seen: int, index: torch.Tensor, slots: int):
+        """Layer `layer_index`'s cache for the requests whose pages are `index`, all at position `seen` (with `slots`
+        state slots). Its state tensors are kept in `gathered_states`: a state the step leaves as it was is not
+        written back."""
         layout, pages = self.layouts[layer_index], self.state_layers[layer_index].kv_cache
         cache = new_layer_cache(self.config, layer_index)
         if seen == 0:
@@ -144,8 +141,8 @@ class VllmKVMForCausalLM(PagedStateModel):
         begin, end = window_span(self.config, layout.sliding, seen)
         cache.window.load([pages[j][index, :, :end - begin] for j in range(layout.window)], begin)
         if not layout.sliding:
-            slots = self.config.state_slots_after(seen)
             cache.set_state(*(pages[layout.window + j][index, :, :slots] for j in range(layout.state)))
+            self.gathered_states[id(cache.state_keys)] = cache.state_keys
             cache.merged_blocks = merged_blocks(self.config, seen)
         cache.seen = seen
         return cache
@@ -154,28 +151,34 @@ class VllmKVMForCausalLM(PagedStateModel):
         """Write the advanced rows back into their pages, checking that each layer holds what its position says."""
         for group in cache.groups:
             members = torch.tensor(group.rows, device=rows.positions.device)
+            slots = self.config.state_slots_after(group.seen)
             for layout, layer, pages, cached in zip(self.layouts, self.state_layers, rows.pages, group.layers):
-                self.store_layer(layout, layer.kv_cache, pages[members], cached)
+                self.store_layer(layout, layer.kv_cache, pages[members], cached, slots)
+        self.gathered_states = {}
         for carries, layout, layer, index in zip(cache.carries, self.layouts, self.state_layers, rows.pages):
             if layout.carries:
                 layer.kv_cache[-1][index] = torch.cat([carries.values[name][:, 0] for name, _ in layout.carries],
                                                       dim=-1)
 
-    def store_layer(self, layout: PageLayout, pages: list[torch.Tensor], index: torch.Tensor, cached) -> None:
-        """One group's layer cache into the pages `index`."""
+    def store_layer(self, layout: PageLayout, pages: list[torch.Tensor], index: torch.Tensor, cached,
+                    slots: int) -> None:
+        """One group's layer cache into the pages `index`; its state only when the step changed it (a fold, first-chunk
+        tokens, or rows taken apart from their gathered group)."""
         config, seen = self.config, cached.seen
         begin, end = window_span(config, layout.sliding, seen)
         expected = {"window": (begin, end)}
         held = {"window": (cached.window.begin, cached.window.end)}
         if not layout.sliding:
-            expected.update(slots=config.state_slots_after(seen), merged=merged_blocks(config, seen))
+            expected.update(slots=slots, merged=merged_blocks(config, seen))
             held.update(slots=cached.state_len, merged=cached.merged_blocks)
         if held != expected:
             raise RuntimeError(f"KVM on vLLM: after {seen} tokens a layer holds {held}, but its page layout expects "
                                f"{expected}; the page layout no longer follows the cache's rules")
         for j, tensor in enumerate(cached.window.live()):
             pages[j][index, :, :end - begin] = tensor
-        for j, tensor in enumerate(cached.state() if not layout.sliding else ()):
+        if layout.sliding or self.gathered_states.get(id(cached.state_keys)) is cached.state_keys:
+            return
+        for j, tensor in enumerate(cached.state()):
             pages[layout.window + j][index, :, :tensor.shape[2]] = tensor
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

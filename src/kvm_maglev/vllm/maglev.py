@@ -15,12 +15,12 @@ request restarts at position 0 with a fresh carry, so both give the tokens of on
 from __future__ import annotations
 
 import torch
-from torch import nn
 from vllm.config import VllmConfig
 
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM, MaglevModel
+from kvm_maglev.models.maglev.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.pages import PagedStateModel, ScheduledRows, page_layers
 
 MEMORY, EMBEDDING = 0, 1  # rows of the carry state
@@ -41,15 +41,8 @@ class VllmMaglevForCausalLM(PagedStateModel):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        config = vllm_config.model_config.hf_config
-        if not isinstance(config, MaglevConfig):
-            config = MaglevConfig(**config.to_dict())
-        self.config = config
-        dtype = vllm_config.model_config.dtype
-        self.model = MaglevModel(config).to(dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.head_rows, bias=False, dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.build(vllm_config, MaglevConfig, MaglevModel, OneDNNLinear, "head_rows")
+        config, dtype = self.config, vllm_config.model_config.dtype
         slots = ring_slots(config, vllm_config.model_config.max_model_len)
         # per layer: its ring of keys and values, and the request's carry (used in layer 0's page only)
         shapes = [[(config.num_key_value_heads, n, config.head_dim)] * 2 + [(2, config.hidden_size)] for n in slots]

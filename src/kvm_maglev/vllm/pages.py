@@ -111,13 +111,27 @@ class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
     """What a served model of this package does each engine step: gather the scheduled requests' pages into the
     model's own cache (one row per request, each at its own position), run the model's batched forward on it (padding
     skipped per row, as `generate()` does) and write the rows back. Subclasses set `model`, `lm_head`, `config` and
-    `state_layers` and define `gather`, `scatter` and `compute_logits`."""
+    `state_layers` (`build` sets the first three) and define `gather`, `scatter` and `compute_logits`."""
 
     MODEL_NAME = ""  # in error messages
     PROMPT_EMBEDDINGS_REFUSED = ""  # why prompt embeddings are refused
     # checkpoint tensors the served model does not hold (prefixes), skipped when loading
     SKIPPED_WEIGHTS: tuple[str, ...] = ()
     speedups: contextlib.ExitStack | None = None  # the model's runtime speed-ups, held open (`hold_speedups`)
+
+    def build(self, vllm_config, config_class: type, model_class: type, head_class: type, head_rows: str) -> None:
+        """Set `config` (the folder's, as `config_class`), `model` (`model_class` in the served dtype) and `lm_head`
+        (a `head_class` linear, as the model's own head, of `config.<head_rows>` rows, tied to the embeddings when
+        the config ties them)."""
+        config = vllm_config.model_config.hf_config
+        if not isinstance(config, config_class):
+            config = config_class(**config.to_dict())
+        self.config = config
+        dtype = vllm_config.model_config.dtype
+        self.model = model_class(config).to(dtype)
+        self.lm_head = head_class(config.hidden_size, getattr(config, head_rows), bias=False, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (vLLM's interface; the forward reads token ids)."""
@@ -147,7 +161,8 @@ class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
         step would drop the linears' blocked weight copies, remade at the next."""
         if self.speedups is None:
             self.speedups = contextlib.ExitStack()
-            self.speedups.enter_context(self.model.runtime_speedups())
+            # over the whole served module, the head included, as generate() opens them over the causal LM
+            self.speedups.enter_context(type(self.model).runtime_speedups(self))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a folder's safetensors into the parameters of the same names; a tied head counts as loaded."""
