@@ -27,7 +27,7 @@ SHARED_MODULES: dict[str, tuple[str, ...]] = {
     "conventions.py": ("kvm", "maglev"),
     "tensor_parallel.py": ("kvm", "maglev"),
     "row_block_loss.py": ("kvm", "maglev"),
-    "packed_documents.py": ("kvm", "maglev"),
+    "step_plan.py": ("kvm", "maglev"),
 }
 HEADER = "# Generated from kvm_maglev/models/common/{name} (python -m kvm_maglev.models.sync_shared); do not edit by hand.\n"
 

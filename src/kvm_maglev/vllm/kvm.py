@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from vllm.config import VllmConfig
 
-from kvm_maglev.models.kvm.cache_kvm import KVMCache, RowGroup, new_layer_cache
+from kvm_maglev.models.kvm.cache_kvm import KVMCache, new_layer_cache
+from kvm_maglev.models.kvm.step_plan import RowGroup
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
 from kvm_maglev.models.kvm.modeling_kvm import KVMAttention, KVMForCausalLM, KVMModel
 from kvm_maglev.models.kvm.onednn_linear import OneDNNLinear

@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache
 
 from .configuration_kvm import CACHE_CONFIG_FIELDS, KVMConfig
 from .saved_cache import SavedCache, tensors_under
+from .step_plan import GroupedStepPlan, RowGroup
 
 CACHE_FORMAT = "kvm-cache"
 CACHE_FORMAT_VERSION = 1
@@ -289,142 +290,6 @@ def new_layer_cache(config: KVMConfig, layer_idx: int):
     return SlidingWindowLayerCache() if config.is_sliding_window_layer(layer_idx) else KVMLayerCache()
 
 
-class RowGroup:
-    """Rows (batch indices, ascending) that have read the same number of real tokens, and their layer caches."""
-
-    def __init__(self, rows: list[int], layers: list) -> None:
-        self.rows = rows
-        self.layers = layers
-
-    @property
-    def seen(self) -> int:
-        return self.layers[0].seen
-
-    def take(self, local: list[int], rows: list[int]) -> "RowGroup":
-        """A group of this group's rows at positions `local`, renumbered `rows`."""
-        if local == list(range(len(self.rows))):
-            return RowGroup(rows, self.layers)
-        index = torch.tensor(local, device=self.device) if self.device is not None else torch.tensor(local)
-        return RowGroup(rows, [layer.take_rows(index) for layer in self.layers])
-
-    @property
-    def device(self):
-        for layer in self.layers:
-            if layer.window.storage is not None:
-                return layer.window.storage[0].device
-        return None
-
-
-def row_index(rows: list[int], batch: int, device) -> slice | torch.Tensor:
-    """Index of `rows` in a batch: a slice when they are consecutive (views, no copies)."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows)) if len(rows) < batch else slice(None)
-    return torch.tensor(rows, device=device)
-
-
-class Segment:
-    """The tokens of one row group in one forward: which rows, which columns (None: all), how many."""
-
-    def __init__(self, group: RowGroup, batch: int, count: int, columns: torch.Tensor | None, device) -> None:
-        self.group = group
-        self.count = count
-        self.rows = row_index(group.rows, batch, device)
-        self.columns = columns  # [G, count] real columns of each row, ascending
-        if columns is not None and not isinstance(self.rows, torch.Tensor):
-            self.rows = torch.arange(batch, device=device)[self.rows]
-
-    @property
-    def whole_batch(self) -> bool:
-        return self.columns is None and self.rows == slice(None)
-
-    def take(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """This segment's tokens of a [B, H, T, D] tensor, as [G, H, count, D]."""
-        if t is None:
-            return None
-        if self.columns is None:
-            return t[self.rows]
-        return t.transpose(1, 2)[self.rows[:, None], self.columns].transpose(1, 2)
-
-    def put(self, out: torch.Tensor, y: torch.Tensor) -> None:
-        """Write [G, H, count, D] results into their places of `out` [B, H, T, D]."""
-        if self.columns is None:
-            out[self.rows] = y
-        else:
-            out.transpose(1, 2)[self.rows[:, None], self.columns] = y.transpose(1, 2)
-
-
-class StepPlan:
-    """One forward's view of its tokens: row groups, per-row positions, where each token's
-    token-shift predecessor is. Built once per forward, shared by the layers.
-
-    `previous_index` / `last_index` index the sequence [carry, x_0, ..., x_{T-1}] (0 = the carry);
-    both are None in the common case of one group with every token real (plain shifts).
-    """
-
-    def __init__(self, batch: int, length: int, valid: torch.Tensor | None, groups: list[RowGroup], device) -> None:
-        self.batch, self.length, self.valid = batch, length, valid
-        counts = None if valid is None else valid.sum(dim=1).tolist()
-        self.groups, self.segments = [], []
-        for group in groups:
-            by_count: dict[int, list[int]] = {}
-            for local, row in enumerate(group.rows):
-                by_count.setdefault(length if counts is None else counts[row], []).append(local)
-            for count, local in by_count.items():
-                sub = group.take(local, [group.rows[i] for i in local])
-                self.groups.append(sub)
-                if count:
-                    columns = None
-                    if count < length:
-                        real = valid[torch.tensor(sub.rows, device=device)]
-                        columns = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices[:, :count]
-                    self.segments.append(Segment(sub, batch, count, columns, device))
-        self.groups.sort(key=lambda g: g.rows[0])
-        self.uniform = len(self.groups) == 1 and valid is None
-        if self.uniform:
-            seen = self.groups[0].seen
-            self.positions = torch.arange(seen, seen + length, device=device)
-            self.previous_index = self.last_index = None
-            self.has_prior = seen > 0
-            return
-        row_seen = torch.zeros(batch, dtype=torch.long)
-        for group in self.groups:
-            row_seen[group.rows] = group.seen
-        row_seen = row_seen.to(device)
-        real = valid if valid is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
-        before = real.long().cumsum(dim=1) - real.long()
-        self.positions = row_seen[:, None] + before
-        steps = torch.arange(1, length + 1, device=device)
-        last_real = torch.where(real, steps, 0).cummax(dim=1).values  # 1 + last real index at or before t
-        self.previous_index = torch.cat([last_real.new_zeros(batch, 1), last_real[:, :-1]], dim=1)
-        self.last_index = last_real[:, -1:]
-        self.has_prior = row_seen > 0
-        # 'first' mode: a row's very first token is its own predecessor
-        self.first_previous_index = torch.where((self.previous_index == 0) & ~self.has_prior[:, None],
-                                                steps, self.previous_index)
-
-    def shift(self, x: torch.Tensor, mix: torch.Tensor, carries, name: str, first: str) -> torch.Tensor:
-        """Token shift x + mix * (x[t-1] - x[t]) over each row's real tokens, updating the carry of `name`."""
-        carry = carries.get(name) if carries is not None else None
-        if self.previous_index is None:
-            if carry is None or not self.has_prior:
-                previous = x[:, :1] if first == "first" else torch.zeros_like(x[:, :1])
-            else:
-                previous = carry.to(x.dtype)
-            if carries is not None:
-                carries.set(name, x[:, -1:])
-                carries.record(name, x)
-            return x + mix * (torch.cat([previous, x[:, :-1]], dim=1) - x)
-        if carry is None:
-            carry = x.new_zeros(x.shape[0], 1, x.shape[-1])
-        source = torch.cat([carry.to(x.dtype), x], dim=1)
-        index = self.first_previous_index if first == "first" else self.previous_index
-        previous = source.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
-        if carries is not None:
-            carries.set(name, source.gather(1, self.last_index[..., None].expand(-1, -1, x.shape[-1])))
-            carries.record(name, x)
-        return x + mix * (previous - x)
-
-
 class ForwardRecord:
     """What one recorded forward replaced (layer snapshots, carries, columns) and did (journals)."""
 
@@ -462,7 +327,7 @@ class KVMCache(SavedCache, Cache):
         self.history: deque[ForwardRecord] = deque()
 
     # ---- what the model uses ----------------------------------------------------------------
-    def plan(self, batch: int, length: int, valid: torch.Tensor | None, device) -> StepPlan:
+    def plan(self, batch: int, length: int, valid: torch.Tensor | None, device) -> GroupedStepPlan:
         """Start rows on the first forward, check the batch size after; split groups by this forward's
         per-row token counts; record what the forward will replace while recording."""
         if not self.groups:
@@ -474,11 +339,11 @@ class KVMCache(SavedCache, Cache):
                              "use reorder_cache/batch_select_indices/batch_repeat_interleave to change it")
         if self.recording:
             self._record(length, valid, single=len(self.groups) == 1)
-        plan = StepPlan(batch, length, valid, self.groups, device)
+        plan = GroupedStepPlan(batch, length, valid, self.groups, device)
         self.groups = plan.groups
         return plan
 
-    def finish(self, plan: StepPlan) -> None:
+    def finish(self, plan: GroupedStepPlan) -> None:
         self.columns += plan.length
         if plan.length > 1 and not torch.is_grad_enabled():  # decoding steps that follow write windows in place
             for group in self.groups:
@@ -497,7 +362,7 @@ class KVMCache(SavedCache, Cache):
         for carries in self.carries:
             carries.journal = None
 
-    def layer_caches(self, layer_idx: int, plan: StepPlan) -> list:
+    def layer_caches(self, layer_idx: int, plan: GroupedStepPlan) -> list:
         return [segment.group.layers[layer_idx] for segment in plan.segments]
 
     # ---- what generate() asks ---------------------------------------------------------------

@@ -22,20 +22,20 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple, logging
 
-from .cache_kvm import KVMCache, KVMLayerCache, RowGroup, SlidingWindowLayerCache, StepPlan, new_layer_cache
+from .cache_kvm import KVMCache, KVMLayerCache, SlidingWindowLayerCache, new_layer_cache
 from .carried_card import CarriedCardMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
 from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
                           refuse_attention_weights)
 from .generation_cache import OwnCacheGenerationMixin
-from .model_inputs import CACHE_NAME, check_cache, check_token_ids, real_tokens, take_cache
-from .packed_documents import (boundary_kwargs, bucket_index, gather_bucket, length_buckets, packed_documents, refuse_packed_cache,
-                               scatter_outputs)
+from .model_inputs import CACHE_NAME, check_cache, check_token_ids, take_cache
 from .onednn_linear import OneDNNLinear, sharing_parameters
 from .row_block_loss import RowBlockLossMixin
 from .runtime_kvm import one_query_attention, prepare_next_fold, take_fold_ahead
 from .runtime_switch import runtime_speedups
 from .state_kvm import Fold, Overflow, append_count, query_slice, readable_state, run_fold, slot_norms, state_keys
+from .step_plan import (GroupedStepPlan, RowGroup, boundary_kwargs, bucket_index, chunk_pieces, gather_bucket,
+                        length_buckets, packed_documents, real_tokens, refuse_packed_cache, scatter_outputs)
 from .tensor_parallel import full_tensor, local_tensor
 
 logger = logging.get_logger(__name__)
@@ -88,7 +88,32 @@ def value_residual_rank(hidden_size: int) -> int:
     return max(32, int(round(1.3 * hidden_size**0.5 / 32) * 32))
 
 
-def run_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch.Tensor:
+def token_shift(plan: GroupedStepPlan, x: torch.Tensor, mix: torch.Tensor, carries, name: str,
+                first: str) -> torch.Tensor:
+    """Token shift x + mix * (x[t-1] - x[t]) over each row's real tokens, updating the carry of `name`.
+    A row's first token has no predecessor: itself ("first") or zero ("zero")."""
+    carry = carries.get(name) if carries is not None else None
+    if plan.previous_index is None:
+        if carry is None or not plan.has_prior:
+            previous = x[:, :1] if first == "first" else torch.zeros_like(x[:, :1])
+        else:
+            previous = carry.to(x.dtype)
+        if carries is not None:
+            carries.set(name, x[:, -1:])
+            carries.record(name, x)
+        return x + mix * (torch.cat([previous, x[:, :-1]], dim=1) - x)
+    if carry is None:
+        carry = x.new_zeros(x.shape[0], 1, x.shape[-1])
+    source = torch.cat([carry.to(x.dtype), x], dim=1)
+    index = plan.first_previous_index if first == "first" else plan.previous_index
+    previous = source.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+    if carries is not None:
+        carries.set(name, source.gather(1, plan.last_index[..., None].expand(-1, -1, x.shape[-1])))
+        carries.record(name, x)
+    return x + mix * (previous - x)
+
+
+def run_segments(plan: GroupedStepPlan, caches: list, attend, q, k, v, *extra) -> torch.Tensor:
     """Run `attend(cache, q, k, v, *extra)` per row group on its real tokens; padding columns get zeros."""
     if len(plan.segments) == 1 and plan.segments[0].whole_batch:
         return attend(caches[0], q, k, v, *extra)
@@ -104,7 +129,7 @@ def run_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch
 
 
 @torch.compiler.disable
-def run_cached_segments(plan: StepPlan, caches: list, attend, q, k, v, *extra) -> torch.Tensor:
+def run_cached_segments(plan: GroupedStepPlan, caches: list, attend, q, k, v, *extra) -> torch.Tensor:
     """`run_segments` on a cache, never compiled (see `KVMAttention.cached_step`)."""
     return run_segments(plan, caches, attend, q, k, v, *extra)
 
@@ -156,7 +181,7 @@ class KVMAttentionBase(nn.Module):
     def value_gate(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(local_tensor(self.value_gate_bias) + self.value_gate_up(self.value_gate_down(x)))
 
-    def project(self, x: torch.Tensor, v_first: torch.Tensor | None, plan: StepPlan, carries) -> tuple[torch.Tensor, ...]:
+    def project(self, x: torch.Tensor, v_first: torch.Tensor | None, plan: GroupedStepPlan, carries) -> tuple[torch.Tensor, ...]:
         """Return q, k [B, H, T, Dqk] (normed, not rotated) and v [B, H, T, Dv]; shifts follow each row's real tokens."""
         batch, length, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -167,12 +192,12 @@ class KVMAttentionBase(nn.Module):
         elif self.value_residual_mode == "rwkv":
             v = v + (v_first.to(v.dtype) - v) * self.value_gate(x).to(v.dtype)
         if self.token_shift_on:
-            q = plan.shift(q, local_tensor(self.q_shift), carries, "q", "first")
-            k = plan.shift(k, local_tensor(self.k_shift), carries, "k", "first")
-            v = plan.shift(v, local_tensor(self.v_shift), carries, "v", "first")
+            q = token_shift(plan, q, local_tensor(self.q_shift), carries, "q", "first")
+            k = token_shift(plan, k, local_tensor(self.k_shift), carries, "k", "first")
+            v = token_shift(plan, v, local_tensor(self.v_shift), carries, "v", "first")
         if self.value_residual_mode == "rwkv_post_tokenshift":
             # the mix of the (whole) input: all of v_shift, also where tensor parallelism shards it by head
-            shifted = plan.shift(x, full_tensor(self.v_shift), carries, "x", "first")
+            shifted = token_shift(plan, x, full_tensor(self.v_shift), carries, "x", "first")
             v = v + (v_first.to(v.dtype) - v) * self.value_gate(shifted).to(v.dtype)
         # -1 heads: under tensor parallelism a rank holds only its share of them
         q = self.q_norm(q.view(batch, length, -1, self.head_dim)).transpose(1, 2)
@@ -196,7 +221,7 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         super().__init__(config, layer_idx, config.sliding_window_token_shift, config.sliding_window_value_residual_mode)
         self.window = config.sliding_window_size
 
-    def forward(self, x, v_first, rotary, plan: StepPlan, state) -> torch.Tensor:
+    def forward(self, x, v_first, rotary, plan: GroupedStepPlan, state) -> torch.Tensor:
         carries, caches = state if state is not None else (None, [SlidingWindowLayerCache() for _ in plan.segments])
         q, k, v = self.project(x, v_first, plan, carries)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
@@ -253,7 +278,7 @@ class KVMAttention(KVMAttentionBase):
             return 1.0
         return local_tensor(getattr(self, name)).view(1, -1, 1, 1)
 
-    def forward(self, x, v_first, rotary, plan: StepPlan, state) -> torch.Tensor:
+    def forward(self, x, v_first, rotary, plan: GroupedStepPlan, state) -> torch.Tensor:
         carries, caches = state if state is not None else (None, [KVMLayerCache() for _ in plan.segments])
         q, k, v = self.project(x, v_first, plan, carries)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
@@ -265,7 +290,7 @@ class KVMAttention(KVMAttentionBase):
         return self.output(self.cached_step(plan, caches, q, k, v, gate))
 
     @torch.compiler.disable
-    def cached_step(self, plan: StepPlan, caches: list, q, k, v, gate) -> torch.Tensor:
+    def cached_step(self, plan: GroupedStepPlan, caches: list, q, k, v, gate) -> torch.Tensor:
         """`run_chunks` on a cache, then, without autograd, each cache's next fold computed ahead whatever steps
         the model (runtime_kvm.prepare_next_fold; unless `paced_folds` is off); a forward that builds a graph
         folds at the boundary, as training does. Never compiled: traced, the cache's positions and buffer offsets become symbolic sizes,
@@ -296,7 +321,7 @@ class KVMAttention(KVMAttentionBase):
         chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
         at_once = (self.chunks_at_once and torch.is_grad_enabled() and cache.seen == 0
                    and q.shape[2] > window_chunks * chunk)
-        pieces = self.chunk_pieces(cache, q.shape[2])
+        pieces = chunk_pieces(cache.seen, q.shape[2], chunk, window_chunks)
         # split, not sliced: a slice's gradient is a zero-filled copy of the whole sequence, per chunk
         queries = q.split([stop - pos for pos, stop in pieces], dim=2)
         outputs, reads = [], []
@@ -363,18 +388,6 @@ class KVMAttention(KVMAttentionBase):
         y = attention(blocks(q).flatten(0, 1), keys, values, mask, self.eager)  # [G * chunks, H, chunk, Dv]
         y = y.view(groups, count, heads, chunk, -1).transpose(1, 2).flatten(2, 3)
         return y[:, :, :length]
-
-    def chunk_pieces(self, cache: KVMLayerCache, length: int) -> list[tuple[int, int]]:
-        """Absolute [pos, stop) of the pieces `length` new tokens are processed in: the front window (no
-        state) as one piece, then one piece per chunk."""
-        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
-        pieces, pos, end = [], cache.seen, cache.seen + length
-        while pos < end:
-            front = pos // chunk < window_chunks
-            stop = min(end, window_chunks * chunk if front else (pos // chunk + 1) * chunk)
-            pieces.append((pos, stop))
-            pos = stop
-        return pieces
 
     def update_chunks(self, cache: KVMLayerCache, pieces: list[tuple[int, int]], k, v, gate):
         """For each piece in turn, bring the cache up to it (blocks that left the window folded into the
@@ -513,9 +526,9 @@ class KVMMLP(nn.Module):
         if self.token_shift_on:
             self.shift = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
 
-    def forward(self, x: torch.Tensor, plan: StepPlan, carries) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: GroupedStepPlan, carries) -> torch.Tensor:
         if self.token_shift_on:
-            x = plan.shift(x, self.shift, carries, "ffn", "zero")
+            x = token_shift(plan, x, self.shift, carries, "ffn", "zero")
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
@@ -535,7 +548,7 @@ class KVMDecoderLayer(GradientCheckpointingLayer):
             self.block_lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
 
     def forward(
-        self, hidden_states, x0, v_first, rotary, plan: StepPlan, state=None
+        self, hidden_states, x0, v_first, rotary, plan: GroupedStepPlan, state=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`state`: (carries, per-segment layer caches) from a KVMCache, or None for a fresh per-call
         state (so that checkpoint recomputation replays identically). Returns the new hidden states and, for a
@@ -698,7 +711,7 @@ class KVMModel(KVMPreTrainedModel):
             plan = cache.plan(batch, length, valid, x0.device)
         else:
             fresh = [new_layer_cache(self.config, i) for i in range(self.config.num_hidden_layers)]
-            plan = StepPlan(batch, length, valid, [RowGroup(list(range(batch)), fresh)], x0.device)
+            plan = GroupedStepPlan(batch, length, valid, [RowGroup(list(range(batch)), fresh)], x0.device)
         positions = plan.positions
         if position_ids is not None:
             check_position_ids(position_ids, positions, valid, batch, "KVM", "state and token shifts")

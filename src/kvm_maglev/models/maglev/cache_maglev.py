@@ -14,67 +14,13 @@ from transformers.cache_utils import Cache
 
 from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_capacity
 from .saved_cache import SavedCache, tensors_under
+from .step_plan import StepPlan, gather_columns
 
 CACHE_FORMAT = "maglev-cache"
 CACHE_FORMAT_VERSION = 3  # 2: nanochat window patterns keep growing rings, no longer every column;
 # 3: the config fingerprint records where the memory comes from (source layer, projection, residual injection)
 TENSORS_FILE = "maglev_cache.safetensors"
 META_FILE = "maglev_cache.json"
-
-
-
-def last_real_index(valid: torch.Tensor) -> torch.Tensor:
-    """[B, T]: 1 + the index of the last real token at or before t (0 when none)."""
-    steps = torch.arange(1, valid.shape[1] + 1, device=valid.device)
-    return torch.where(valid, steps, 0).cummax(dim=1).values
-
-
-def previous_real_index(valid: torch.Tensor) -> torch.Tensor:
-    """[B, T]: 1 + the index of the last real token strictly before t (0: the carried state)."""
-    last = last_real_index(valid)
-    return torch.cat([last.new_zeros(last.shape[0], 1), last[:, :-1]], dim=1)
-
-
-def gather_columns(first: torch.Tensor, columns: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Pick, per row, column `index - 1` of `columns` or `first` (index 0): [B, 1, H] + [B, T, H] -> [B, K, H]."""
-    source = torch.cat([first.to(columns.dtype), columns], dim=1)
-    return source.gather(1, index[..., None].expand(-1, -1, columns.shape[-1]))
-
-
-class StepPlan:
-    """One forward's view of its tokens: per-row positions, which tokens are real, masks built once.
-
-    Query positions of padding are those the next real token would get (only they read them);
-    padding keys get position -1, which no query sees.
-    """
-
-    def __init__(self, start: torch.Tensor, valid: torch.Tensor | None, length: int, record: bool = False):
-        self.start = start
-        self.valid = valid
-        self.length = length
-        if valid is None:
-            self.query_positions = start[:, None] + torch.arange(length, device=start.device)
-            self.key_positions = self.query_positions
-            self.before = None
-        else:
-            self.before = valid.long().cumsum(dim=1) - valid.long()
-            self.query_positions = start[:, None] + self.before
-            self.key_positions = torch.where(valid, self.query_positions, -1)
-        self.records = [[] for _ in range(length)] if record else None
-        self._masks: dict = {}
-
-    def column(self, t: int):
-        """(start positions, validity) of column t, for writes one column at a time."""
-        if self.length == 1:
-            return self.start, None if self.valid is None else self.valid[:, 0]
-        if self.valid is None:
-            return self.start + t, None
-        return self.start + self.before[:, t], self.valid[:, t]
-
-    def mask(self, key, build: Callable[[], torch.Tensor]) -> torch.Tensor:
-        if key not in self._masks:
-            self._masks[key] = build()
-        return self._masks[key]
 
 
 def _tracks_grad(*tensors: torch.Tensor) -> bool:
@@ -274,7 +220,10 @@ class MaglevCache(SavedCache, Cache):
         """The plan of a forward over `length` new columns; growing rings make room for them first."""
         for store in self.layer_stores:
             store.reserve(self.seen_tokens + length)
-        return StepPlan(self.positions, valid, length, record=self.recording)
+        plan = StepPlan(self.positions, valid, length)
+        if self.recording:
+            plan.records = [[] for _ in range(length)]
+        return plan
 
     def advance(self, plan: StepPlan, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
         """Record a processed chunk: per row its real-token count, last real (pre-smear) embedding and memory."""
@@ -297,8 +246,8 @@ class MaglevCache(SavedCache, Cache):
             valid = plan.valid
             if valid is None:
                 valid = embeddings.new_ones(embeddings.shape[:2], dtype=torch.bool)
+            previous, last = plan.predecessors()
             if plan.records is not None:
-                previous = previous_real_index(valid)
                 before_embeddings = gather_columns(self.previous_embedding, embeddings, previous)
                 before_memories = (None if memories is None
                                    else gather_columns(self.last_memory, memories, previous))
@@ -307,7 +256,6 @@ class MaglevCache(SavedCache, Cache):
                     self.history.append(ColumnRecord(
                         before_positions[:, t], None if memories is None else before_memories[:, t:t + 1],
                         before_embeddings[:, t:t + 1], plan.records[t]))
-            last = last_real_index(valid)[:, -1:]
             self.previous_embedding = gather_columns(self.previous_embedding, embeddings, last)
             if memories is not None:
                 self.last_memory = gather_columns(self.last_memory, memories, last)

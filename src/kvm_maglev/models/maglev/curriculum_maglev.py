@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cache_maglev import StepPlan
+from .step_plan import StepPlan
 
 
 @dataclass(frozen=True)

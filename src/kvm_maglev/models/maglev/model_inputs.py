@@ -48,21 +48,6 @@ def check_token_ids(input_ids, vocab_size: int, cache) -> None:
             raise ValueError(f"input_ids must be in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
 
 
-def real_tokens(attention_mask, batch: int, length: int, cached: int, device) -> torch.Tensor | None:
-    """[B, T] booleans for this forward's real tokens (None without a mask). The mask covers the new tokens
-    or, as generate() passes it, the cached columns and the new tokens; the cached part is in the cache."""
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
-    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (length,
-                                                                                                     cached + length):
-        expected = f"[{batch}, {length}]" + (f" or [{batch}, {cached + length}]" if cached else "")
-        raise ValueError(f"attention_mask must have shape {expected} (batch, cached + new tokens), "
-                         f"got {tuple(attention_mask.shape)}")
-    return attention_mask[:, -length:].to(device=device) != 0
-
-
 def check_cache(cache, cache_class: type, config) -> None:
     """Refuse a cache of another class, or one made for another architecture."""
     if not isinstance(cache, cache_class):

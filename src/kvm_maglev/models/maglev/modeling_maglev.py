@@ -19,20 +19,21 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
-from .cache_maglev import MaglevCache, RingKeyValues, StepPlan, gather_columns, previous_real_index
+from .cache_maglev import MaglevCache, RingKeyValues
 from .carried_card import CarriedCardMixin
 from .configuration_maglev import MaglevConfig
 from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
                           refuse_attention_weights)
 from .curriculum_maglev import Schedule, current_schedule, lifted_passes, schedule_at
 from .generation_cache import OwnCacheGenerationMixin
-from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, real_tokens, take_cache
-from .packed_documents import (boundary_kwargs, bucket_index, bucket_mask, gather_bucket, length_buckets,
-                               packed_documents, refuse_packed_cache, scatter_outputs)
+from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
 from .onednn_linear import OneDNNLinear
 from .row_block_loss import RowBlockLossMixin, row_block_head_loss
 from .runtime_maglev import one_query_attention
 from .runtime_switch import runtime_speedups
+from .step_plan import (StepPlan, boundary_kwargs, bucket_index, bucket_mask, gather_bucket, gather_columns,
+                        length_buckets, packed_documents, previous_real_index, real_tokens, refuse_packed_cache,
+                        scatter_outputs)
 from .tensor_parallel import local_columns, local_tensor
 
 # why the models refuse what transformers offers for plain attention
@@ -122,24 +123,6 @@ def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, lef
     return ((k >= 0) & (k <= q) & (k >= q - left))[:, None]
 
 
-def query_blocks(plan: StepPlan, left: int) -> list[tuple[int, int, int]]:
-    """(first key column, first query column, end column) per block of QUERY_BLOCK queries: the key columns
-    any query of the block can see under a `left` window, so a long chunk costs O(length * (QUERY_BLOCK +
-    left)) instead of O(length^2). One block when the chunk is short."""
-    if plan.length <= QUERY_BLOCK + left:
-        return [(0, 0, plan.length)]
-
-    def build():
-        blocks = []
-        for begin in range(0, plan.length, QUERY_BLOCK):
-            # per row, the first column whose key position is within reach of the block's first query
-            reach = plan.key_positions[:, :begin + 1] >= plan.query_positions[:, begin:begin + 1] - left
-            first = torch.where(reach.any(dim=1), reach.float().argmax(dim=1), begin)
-            blocks.append((int(first.min()), begin, min(begin + QUERY_BLOCK, plan.length)))
-        return blocks
-    return plan.mask(("blocks", left), build)
-
-
 def block_mask(plan: StepPlan, left: int, block: tuple[int, int, int]) -> torch.Tensor:
     """Mask of one block's queries over the chunk's key columns [lo, end): each token sees itself and the real
     keys within `left` positions. Columns stay causal too: a padding query has the position of the next real
@@ -158,7 +141,7 @@ def windowed_attention(plan: StepPlan, q, k, v, left: int, eager: bool, prefix_m
     """Attention of the chunk's queries over `prefix` keys/values (a ring, with `prefix_mask(begin, end)`) and
     the chunk's own keys within `left`, block by block of queries (`eager`: as explicit products)."""
     outputs = []
-    for block in query_blocks(plan, left):
+    for block in plan.query_blocks(left, QUERY_BLOCK):
         lo, begin, end = block
         mask = block_mask(plan, left, block)
         keys, values = k[:, :, lo:end], v[:, :, lo:end]
