@@ -58,6 +58,14 @@ def _maglev(**recipe) -> MaglevForCausalLM:
     return _nanochat(**{**base, **recipe})
 
 
+def _kvm(window_chunks: int) -> KVMForCausalLM:
+    """KVM with 16-byte chunks, a one-sink 32-slot fixed state and `window_chunks` chunks of window."""
+    return KVMForCausalLM(KVMConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, chunk_size=16,
+        window_chunks=window_chunks, sink_slots=1, state_budget_mode="fixed", state_budget_min=32,
+        state_max_chunks=2))
+
+
 class CastOracleFed(nn.Module):
     """Maglev's P with its memory input replaced by a learned embedding of the story's cast (an experimental arm
     bounding what a memory could give): `unread` up to the header's closing ".", then rms_norm of the sum of
@@ -114,10 +122,10 @@ ARMS: Dict[str, Callable[[int], nn.Module]] = {
     **{name: (lambda steps, spec=spec: _teacher(steps, spec[0], **spec[1])) for name, spec in TEACHER_ARMS.items()},
     "oracle_fed": lambda steps: CastOracleFed(_nanochat(use_memory=True, sliding_window=WINDOW, has_prefiller=False),
                                               len(CAST_POOL)),
-    "kvm_fixed": lambda steps: KVMForCausalLM(KVMConfig(
-        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, chunk_size=16,
-        window_chunks=WINDOW // 16, sink_slots=1, state_budget_mode="fixed", state_budget_min=32,
-        state_max_chunks=2)),
+    "kvm_fixed": lambda steps: _kvm(window_chunks=WINDOW // 16),
+    # KVM's backbone (token shift, value residual, its norms) with a window over the whole row: no block ever
+    # leaves the window, so no state is read - full attention on KVM's backbone, to tell backbone from memory
+    "kvm_backbone_full": lambda steps: _kvm(window_chunks=SEQ_LEN // 16),
     "full_attention": lambda steps: _nanochat(use_memory=False, sliding_window=None, has_prefiller=False),
 }
 

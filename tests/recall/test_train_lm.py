@@ -96,3 +96,22 @@ def test_ladder_rows_compare_past_window_bpb_with_the_sliding_window():
     rows = {row["arm"]: row for row in train_lm.ladder_rows(results)}
     assert rows["oracle_fed"]["past_vs_sliding_window"] == pytest.approx(-0.2)
     assert rows["swa_baseline"]["past_vs_sliding_window"] == 0.0
+
+
+def test_kvm_backbone_full_attends_the_whole_row_and_reads_no_state():
+    """Its window covers a training row, so its logits are those of the same weights with an even wider window
+    (no state read either way), and differ from the same weights under kvm_fixed's 32-byte window."""
+    torch.manual_seed(0)
+    full = train_lm.ARMS["kvm_backbone_full"](10).eval()
+    with torch.no_grad():  # output projections start at zero, which would hide attention altogether
+        for parameter in full.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    wider = train_lm._kvm(window_chunks=2 * train_lm.SEQ_LEN // 16).eval()
+    windowed = train_lm.ARMS["kvm_fixed"](10).eval()
+    wider.load_state_dict(full.state_dict())
+    windowed.load_state_dict(full.state_dict())
+    row = torch.randint(0, 256, (2, train_lm.SEQ_LEN))
+    with torch.no_grad():
+        logits = full(row, use_cache=False).logits
+        assert torch.allclose(logits, wider(row, use_cache=False).logits, atol=1e-5)
+        assert not torch.allclose(logits[:, 64:], windowed(row, use_cache=False).logits[:, 64:], atol=1e-3)
