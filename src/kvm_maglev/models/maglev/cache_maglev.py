@@ -243,15 +243,12 @@ class MaglevCache(SavedCache, Cache):
                 if memories is not None:
                     self.last_memory = torch.where(keep, memories.to(self.last_memory.dtype), self.last_memory)
         else:
-            valid = plan.valid
-            if valid is None:
-                valid = embeddings.new_ones(embeddings.shape[:2], dtype=torch.bool)
             previous, last = plan.predecessors()
             if plan.records is not None:
                 before_embeddings = gather_columns(self.previous_embedding, embeddings, previous)
                 before_memories = (None if memories is None
                                    else gather_columns(self.last_memory, memories, previous))
-                before_positions = self.positions[:, None] + (valid.long().cumsum(dim=1) - valid.long())
+                before_positions = plan.query_positions  # the plan starts at this cache's positions
                 for t in range(plan.length):
                     self.history.append(ColumnRecord(
                         before_positions[:, t], None if memories is None else before_memories[:, t:t + 1],
@@ -259,7 +256,7 @@ class MaglevCache(SavedCache, Cache):
             self.previous_embedding = gather_columns(self.previous_embedding, embeddings, last)
             if memories is not None:
                 self.last_memory = gather_columns(self.last_memory, memories, last)
-            self.positions = self.positions + valid.sum(dim=1)
+            self.positions = self.positions + (plan.length if plan.valid is None else plan.valid.sum(dim=1))
         self.seen_tokens += plan.length
 
     # ----- Cache API --------------------------------------------------------------------------
