@@ -15,7 +15,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 from transformers import Trainer, TrainingArguments, set_seed
@@ -92,6 +92,21 @@ MODELS: Dict[str, Callable[[argparse.Namespace], torch.nn.Module]] = {
 DEMO_MODELS = ["kvm_fixed", "kvm_sqrt", "maglev", "swa_baseline"]
 
 
+def distance_weights(distances: List[int], in_window_share: Optional[float]) -> Optional[List[float]]:
+    """Sampling weights giving queries inside the window (distance <= WINDOW) `in_window_share` of the draws,
+    uniform within each side; None (uniform over all) when no share is given. Every model sees the same data,
+    so a share changes the task's mix, not which model it favours."""
+    if in_window_share is None:
+        return None
+    if not 0 < in_window_share < 1:
+        raise ValueError(f"--in-window-share must be in (0, 1), got {in_window_share}")
+    inside = sum(d <= WINDOW for d in distances)
+    if inside in (0, len(distances)):
+        raise ValueError("--in-window-share needs training distances both inside and outside the window")
+    return [in_window_share / inside if d <= WINDOW else (1 - in_window_share) / (len(distances) - inside)
+            for d in distances]
+
+
 def train_one(name: str, args: argparse.Namespace, train_data) -> torch.nn.Module:
     set_seed(args.seed)
     model = MODELS[name](args)
@@ -135,6 +150,9 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="training seed (weights, data order, training data)")
     parser.add_argument("--weight-init", choices=("nanochat", "torch"), default="torch",
                         help="Maglev / sliding-window init: nanochat's documented one or PyTorch's layer defaults")
+    parser.add_argument("--in-window-share", type=float, default=None,
+                        help="share of training queries drawn from distances inside the window (default: "
+                             "uniform over all distances, about 10%% inside)")
     parser.add_argument("--eval-examples", type=int, default=200, help="queries per distance")
     parser.add_argument("--out", type=Path, default=Path("results/recall"))
     parser.add_argument("--save-models", type=Path, default=None)
@@ -145,7 +163,7 @@ def main(argv: List[str] = None) -> None:
     torch.manual_seed(args.seed)
     train_distances = list(range(4, 8 * WINDOW + 1))
     train_data = build_dataset(args.task, args.steps * args.batch_size, train_distances, queries_per_example=12,
-                               seed=args.seed)
+                               seed=args.seed, weights=distance_weights(train_distances, args.in_window_share))
     eval_distances = default_distances(WINDOW)
     eval_seed = EVAL_SEED_OFFSET + args.seed
     results, timings = {}, {}
@@ -199,6 +217,8 @@ def _argv_of(args: argparse.Namespace) -> List[str]:
     words = ["--models", *args.models, "--facts", str(args.facts), "--steps", str(args.steps), "--seed",
              str(args.seed), "--weight-init", args.weight_init, "--eval-examples", str(args.eval_examples),
              "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--out", str(args.out)]
+    if args.in_window_share is not None:
+        words += ["--in-window-share", str(args.in_window_share)]
     return words
 
 

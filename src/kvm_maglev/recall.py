@@ -11,7 +11,7 @@ Filler and values are random, so the only learnable targets are the answers: lab
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -105,19 +105,28 @@ def make_example(
 
 
 def build_dataset(
-    task: RecallTask, num_examples: int, distances: Sequence[int], queries_per_example: int, seed: int
+    task: RecallTask, num_examples: int, distances: Sequence[int], queries_per_example: int, seed: int,
+    weights: Optional[Sequence[float]] = None,
 ):
     """A ``datasets.Dataset`` with input_ids / labels / answer_positions / distances columns.
 
-    Each example draws ``queries_per_example`` distances uniformly from ``distances``.
+    Each example draws ``queries_per_example`` distances from ``distances``: uniformly, or in proportion to
+    ``weights`` (one non-negative weight per distance) when given.
     """
     import datasets
 
+    pool = torch.tensor(list(distances))
+    if weights is not None:
+        weights = torch.tensor(list(weights), dtype=torch.float64)
+        if weights.shape != pool.shape or (weights < 0).any() or not weights.sum() > 0:
+            raise ValueError(f"weights must be {len(pool)} non-negative numbers, one per distance, not all zero")
     generator = torch.Generator().manual_seed(seed)
     rows: Dict[str, list] = {"input_ids": [], "labels": [], "answer_positions": [], "distances": []}
-    pool = torch.tensor(list(distances))
     for _ in range(num_examples):
-        picks = pool[torch.randint(len(pool), (queries_per_example,), generator=generator)].tolist()
+        if weights is None:
+            picks = pool[torch.randint(len(pool), (queries_per_example,), generator=generator)].tolist()
+        else:
+            picks = pool[torch.multinomial(weights, queries_per_example, replacement=True, generator=generator)].tolist()
         example = make_example(task, generator, picks)
         for column in rows:
             rows[column].append(getattr(example, column))

@@ -22,6 +22,7 @@ from kvm_maglev.recall import (
     memory_prefill,
     prompt_modes,
 )
+from tests.ecosystem.ecosystem_support import load_example
 
 TASK = RecallTask(num_keys=8, num_values=8, num_filler=8, num_facts=3, seq_len=60)
 
@@ -45,6 +46,28 @@ def test_dataset_is_reproducible_from_its_seed():
     again = build_dataset(TASK, 6, range(4, 40), queries_per_example=3, seed=7)
     assert first.column_names == ["input_ids", "labels", "answer_positions", "distances"]
     assert first["input_ids"] == again["input_ids"] and first["labels"] == again["labels"]
+
+
+def test_dataset_weights_set_the_share_of_each_distance():
+    """Weights draw distances in proportion (a zero weight never), and the uniform default is untouched."""
+    weighted = build_dataset(TASK, 40, [5, 20, 40], queries_per_example=3, seed=7, weights=[3.0, 1.0, 0.0])
+    drawn = [d for row in weighted["distances"] for d in row]
+    assert 40 not in drawn and drawn.count(5) > drawn.count(20) > 0
+    with pytest.raises(ValueError, match="one per distance"):
+        build_dataset(TASK, 2, [5, 20], queries_per_example=3, seed=7, weights=[1.0])
+    with pytest.raises(ValueError, match="not all zero"):
+        build_dataset(TASK, 2, [5, 20], queries_per_example=3, seed=7, weights=[0.0, 0.0])
+
+
+def test_recall_example_weights_give_the_window_its_share():
+    train_recall = load_example("train_recall")
+    distances = list(range(4, 8 * train_recall.WINDOW + 1))
+    weights = train_recall.distance_weights(distances, 0.5)
+    inside = sum(w for d, w in zip(distances, weights) if d <= train_recall.WINDOW)
+    assert inside == pytest.approx(0.5) and sum(weights) == pytest.approx(1.0)
+    assert train_recall.distance_weights(distances, None) is None
+    with pytest.raises(ValueError, match="in-window-share"):
+        train_recall.distance_weights(distances, 1.0)
 
 
 def _tiny_models():
