@@ -33,6 +33,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 from kvm_maglev.corpora import cast_corpus, cast_header, name_pool, pack_bytes, stdlib_corpus
+from kvm_maglev.models.kvm.modeling_kvm import KVMSlidingWindowAttention
 from kvm_maglev.models.maglev.modeling_maglev import rms_norm
 from kvm_maglev.recall import memory_prefill
 from kvm_maglev.training import MAGLEV_RECIPE, MAGLEV_RECIPES, MaglevStepCallback
@@ -64,6 +65,19 @@ def _kvm(window_chunks: int) -> KVMForCausalLM:
         vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, chunk_size=16,
         window_chunks=window_chunks, sink_slots=1, state_budget_mode="fixed", state_budget_min=32,
         state_max_chunks=2))
+
+
+def _kvm_backbone_sliding_window() -> KVMForCausalLM:
+    """KVM's backbone with a plain WINDOW-byte sliding window and no state (an experimental arm: KVMConfig
+    cannot make every layer a sliding-window layer, so each KVM attention is swapped for the sliding-window
+    mixer, which keeps the token shift, value residual and KVM's rotary channels)."""
+    model = _kvm(window_chunks=WINDOW // 16)
+    model.config.sliding_window = WINDOW
+    for layer in model.model.layers:
+        layer.self_attn = KVMSlidingWindowAttention(model.config, layer.self_attn.layer_idx)
+        for module in layer.self_attn.modules():
+            model._init_weights(module)
+    return model
 
 
 class CastOracleFed(nn.Module):
@@ -126,6 +140,7 @@ ARMS: Dict[str, Callable[[int], nn.Module]] = {
     # KVM's backbone (token shift, value residual, its norms) with a window over the whole row: no block ever
     # leaves the window, so no state is read - full attention on KVM's backbone, to tell backbone from memory
     "kvm_backbone_full": lambda steps: _kvm(window_chunks=SEQ_LEN // 16),
+    "kvm_backbone_swa": lambda steps: _kvm_backbone_sliding_window(),
     "full_attention": lambda steps: _nanochat(use_memory=False, sliding_window=None, has_prefiller=False),
 }
 
@@ -156,12 +171,16 @@ def cast_labels(rows: torch.Tensor) -> Dict[str, torch.Tensor]:
     return {"cast": torch.tensor(casts), "header_end": torch.tensor(ends)}
 
 
-def corpus_rows(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training rows, validation rows) of SEQ_LEN byte ids; validation never shares a document with training."""
+def corpus_rows(name: str, seed: int, header_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, validation rows) of SEQ_LEN byte ids; validation never shares a document with training.
+    On cast, `header_offset` > 0 puts each story's header 0 to that many bytes into its row."""
     if name == "cast":
-        train = pack_bytes(cast_corpus(40_000, seed=seed), SEQ_LEN, BOS, rows_per_document=1)
-        validation = pack_bytes(cast_corpus(512, seed=EVAL_SEED_OFFSET + seed), SEQ_LEN, BOS, rows_per_document=1)
+        stories = lambda count, seed: cast_corpus(count, seed=seed, preamble_bytes=header_offset)  # noqa: E731
+        train = pack_bytes(stories(40_000, seed), SEQ_LEN, BOS, rows_per_document=1)
+        validation = pack_bytes(stories(512, EVAL_SEED_OFFSET + seed), SEQ_LEN, BOS, rows_per_document=1)
         return train, validation
+    if header_offset:
+        raise ValueError("--header-offset shifts the cast corpus's header; the stdlib corpus has none")
     train = pack_bytes(stdlib_corpus("train"), SEQ_LEN, BOS)
     validation = pack_bytes(stdlib_corpus("validation"), SEQ_LEN, BOS)
     pick = torch.randperm(validation.shape[0], generator=torch.Generator().manual_seed(EVAL_SEED_OFFSET))[:512]
@@ -334,18 +353,22 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--header-offset", type=int, default=0,
+                        help="cast: each story's header starts 0 to this many bytes into its row, after "
+                             "setting sentences (0: at the row's start)")
     parser.add_argument("--eval-batch", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("results/lm"))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args(argv)
     command = (f"python examples/train_lm.py --corpus {args.corpus} --seed {args.seed} --steps {args.steps} "
-               f"--arms {' '.join(args.arms)} --out {args.out}" + (f" --threads {args.threads}" if args.threads else ""))
+               f"--arms {' '.join(args.arms)} --out {args.out}" + (f" --threads {args.threads}" if args.threads else "")
+               + (f" --header-offset {args.header_offset}" if args.header_offset else ""))
     args.arms = list(dict.fromkeys(arm for name in args.arms for arm in (LADDER_ARMS if name == "ladder" else [name])))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    train_rows, validation_rows = corpus_rows(args.corpus, args.seed)
+    train_rows, validation_rows = corpus_rows(args.corpus, args.seed, args.header_offset)
     probe_rows = train_rows[:PROBE_ROWS]
     cast = args.corpus == "cast"
     labels, probe_labels = (cast_labels(validation_rows), cast_labels(probe_rows)) if cast else (None, None)

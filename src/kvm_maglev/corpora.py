@@ -23,6 +23,8 @@ _SYLLABLES = ("ka", "lo", "mi", "ren", "to", "sa", "vel", "dor", "na", "qui", "b
 _VERBS = ("met", "thanked", "followed", "called", "helped", "warned", "visited", "praised", "teased", "trusted")
 _THINGS = ("a lamp", "the map", "some bread", "a letter", "the key", "a coin", "the boat", "a song")
 _PLACES = ("the market", "the river", "the hill", "the library", "the harbour", "the old mill")
+_SETTINGS = ("The morning was grey.", "Rain fell on the roofs.", "A bell rang twice.", "The road was long.",
+             "Smoke rose from the chimneys.", "It was the end of summer.", "Nobody spoke for a while.")
 
 
 def name_pool(size: int, seed: int) -> list[str]:
@@ -34,10 +36,23 @@ def name_pool(size: int, seed: int) -> list[str]:
     return sorted(names)
 
 
-def cast_story(rng: random.Random, pool: list[str], cast_size: int, sentences: int) -> str:
-    """One story: "Cast: A, B, C." then sentences about the cast members only."""
+def preamble(rng: random.Random, max_bytes: int) -> list[str]:
+    """Setting sentences without names, as many as stay within a length drawn uniformly from [0, max_bytes]:
+    they move a story's cast header away from the row's first bytes."""
+    budget, lines = rng.randint(0, max_bytes), []
+    while True:
+        sentence = rng.choice(_SETTINGS)
+        if sum(len(line) + 1 for line in lines) + len(sentence) + 1 > budget:
+            return lines
+        lines.append(sentence)
+
+
+def cast_story(rng: random.Random, pool: list[str], cast_size: int, sentences: int, preamble_bytes: int = 0) -> str:
+    """One story: "Cast: A, B, C." then sentences about the cast members only; with `preamble_bytes`, up to
+    that many bytes of setting sentences come before the header."""
+    lines = preamble(rng, preamble_bytes) if preamble_bytes else []
     cast = rng.sample(pool, cast_size)
-    lines = [f"Cast: {', '.join(cast)}."]
+    lines.append(f"Cast: {', '.join(cast)}.")
     for _ in range(sentences):
         first, second = rng.sample(cast, 2)
         form = rng.randrange(3)
@@ -51,20 +66,26 @@ def cast_story(rng: random.Random, pool: list[str], cast_size: int, sentences: i
 
 
 def cast_corpus(num_documents: int, seed: int, pool_size: int = 200, cast_size: int = 3,
-                sentences: int = 10) -> list[bytes]:
-    """Synthetic stories with long-range structure (see the module docstring); one seed, one corpus."""
+                sentences: int = 10, preamble_bytes: int = 0) -> list[bytes]:
+    """Synthetic stories with long-range structure (see the module docstring); one seed, one corpus.
+    `preamble_bytes` > 0 starts each story's header at a random offset (0 to that many bytes in)."""
+    if preamble_bytes < 0:
+        raise ValueError(f"preamble_bytes must be >= 0, got {preamble_bytes}")
     pool = name_pool(pool_size, seed=0)  # the same names for every seed: only the stories differ
     rng = random.Random(seed)
-    return [cast_story(rng, pool, cast_size, sentences).encode("ascii") for _ in range(num_documents)]
+    return [cast_story(rng, pool, cast_size, sentences, preamble_bytes).encode("ascii")
+            for _ in range(num_documents)]
 
 
 def cast_header(story: bytes) -> tuple[list[str], int]:
-    """(the cast's names, the index of the "." that closes the "Cast: A, B, C." header) of a story's opening bytes."""
+    """(the cast's names, the index of the "." that closes the "Cast: A, B, C." header) of a story's opening
+    bytes; the header may follow a preamble."""
     prefix = b"Cast: "
-    end = story.find(b".")
-    if not story.startswith(prefix) or end < 0:
+    start = story.find(prefix)
+    end = story.find(b".", start)
+    if start < 0 or end < 0:
         raise ValueError(f"not the opening of a cast story: {story[:40]!r}")
-    return story[len(prefix):end].decode("ascii").split(", "), end
+    return story[start + len(prefix):end].decode("ascii").split(", "), end
 
 
 def stdlib_corpus(split: str, max_files: int | None = None) -> list[bytes]:

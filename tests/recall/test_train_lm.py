@@ -28,6 +28,15 @@ def test_cast_header_reads_the_cast_and_where_the_header_ends():
         cast_header(b"Once upon a time.")
 
 
+def test_a_preamble_moves_the_header_and_cast_header_still_reads_it():
+    story = cast_story(random.Random(4), name_pool(20, seed=1), 3, 4, preamble_bytes=80).encode("ascii")
+    names, end = cast_header(story)
+    start = story.index(b"Cast: ")
+    assert story[start:end + 1] == f"Cast: {', '.join(names)}.".encode() and start <= 80
+    assert cast_story(random.Random(4), name_pool(20, seed=1), 3, 4) == cast_story(
+        random.Random(4), name_pool(20, seed=1), 3, 4, preamble_bytes=0)
+
+
 def test_cast_labels_match_each_rows_story():
     stories = _stories(4, seed=5)
     rows = pack_bytes(stories, train_lm.SEQ_LEN, train_lm.BOS, rows_per_document=1)
@@ -115,3 +124,39 @@ def test_kvm_backbone_full_attends_the_whole_row_and_reads_no_state():
         logits = full(row, use_cache=False).logits
         assert torch.allclose(logits, wider(row, use_cache=False).logits, atol=1e-5)
         assert not torch.allclose(logits[:, 64:], windowed(row, use_cache=False).logits[:, 64:], atol=1e-3)
+
+
+def test_kvm_backbone_swa_sees_only_its_window_and_keeps_kvms_init():
+    """Every layer is the sliding-window mixer (no KVM attention, so no state), initialised as KVM initialises
+    it; a byte changes no logit further on than two windows plus the token shifts."""
+    from kvm_maglev.models.kvm.modeling_kvm import KVMAttention, KVMSlidingWindowAttention
+
+    torch.manual_seed(0)
+    model = train_lm.ARMS["kvm_backbone_swa"](10).eval()
+    kvm = train_lm.ARMS["kvm_fixed"](10)
+    assert not any(isinstance(m, KVMAttention) for m in model.modules())
+    for layer, reference in zip(model.model.layers, kvm.model.layers):
+        assert isinstance(layer.self_attn, KVMSlidingWindowAttention)
+        assert torch.equal(layer.self_attn.k_shift, reference.self_attn.k_shift)
+        assert torch.equal(layer.self_attn.o_proj.weight, torch.zeros_like(layer.self_attn.o_proj.weight))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+        row = torch.randint(0, 256, (1, train_lm.SEQ_LEN))
+        changed = row.clone()
+        changed[0, 0] = (row[0, 0] + 1) % 256
+        difference = (model(row).logits - model(changed).logits).abs().amax(dim=-1)[0]
+    reach = 2 * (train_lm.WINDOW + 2)
+    assert difference[:8].min() > 1e-4 and difference[reach:].max() == 0
+
+
+def test_header_offset_moves_the_cast_header_into_the_row():
+    train, validation = train_lm.corpus_rows("cast", seed=0, header_offset=96)
+    labels = train_lm.cast_labels(train[:200])
+    ends = labels["header_end"]
+    assert ends.max() > 60 and ends.min() < 40  # the header now ends anywhere from the start to ~100 bytes in
+    assert all(row[end].item() == ord(".") for row, end in zip(train[:200], ends.tolist()))
+    plain, _ = train_lm.corpus_rows("cast", seed=0)
+    assert bytes(plain[0, 1:7].tolist()) == b"Cast: "
+    with pytest.raises(ValueError, match="header-offset"):
+        train_lm.corpus_rows("stdlib", seed=0, header_offset=8)
