@@ -175,9 +175,10 @@ def corpus_rows(name: str, seed: int, header_offset: int = 0) -> tuple[torch.Ten
     """(training rows, validation rows) of SEQ_LEN byte ids; validation never shares a document with training.
     On cast, `header_offset` > 0 puts each story's header 0 to that many bytes into its row."""
     if name == "cast":
-        stories = lambda count, seed: cast_corpus(count, seed=seed, preamble_bytes=header_offset)  # noqa: E731
-        train = pack_bytes(stories(40_000, seed), SEQ_LEN, BOS, rows_per_document=1)
-        validation = pack_bytes(stories(512, EVAL_SEED_OFFSET + seed), SEQ_LEN, BOS, rows_per_document=1)
+        train = pack_bytes(cast_corpus(40_000, seed=seed, preamble_bytes=header_offset), SEQ_LEN, BOS,
+                           rows_per_document=1)
+        validation = pack_bytes(cast_corpus(512, seed=EVAL_SEED_OFFSET + seed, preamble_bytes=header_offset),
+                                SEQ_LEN, BOS, rows_per_document=1)
         return train, validation
     if header_offset:
         raise ValueError("--header-offset shifts the cast corpus's header; the stdlib corpus has none")

@@ -94,8 +94,8 @@ DEMO_MODELS = ["kvm_fixed", "kvm_sqrt", "maglev", "swa_baseline"]
 
 def distance_weights(distances: List[int], in_window_share: Optional[float]) -> Optional[List[float]]:
     """Sampling weights giving queries inside the window (distance <= WINDOW) `in_window_share` of the draws,
-    uniform within each side; None (uniform over all) when no share is given. Every model sees the same data,
-    so a share changes the task's mix, not which model it favours."""
+    uniform within each side; None (uniform over all) when no share is given. Every model of one run sees
+    the same data."""
     if in_window_share is None:
         return None
     if not 0 < in_window_share < 1:

@@ -39,10 +39,11 @@ def name_pool(size: int, seed: int) -> list[str]:
 def preamble(rng: random.Random, max_bytes: int) -> list[str]:
     """Setting sentences without names, as many as stay within a length drawn uniformly from [0, max_bytes]:
     they move a story's cast header away from the row's first bytes."""
-    budget, lines = rng.randint(0, max_bytes), []
+    budget, used, lines = rng.randint(0, max_bytes), 0, []
     while True:
         sentence = rng.choice(_SETTINGS)
-        if sum(len(line) + 1 for line in lines) + len(sentence) + 1 > budget:
+        used += len(sentence) + 1  # the space that joins it to the next sentence
+        if used > budget:
             return lines
         lines.append(sentence)
 
