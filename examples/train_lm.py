@@ -122,6 +122,25 @@ def _teacher(steps: int, weight: float, **extra) -> MaglevForCausalLM:
                    consistency_weight_after_detach=weight, **extra)
 
 
+class RecurrentFrom(TrainerCallback):
+    """Trains on P's own recurrent rollouts (`training_forward="recurrent"`: P alone, token after token, gradients
+    through the recurrence - what inference runs) from optimizer step `step` on; before it the lifted recipe
+    trains P and the prefiller in parallel."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, model: Optional[nn.Module] = None, **kwargs) -> None:
+        model.config.training_forward = "recurrent" if state.global_step >= self.step else "lifted"
+
+
+# lifted-then-recurrent arms: name -> (share of the steps trained lifted, MAGLEV_RECIPES fields of that phase)
+SWITCH_ARMS: Dict[str, tuple] = {
+    "maglev_w0_then_recurrent": (0.5, MAGLEV_RECIPES["self_feed2_w0"]),
+    "maglev_w0_then_recurrent_late": (0.75, MAGLEV_RECIPES["self_feed2_w0"]),
+    "maglev_w0_then_recurrent_residual": (0.5, {**MAGLEV_RECIPES["self_feed2_w0"], "memory_residual_injection": True}),
+}
+
 # the teacher-schedule arms: name -> (consistency weight after the switch, extra config fields)
 TEACHER_ARMS: Dict[str, tuple] = {
     "maglev_teacher_w1": (1.0, {}),
@@ -134,6 +153,10 @@ ARMS: Dict[str, Callable[[int], nn.Module]] = {
     "swa_baseline": lambda steps: _nanochat(use_memory=False, sliding_window=WINDOW, has_prefiller=False),
     **{f"maglev_{name}": (lambda steps, recipe=recipe: _maglev(**recipe)) for name, recipe in MAGLEV_RECIPES.items()},
     **{name: (lambda steps, spec=spec: _teacher(steps, spec[0], **spec[1])) for name, spec in TEACHER_ARMS.items()},
+    **{name: (lambda steps, spec=spec: _maglev(**spec[1])) for name, spec in SWITCH_ARMS.items()},
+    # P alone (no prefiller) trained on its own rollouts from the first step: backpropagation through time
+    "maglev_recurrent": lambda steps: _nanochat(use_memory=True, sliding_window=WINDOW, has_prefiller=False,
+                                                training_forward="recurrent"),
     "oracle_fed": lambda steps: CastOracleFed(_nanochat(use_memory=True, sliding_window=WINDOW, has_prefiller=False),
                                               len(CAST_POOL)),
     "kvm_fixed": lambda steps: _kvm(window_chunks=WINDOW // 16),
@@ -189,10 +212,13 @@ def corpus_rows(name: str, seed: int, header_offset: int = 0) -> tuple[torch.Ten
 
 
 def arm_callbacks(name: str, model: nn.Module, steps: int) -> List[TrainerCallback]:
-    """The step callback for Maglev arms, and the teacher arms' self-feeding from half way."""
+    """The step callback for Maglev arms, the teacher arms' self-feeding from half way and the switch arms' move to
+    recurrent training."""
     callbacks: List[TrainerCallback] = [MaglevStepCallback()] if isinstance(model, MaglevForCausalLM) else []
     if name in TEACHER_ARMS:
         callbacks.append(SelfFeedFrom(steps // 2, passes=2))
+    if name in SWITCH_ARMS:
+        callbacks.append(RecurrentFrom(round(steps * SWITCH_ARMS[name][0])))
     return callbacks
 
 
@@ -224,7 +250,7 @@ def eval_modes(model: nn.Module) -> Dict[str, str]:
     if isinstance(model, CastOracleFed):
         return {"oracle": ""}
     if isinstance(model, MaglevForCausalLM) and model.config.use_memory:
-        return {"recurrent": "recurrent", "prefiller": "prefiller"}
+        return {"recurrent": "recurrent", **({"prefiller": "prefiller"} if model.config.has_prefiller else {})}
     return {"recurrent": ""}
 
 
