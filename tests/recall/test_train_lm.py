@@ -1,5 +1,6 @@
 """The language-modelling example's ladder pieces: the cast header, the oracle-fed arm, the teacher schedule's
-self-feeding switch, the recipes with their own consistency weight, and the cast-membership probe."""
+self-feeding switch, the switch to recurrent training, the recipes with their own consistency weight, and the
+cast-membership probe."""
 
 import random
 from types import SimpleNamespace
@@ -82,6 +83,39 @@ def test_teacher_arm_self_feeds_from_half_way_with_the_frozen_prefiller():
         switch[0].on_step_begin(None, SimpleNamespace(global_step=step), None, model=model)
         assert config.memory_self_feed_steps == passes
     assert not any(isinstance(c, train_lm.SelfFeedFrom) for c in train_lm.arm_callbacks("maglev_paper", model, steps))
+
+
+def test_switch_arm_trains_lifted_then_on_ps_own_rollouts():
+    steps = 8
+    model = train_lm.ARMS["maglev_w0_then_recurrent_late"](steps)
+    switch = [c for c in train_lm.arm_callbacks("maglev_w0_then_recurrent_late", model, steps)
+              if isinstance(c, train_lm.RecurrentFrom)]
+    assert len(switch) == 1 and model.config.consistency_weight == 0.0
+    for step, forward in ((0, "lifted"), (5, "lifted"), (6, "recurrent"), (7, "recurrent")):
+        switch[0].on_step_begin(None, SimpleNamespace(global_step=step), None, model=model)
+        assert model.config.training_forward == forward
+    # after the switch a training step's loss is the inference forward's, and only P learns (Q is not run)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 40))
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ids, use_cache=False).logits[:, :-1]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=0)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert grads["model.memory_init"] is not None and grads["model.memory_init"].abs().sum() > 0
+    prefiller = [g for name, g in grads.items() if "prefiller" in name]
+    assert prefiller and all(g is None for g in prefiller)
+    assert not train_lm.arm_callbacks("maglev_self_feed2_w0", model, steps)[1:]
+
+
+def test_recurrent_arm_has_no_prefiller_and_is_scored_on_its_own_memory():
+    model = train_lm.ARMS["maglev_recurrent"](4)
+    assert not model.config.has_prefiller and model.config.training_forward == "recurrent"
+    assert train_lm.eval_modes(model) == {"recurrent": "recurrent"}
+    assert set(train_lm.eval_modes(train_lm.ARMS["maglev_self_feed2"](4))) == {"recurrent", "prefiller"}
 
 
 def test_cast_probe_reads_a_cast_code_and_not_noise():
