@@ -152,6 +152,8 @@ TEACHER_ARMS: Dict[str, tuple] = {
 ARMS: Dict[str, Callable[[int], nn.Module]] = {
     "swa_baseline": lambda steps: _nanochat(use_memory=False, sliding_window=WINDOW, has_prefiller=False),
     **{f"maglev_{name}": (lambda steps, recipe=recipe: _maglev(**recipe)) for name, recipe in MAGLEV_RECIPES.items()},
+    # the shipped recipe under the name train_recall.py and the examples give it
+    "maglev": lambda steps: _maglev(**MAGLEV_RECIPES[MAGLEV_RECIPE]),
     **{name: (lambda steps, spec=spec: _teacher(steps, spec[0], **spec[1])) for name, spec in TEACHER_ARMS.items()},
     **{name: (lambda steps, spec=spec: _maglev(**spec[1])) for name, spec in SWITCH_ARMS.items()},
     # P alone (no prefiller) trained on its own rollouts from the first step: backpropagation through time

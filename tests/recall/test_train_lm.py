@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvm_maglev.corpora import cast_header, cast_story, name_pool, pack_bytes
-from kvm_maglev.training import MAGLEV_RECIPES
+from kvm_maglev.training import MAGLEV_RECIPE, MAGLEV_RECIPES
 from tests.ecosystem.ecosystem_support import load_example
 
 train_lm = load_example("train_lm")
@@ -55,6 +55,12 @@ def test_recipes_may_name_their_own_consistency_weight():
     no_coupling = train_lm.ARMS["maglev_self_feed2_w0"](10).config
     assert (no_coupling.consistency_weight, no_coupling.memory_self_feed_steps) == (0.0, 2)
     assert MAGLEV_RECIPES["paper_w0"] == {"consistency_weight": 0.0}
+
+
+def test_maglev_arm_is_the_shipped_recipe():
+    shipped = train_lm.ARMS["maglev"](10).config.to_dict()
+    named = train_lm.ARMS[f"maglev_{MAGLEV_RECIPE}"](10).config.to_dict()
+    assert shipped == named
 
 
 def test_oracle_fed_memory_is_unread_until_the_header_closes_then_the_cast_code():
