@@ -41,6 +41,7 @@ from kvm_maglev.training import MAGLEV_RECIPE, MAGLEV_RECIPES, MaglevStepCallbac
 WIDTH, LAYERS, HEADS, WINDOW, SEQ_LEN, VOCAB = 64, 2, 2, 32, 256, 257  # 256 bytes + BOS
 BOS = 256
 EVAL_SEED_OFFSET = 10_000
+CAST_DOCUMENTS = 40_000  # training stories drawn at least (one row each): one epoch up to 2400 steps of 16
 CAST_POOL = name_pool(200, seed=0)  # cast_corpus's names, the same for every seed
 PROBE_ROWS = 512  # training rows the cast-membership probe is fit on
 PROBE_DISTANCES = ((0, 32), (32, 64), (64, 128), (128, SEQ_LEN))  # bytes after the header's "."
@@ -196,11 +197,13 @@ def cast_labels(rows: torch.Tensor) -> Dict[str, torch.Tensor]:
     return {"cast": torch.tensor(casts), "header_end": torch.tensor(ends)}
 
 
-def corpus_rows(name: str, seed: int, header_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def corpus_rows(name: str, seed: int, header_offset: int = 0, min_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(training rows, validation rows) of SEQ_LEN byte ids; validation never shares a document with training.
-    On cast, `header_offset` > 0 puts each story's header 0 to that many bytes into its row."""
+    On cast, `header_offset` > 0 puts each story's header 0 to that many bytes into its row, and enough stories
+    are drawn for `min_rows` rows (the story stream is seeded, so runs that need fewer keep the same rows)."""
     if name == "cast":
-        train = pack_bytes(cast_corpus(40_000, seed=seed, preamble_bytes=header_offset), SEQ_LEN, BOS,
+        documents = max(CAST_DOCUMENTS, math.ceil(min_rows * 1.02))  # ~0.3% of stories are shorter than a row
+        train = pack_bytes(cast_corpus(documents, seed=seed, preamble_bytes=header_offset), SEQ_LEN, BOS,
                            rows_per_document=1)
         validation = pack_bytes(cast_corpus(512, seed=EVAL_SEED_OFFSET + seed, preamble_bytes=header_offset),
                                 SEQ_LEN, BOS, rows_per_document=1)
@@ -397,7 +400,7 @@ def main(argv: List[str] = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    train_rows, validation_rows = corpus_rows(args.corpus, args.seed, args.header_offset)
+    train_rows, validation_rows = corpus_rows(args.corpus, args.seed, args.header_offset, args.steps * args.batch_size)
     probe_rows = train_rows[:PROBE_ROWS]
     cast = args.corpus == "cast"
     labels, probe_labels = (cast_labels(validation_rows), cast_labels(probe_rows)) if cast else (None, None)
@@ -411,6 +414,7 @@ def main(argv: List[str] = None) -> None:
         print(name, f"{timings[name]:.0f}s", json.dumps(results[name]), flush=True)
         summary = {
             "command": command, "corpus": args.corpus, "train_rows": train_rows.shape[0],
+            "epochs": args.steps * args.batch_size / train_rows.shape[0],
             "validation_rows": validation_rows.shape[0], "settings": {k: str(v) for k, v in vars(args).items()},
             "train_seconds": timings, "models": results, "ladder": ladder_rows(results),
         }

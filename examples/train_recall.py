@@ -135,6 +135,8 @@ def train_one(name: str, args: argparse.Namespace, train_data) -> torch.nn.Modul
 def save_recall_model(model, target: Path, name: str, distances: List[int], args: argparse.Namespace) -> None:
     """Keep config, weights and the task it learned; ``kvm-maglev demo`` adds the package's code and a card."""
     task_spec = {"task": args.task.__dict__, "window": WINDOW, "distances": distances, "steps": args.steps, "seed": args.seed}
+    if args.in_window_share is not None:
+        task_spec["in_window_share"] = args.in_window_share
     save_demo_model(model, target, task_spec)
 
 

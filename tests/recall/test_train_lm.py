@@ -200,3 +200,15 @@ def test_header_offset_moves_the_cast_header_into_the_row():
     assert bytes(plain[0, 1:7].tolist()) == b"Cast: "
     with pytest.raises(ValueError, match="header-offset"):
         train_lm.corpus_rows("stdlib", seed=0, header_offset=8)
+
+
+def test_cast_rows_grow_with_the_run_and_keep_the_shorter_runs_rows():
+    """A run longer than the default corpus gets fresh stories rather than a second epoch; shorter runs keep
+    exactly the rows they had (the story stream is seeded), so earlier results stay reproducible."""
+    default, validation = train_lm.corpus_rows("cast", seed=0)
+    wanted = default.shape[0] + 3000
+    longer, longer_validation = train_lm.corpus_rows("cast", seed=0, min_rows=wanted)
+    assert longer.shape[0] >= wanted
+    assert torch.equal(longer[: default.shape[0]], default) and torch.equal(longer_validation, validation)
+    same, _ = train_lm.corpus_rows("cast", seed=0, min_rows=2400 * 16)
+    assert torch.equal(same, default)
