@@ -117,6 +117,15 @@ def test_switch_arm_trains_lifted_then_on_ps_own_rollouts():
     assert not train_lm.arm_callbacks("maglev_self_feed2_w0", model, steps)[1:]
 
 
+def test_shipped_recipe_then_recurrent_keeps_the_recipe_until_its_switch():
+    steps = 8
+    model = train_lm.ARMS["maglev_self_feed2_then_recurrent_late"](steps)
+    assert model.config.memory_self_feed_steps == 2 and model.config.consistency_weight == 0.1
+    (switch,) = [c for c in train_lm.arm_callbacks("maglev_self_feed2_then_recurrent_late", model, steps)
+                 if isinstance(c, train_lm.RecurrentFrom)]
+    assert switch.step == 6
+
+
 def test_recurrent_arm_has_no_prefiller_and_is_scored_on_its_own_memory():
     model = train_lm.ARMS["maglev_recurrent"](4)
     assert not model.config.has_prefiller and model.config.training_forward == "recurrent"
