@@ -194,6 +194,24 @@ def test_crop_rolls_back_exactly(tester, variant):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("tester, variant", cases(kvm=["power_law"], maglev=["recurrent"]))
+def test_recording_widens_to_the_drafts_transformers_announces(tester, variant):
+    """transformers >= 5.25 passes `recurrent_states_to_keep` (its draft length): a cache whose own bound is
+    shorter records that many single-token steps and crops all of them, exactly."""
+    model = tester.model(variant)
+    ids, steps = tester.random_ids(1, 6, seed=2), tester.random_ids(1, 5, seed=3)
+    rolled = tester.cache_class(model.config, max_rollback=2)
+    rolled.activate_past_recording(recurrent_states_to_keep=5)
+    model(ids, past_key_values=rolled)
+    snapshot = [t.clone() for t in tester.state(rolled)]
+    for i in range(5):
+        model(steps[:, i:i + 1], past_key_values=rolled)
+    rolled.crop(-5)
+    assert rolled.get_seq_length() == 6
+    assert all(torch.equal(a, b) for a, b in zip(tester.state(rolled), snapshot, strict=True))
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("tester, variant", cases(kvm=["power_law", "saturation_swa"],
                                                   maglev=["recurrent", "memory_off_ring"]))
 def test_assisted_decoding_equals_greedy(tester, variant):

@@ -476,9 +476,12 @@ class KVMCache(SavedCache, Cache):
         self.history.clear()
 
     # ---- rollback -----------------------------------------------------------------------------
-    def activate_past_recording(self) -> None:
-        """Keep, for the forwards of the last `max_rollback` columns, what each replaced, so `crop` can undo them."""
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """Keep, for the forwards of the last `max_rollback` columns, what each replaced, so `crop` can undo them.
+        transformers >= 5.25 passes how many drafted columns it may remove; a larger count widens `max_rollback`."""
         self.recording = True
+        if recurrent_states_to_keep is not None:
+            self.max_rollback = max(self.max_rollback, int(recurrent_states_to_keep))
 
     def _record(self, length: int, valid: torch.Tensor | None, single: bool) -> None:
         if length > self.max_rollback:

@@ -330,9 +330,13 @@ class MaglevCache(SavedCache, Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices])
 
-    def activate_past_recording(self) -> None:
-        """Remember, for the last `max_rollback` columns, what each overwrote, so `crop` can undo them."""
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """Remember, for the last `max_rollback` columns, what each overwrote, so `crop` can undo them.
+        transformers >= 5.25 passes how many drafted columns it may remove; a larger count widens `max_rollback`."""
         self.recording = True
+        if recurrent_states_to_keep is not None and recurrent_states_to_keep > self.max_rollback:
+            self.max_rollback = int(recurrent_states_to_keep)
+            self.history = deque(self.history, maxlen=self.max_rollback)
 
     def crop(self, max_length: int) -> None:
         """Roll back to `max_length` columns (absolute, > 0) or remove `-max_length` columns (<= 0; 0 removes nothing).
