@@ -130,6 +130,14 @@ def test_kept_kvm_models_recall_far_past_their_window(demo_rows):
     assert rows["swa_baseline"]["recall"][four_windows] <= 0.25
 
 
+def test_kept_baseline_reads_its_own_window(demo_rows):
+    """A fair baseline: trained with half its facts inside the window, it recalls those (and only those)."""
+    rows, spec = demo_rows
+    for distance in spec["distances"]:
+        recall = rows["swa_baseline"]["recall"][str(distance)]
+        assert recall >= 0.9 if distance < spec["window"] else recall <= 0.25, (distance, recall)
+
+
 def test_kept_folders_hold_weights_config_and_task_only():
     """Code and card are never copied into the package: the demo adds them from the package when it builds."""
     for folder in demo.find_model_folders(demo.RECALL_MODELS_DIR):
