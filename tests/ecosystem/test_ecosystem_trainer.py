@@ -90,6 +90,26 @@ def test_eval_loss_equals_the_direct_mean_token_loss(model_dir, tmp_path):
     assert eval_loss == pytest.approx(direct, abs=1e-5)
 
 
+def test_maglev_eval_loss_is_the_cross_entropy_of_the_inference_logits(tmp_path, tmp_path_factory):
+    """A Maglev folder with its prefiller: Trainer.evaluate() reports the loss of the logits generate() runs
+    (P on its own memory), not the prefiller-fed training objective."""
+    model_dir = support.model_folder("maglev", tmp_path_factory.getbasetemp())
+    blocks = packed(model_dir).select(range(4))
+    model = load(model_dir)
+    assert model.config.has_prefiller
+    trainer = LossComponentsTrainer(model=model, args=training_args(tmp_path), eval_dataset=blocks,
+                                    data_collator=default_data_collator)
+    eval_loss = trainer.evaluate()["eval_loss"]
+    ids = torch.tensor(blocks["input_ids"])
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ids, use_cache=False).logits
+        lifted = model(input_ids=ids, labels=ids, use_cache=False, lifted=True).loss.item()
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 ids[:, 1:].reshape(-1)).item()
+    assert eval_loss == pytest.approx(expected, abs=1e-5)
+    assert abs(lifted - expected) > 1e-3  # the two objectives differ on this model, so the check can fail
+
+
 def uneven_label_batch(model_dir):
     """Four sequences whose numbers of supervised tokens all differ (3, 9, 17, all)."""
     ids = torch.tensor(packed(model_dir)["input_ids"][:4])
@@ -163,7 +183,8 @@ def test_maglev_logs_lm_and_consistency_losses_and_trains_q_with_p(tmp_path, tmp
     assert logged["lm_loss"] == pytest.approx(direct.lm_loss.item(), abs=2e-4)
     assert logged["consistency_loss"] == pytest.approx(direct.consistency_loss.item(), abs=2e-4)
     metrics = trainer.evaluate()
-    assert {"eval_loss", "eval_lm_loss", "eval_consistency_loss"} <= metrics.keys()
+    # evaluation scores the model generate() runs: no prefiller, so no consistency term
+    assert {"eval_loss", "eval_lm_loss"} <= metrics.keys() and "eval_consistency_loss" not in metrics
 
     changed = {name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])}
     prefiller = {name for name in before if "prefiller" in name}

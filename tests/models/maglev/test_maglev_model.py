@@ -243,6 +243,27 @@ def test_lifted_training_loss_decreases(shares):
         assert model.model.prefiller_layers[0].self_attn.q_proj.weight.grad is not None
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("memory_prefill", ["recurrent", "prefiller"])
+def test_eval_labels_only_add_the_loss_of_the_inference_logits(memory_prefill):
+    """In eval mode labels change nothing but the loss: the logits are generate()'s forward (P on its own memory,
+    or the prefiller's prompt), and the loss is their cross-entropy, not the lifted training objective."""
+    model = tiny_model(prefiller_shares_blocks=False, memory_prefill=memory_prefill, memory_self_feed_steps=1)
+    ids = random_ids(2, 30)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    plain = model(ids, use_cache=False).logits
+    out = model(ids, labels=labels, use_cache=False)
+    torch.testing.assert_close(out.logits, plain, rtol=0, atol=0)
+    expected = torch.nn.functional.cross_entropy(plain[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1),
+                                                 ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected, rtol=0, atol=1e-6)
+    assert out.consistency_loss is None
+    # the lifted objective differs, and is what training mode (or an explicit lifted=True) computes
+    lifted = model(ids, labels=labels, use_cache=False, lifted=True)
+    assert lifted.consistency_loss is not None and abs(lifted.loss - out.loss) > 1e-3
+
+
 def test_training_loss_conventions():
     model = tiny_model(prefiller_shares_blocks=False, consistency_detach_target=True)
     model.train()

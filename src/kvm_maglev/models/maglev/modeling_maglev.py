@@ -25,7 +25,7 @@ from .configuration_maglev import MaglevConfig
 from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
                           refuse_attention_weights)
 from .curriculum_maglev import Schedule, current_schedule, lifted_passes, schedule_at
-from .generation_cache import OwnCacheGenerationMixin
+from .generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
 from .onednn_linear import OneDNNLinear
 from .row_block_loss import RowBlockLossMixin, row_block_head_loss
@@ -271,7 +271,8 @@ class MaglevBlock(GradientCheckpointingLayer):
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
-class MaglevPreTrainedModel(CarriedCardMixin, SdpaOrEagerMixin, RowBlockLossMixin, PreTrainedModel):
+class MaglevPreTrainedModel(CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin, RowBlockLossMixin,
+                        PreTrainedModel):
     attention_model_name = "Maglev"
     attention_refusal = MAGLEV_NO_KERNELS
     config_class = MaglevConfig
@@ -871,15 +872,20 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         memory_inputs: torch.Tensor | None = None,
+        lifted: bool | None = None,
         **kwargs,
     ) -> MaglevCausalLMOutput:
-        """Training forward (labels given or training mode): lifted parallel training with the
-        consistency loss, or with `config.training_forward="recurrent"` P alone fed its own memory (what
-        generate() samples from); otherwise inference with `config.memory_prefill`. `return_dict=False` (argument or
+        """In training mode the training objective: lifted parallel training with the consistency loss, or with
+        `config.training_forward="recurrent"` P alone fed its own memory (what generate() samples from). In eval
+        mode inference with `config.memory_prefill`, as generate() runs it; labels only add the loss of those
+        logits, so an evaluation loss measures the model generate() runs. `lifted=True` asks for the lifted
+        objective in either mode, `lifted=False` for the inference forward. `return_dict=False` (argument or
         config) returns the tuple."""
         cache = take_cache(past_key_values, kwargs.pop("cache", None))
         kwargs.pop("cache_position", None)
-        training = self.training or labels is not None
+        if lifted is None:
+            lifted = self.training and self.config.training_forward == "lifted"
+        training = self.training or lifted
         outputs = (self.model if training else partial(run_uncompiled, self.model))(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -889,7 +895,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
-            lifted=training and self.config.training_forward == "lifted",
+            lifted=lifted,
             memory_inputs=memory_inputs,
             return_dict=True,
             **boundary_kwargs(kwargs),
