@@ -145,14 +145,37 @@ def _read_config(folder: Path) -> dict:
 
 
 def _add_package_code(folder: Path, model_type: str) -> None:
-    """Copy the package's code files into `folder` and point config.json's auto_map at them."""
+    """Copy the package's code files into `folder`, point config.json's auto_map at them and make the folder
+    decode with its cache (`_decode_with_cache`)."""
     for source in package_code_files(model_type):
         shutil.copyfile(source, folder / source.name)
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text(encoding="utf-8"))
     config["auto_map"] = {**(config.get("auto_map") or {}), **package_auto_map(model_type)}
-    config_file.unlink()  # a fresh file: never write through a link to the source folder
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    config["use_cache"] = True
+    _write_json(config_file, config)
+    _decode_with_cache(folder, config)
+
+
+def _decode_with_cache(folder: Path, config: dict) -> None:
+    """generate() on the folder uses the model's cache: a generation_config.json with `use_cache` true (without
+    one, transformers derives it from config.json, which a training run may have saved with it off)."""
+    from transformers import GenerationConfig
+
+    path = folder / "generation_config.json"
+    if path.is_file():
+        generation = json.loads(path.read_text(encoding="utf-8"))
+        generation["use_cache"] = True
+        _write_json(path, generation)
+        return
+    ids = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(key) is not None}
+    GenerationConfig(use_cache=True, **ids).save_pretrained(folder)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write `data` as a fresh file: never through a hard link to the source folder."""
+    path.unlink(missing_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _check_auto_map(model) -> None:
@@ -420,7 +443,8 @@ def build_hub_folder(
             stages.start("verify")
             custom_code = is_package_architecture(model_type) or (
                 not from_folder and not type(source).__module__.startswith("transformers."))
-            _check_written(staging, tokenizer is not None, custom_code, needs_generation_config=not from_folder)
+            _check_written(staging, tokenizer is not None, custom_code,
+                           needs_generation_config=not from_folder or is_package_architecture(model_type))
             stages.start("move into place")
             os.chmod(staging, folder_mode())  # mkdtemp made it 0700
             move_into_place(staging, out_dir, overwrite)

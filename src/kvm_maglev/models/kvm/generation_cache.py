@@ -1,5 +1,6 @@
 # Generated from kvm_maglev/models/common/generation_cache.py (python -m kvm_maglev.models.sync_shared); do not edit by hand.
-"""generate() for a model with a cache class of its own, run inside the model's runtime speed-ups."""
+"""generate() for a model with a cache class of its own, run inside the model's runtime speed-ups, and saved folders
+that decode with that cache."""
 
 from __future__ import annotations
 
@@ -45,3 +46,22 @@ class OwnCacheGenerationMixin:
         if getattr(generation_config, "is_assistant", False):
             return torch.ones(inputs_tensor.shape[:2], dtype=torch.long, device=inputs_tensor.device)
         return super()._prepare_attention_mask_for_generation(inputs_tensor, generation_config, model_kwargs)
+
+
+class CachedDecodingSaveMixin:
+    """Put before PreTrainedModel: a saved folder decodes with its cache whatever a training run set (Trainer turns
+    `use_cache` off for gradient checkpointing, and transformers derives generate()'s setting from a folder's config
+    when it has no generation config): `use_cache` is true in the saved config and generation config. The model
+    in memory keeps its own setting."""
+
+    def save_pretrained(self, save_directory, *args: Any, **kwargs: Any) -> Any:
+        """transformers' save_pretrained, with `use_cache` true in what it writes."""
+        settings = [obj for obj in (self.config, getattr(self, "generation_config", None)) if obj is not None]
+        before = [obj.use_cache for obj in settings]
+        for obj in settings:
+            obj.use_cache = True
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            for obj, value in zip(settings, before):
+                obj.use_cache = value

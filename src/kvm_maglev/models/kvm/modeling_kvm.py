@@ -27,7 +27,7 @@ from .carried_card import CarriedCardMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
 from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
                           refuse_attention_weights)
-from .generation_cache import OwnCacheGenerationMixin
+from .generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, take_cache
 from .onednn_linear import OneDNNLinear, sharing_parameters
 from .row_block_loss import RowBlockLossMixin
@@ -578,7 +578,8 @@ def value_anchor_layers(config: KVMConfig) -> dict[int, tuple[str, ...]]:
 
 
 # ---- models --------------------------------------------------------------------------------
-class KVMPreTrainedModel(CarriedCardMixin, SdpaOrEagerMixin, RowBlockLossMixin, PreTrainedModel):
+class KVMPreTrainedModel(CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin, RowBlockLossMixin,
+                        PreTrainedModel):
     attention_model_name = "KVM"
     attention_refusal = KVM_NO_KERNELS
     config_class = KVMConfig
