@@ -22,6 +22,17 @@ class ConfigField:
     coerce: Callable[[Any], Any] | None = None  # applied to the value before it is stored
 
 
+def token_id_fields(research: str) -> tuple[ConfigField, ...]:
+    """pad/bos/eos token ids, declared as transformers' decoder configs declare them (None when a checkpoint sets
+    none; clients read `config.pad_token_id`). `research` names where a converted checkpoint's ids come from."""
+    return (
+        ConfigField("pad_token_id", int | None, None, "id of the padding token (None: none)", research),
+        ConfigField("bos_token_id", int | None, None, "id of the beginning-of-sequence token (None: none)", research),
+        ConfigField("eos_token_id", int | list[int] | None, None, "id(s) of the end-of-sequence token (None: none)",
+                    research),
+    )
+
+
 def check_declaration(fields: tuple[ConfigField, ...]) -> None:
     """Refuse a declaration that names a field twice (the signature could not tell them apart)."""
     names = [field.name for field in fields]

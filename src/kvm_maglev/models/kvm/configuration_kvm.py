@@ -20,7 +20,7 @@ if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.
                       "upgrade with: pip install -U 'transformers>=5.17'")
 # ----- end of version guard -----
 
-from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields
+from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
 from .state_kvm import append_count, state_budget
 
 logger = logging.get_logger(__name__)
@@ -127,6 +127,7 @@ KVM_FIELDS = (
                 "cost per token flat at any length"),
     ConfigField("tie_word_embeddings", bool, False, "share the embedding and output weights"),
     ConfigField("use_cache", bool, True, "forward returns a KVMCache"),
+    *token_id_fields("config.json `pad_token_id` / `bos_token_id` / `eos_token_id`"),
 )
 # Research `MixerConfig` fields with no KVMConfig field, and what the converter does with them.
 RESEARCH_ONLY_FIELDS = (

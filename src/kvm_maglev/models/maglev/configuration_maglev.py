@@ -20,7 +20,7 @@ if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.
                       "upgrade with: pip install -U 'transformers>=5.17'")
 # ----- end of version guard -----
 
-from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields
+from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
 
 WINDOW_LETTERS = "SL"
 CONSISTENCY_LOSSES = ("mse", "cosine")
@@ -93,6 +93,7 @@ MAGLEV_MODEL_FIELDS = (
                 "not read it"),
     ConfigField("use_cache", bool, True, "forward returns a MaglevCache"),
     ConfigField("tie_word_embeddings", bool, False, "share the embedding and output weights"),
+    *token_id_fields("the tokenizer's special tokens"),
 )
 # Training-only fields (the lifted and self-fed passes, the consistency loss, their step schedules:
 # curriculum_maglev), after the others in `__init__`. Inference reads none of them.
