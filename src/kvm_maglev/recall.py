@@ -11,7 +11,7 @@ Filler and values are random, so the only learnable targets are the answers: lab
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -243,6 +243,24 @@ def default_distances(window: int, max_multiple: int = 8) -> List[int]:
     return sorted({max(2, window // 2), window - 2, *(window * k for k in (2, 4) if k <= max_multiple), window * max_multiple})
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINE_STYLES = ("-", "--", "-.", ":")
+
+
+def plotted_curves(results: Dict[str, Dict[int, float]]) -> Dict[str, Tuple[List[float], List[float], str, str]]:
+    """Per model the points `plot_recall` draws - (distances, recall %, marker, line style) - each model nudged
+    sideways by a few percent on the log axis and given its own marker, so models with equal recall (two at 100%,
+    say) stay visible side by side instead of one hiding the other."""
+    count = len(results)
+    curves = {}
+    for index, (name, per_distance) in enumerate(results.items()):
+        distances = sorted(per_distance)
+        nudge = 2 ** (0.06 * (index - (count - 1) / 2))
+        curves[name] = ([d * nudge for d in distances], [100 * per_distance[d] for d in distances],
+                        MARKERS[index % len(MARKERS)], LINE_STYLES[index % len(LINE_STYLES)])
+    return curves
+
+
 def plot_recall(results: Dict[str, Dict[int, float]], chance: float, window: int, path) -> None:
     """Recall (%) against query distance per model, with chance and the attention window marked."""
     import matplotlib
@@ -251,9 +269,8 @@ def plot_recall(results: Dict[str, Dict[int, float]], chance: float, window: int
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, per_distance in results.items():
-        distances = sorted(per_distance)
-        ax.plot(distances, [100 * per_distance[d] for d in distances], marker="o", label=name)
+    for name, (distances, recall, marker, style) in plotted_curves(results).items():
+        ax.plot(distances, recall, marker=marker, linestyle=style, markerfacecolor="none", label=name)
     ax.axhline(100 * chance, color="grey", linestyle=":", label="chance")
     ax.axvline(window, color="grey", linestyle="--", label="attention window")
     ax.set_xscale("log", base=2)
@@ -291,6 +308,7 @@ __all__ = [
     "default_distances",
     "chance_level",
     "plot_recall",
+    "plotted_curves",
     "collate",
     "PAD_ID",
     "BOS_ID",

@@ -183,3 +183,20 @@ def test_saved_demo_model_round_trips_through_the_build(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
+
+
+def test_plot_keeps_models_with_equal_recall_visible(tmp_path):
+    """Two models at 100% everywhere (the demo's kvm_fixed and kvm_sqrt) are drawn apart, each with its own
+    marker, so neither hides the other; the plot is written."""
+    from kvm_maglev.recall import plot_recall, plotted_curves
+
+    results = {"kvm_fixed": {8: 1.0, 32: 1.0, 128: 1.0}, "kvm_sqrt": {8: 1.0, 32: 1.0, 128: 1.0},
+               "maglev": {8: 1.0, 32: 0.5, 128: 0.1}}
+    curves = plotted_curves(results)
+    points = [set(zip(xs, ys)) for xs, ys, _, _ in curves.values()]
+    assert not points[0] & points[1]
+    assert len({marker for _, _, marker, _ in curves.values()}) == len(results)
+    for (xs, _, _, _), per_distance in zip(curves.values(), results.values()):  # nudged by a few percent only
+        assert all(abs(x / d - 1) < 0.1 for x, d in zip(xs, sorted(per_distance)))
+    plot_recall(results, 0.03, 16, tmp_path / "recall.png")
+    assert (tmp_path / "recall.png").stat().st_size > 0
