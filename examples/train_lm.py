@@ -36,7 +36,8 @@ from kvm_maglev.corpora import cast_corpus, cast_header, name_pool, pack_bytes, 
 from kvm_maglev.models.kvm.modeling_kvm import KVMSlidingWindowAttention
 from kvm_maglev.models.maglev.modeling_maglev import rms_norm
 from kvm_maglev.recall import memory_prefill
-from kvm_maglev.training import MAGLEV_RECIPE, MAGLEV_RECIPES, MaglevStepCallback
+from kvm_maglev.training import (MAGLEV_RECIPE, MAGLEV_RECIPES, MaglevRecurrentFrom, MaglevStepCallback,
+                                 maglev_recipe_callbacks)
 
 WIDTH, LAYERS, HEADS, WINDOW, SEQ_LEN, VOCAB = 64, 2, 2, 32, 256, 257  # 256 bytes + BOS
 BOS = 256
@@ -123,26 +124,16 @@ def _teacher(steps: int, weight: float, **extra) -> MaglevForCausalLM:
                    consistency_weight_after_detach=weight, **extra)
 
 
-class RecurrentFrom(TrainerCallback):
-    """Trains on P's own recurrent rollouts (`training_forward="recurrent"`: P alone, token after token, gradients
-    through the recurrence - what inference runs) from optimizer step `step` on; before it the lifted recipe
-    trains P and the prefiller in parallel."""
+# trains on P's own recurrent rollouts from optimizer step `step` on (the lifted recipe before it)
+RecurrentFrom = MaglevRecurrentFrom
 
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_begin(self, args, state, control, model: Optional[nn.Module] = None, **kwargs) -> None:
-        model.config.training_forward = "recurrent" if state.global_step >= self.step else "lifted"
-
-
-# lifted-then-recurrent arms: name -> (share of the steps trained lifted, MAGLEV_RECIPES fields of that phase)
+# lifted-then-recurrent arms: name -> (share of the steps trained lifted, MAGLEV_RECIPES fields of that phase). The
+# recipe `self_feed2_then_recurrent_late` (self_feed2, then P on its own rollouts for the last quarter) is a named
+# recipe with a schedule (MAGLEV_SCHEDULES), so its arm is `maglev_self_feed2_then_recurrent_late` like every recipe's.
 SWITCH_ARMS: Dict[str, tuple] = {
     "maglev_w0_then_recurrent": (0.5, MAGLEV_RECIPES["self_feed2_w0"]),
     "maglev_w0_then_recurrent_late": (0.75, MAGLEV_RECIPES["self_feed2_w0"]),
     "maglev_w0_then_recurrent_residual": (0.5, {**MAGLEV_RECIPES["self_feed2_w0"], "memory_residual_injection": True}),
-    # the shipped recipe, then P on its own rollouts for the last quarter: at 2400 steps its own memory trails the
-    # prefiller-fed score (0.540 against 0.474 BPB), the gap training on the inference forward targets
-    "maglev_self_feed2_then_recurrent_late": (0.75, MAGLEV_RECIPES["self_feed2"]),
 }
 
 # the teacher-schedule arms: name -> (consistency weight after the switch, extra config fields)
@@ -219,10 +210,21 @@ def corpus_rows(name: str, seed: int, header_offset: int = 0, min_rows: int = 0)
     return train, validation[pick]
 
 
+def arm_recipe(name: str) -> Optional[str]:
+    """The MAGLEV_RECIPES entry an arm trains with (`maglev` the shipped one), None for other arms."""
+    if name == "maglev":
+        return MAGLEV_RECIPE
+    recipe = name[len("maglev_"):] if name.startswith("maglev_") else None
+    return recipe if recipe in MAGLEV_RECIPES else None
+
+
 def arm_callbacks(name: str, model: nn.Module, steps: int) -> List[TrainerCallback]:
-    """The step callback for Maglev arms, the teacher arms' self-feeding from half way and the switch arms' move to
-    recurrent training."""
-    callbacks: List[TrainerCallback] = [MaglevStepCallback()] if isinstance(model, MaglevForCausalLM) else []
+    """The callbacks of a Maglev arm's recipe (the step callback; a recipe's schedule), the teacher arms'
+    self-feeding from half way and the switch arms' move to recurrent training."""
+    callbacks: List[TrainerCallback] = []
+    if isinstance(model, MaglevForCausalLM):
+        recipe = arm_recipe(name)
+        callbacks = maglev_recipe_callbacks(recipe, steps) if recipe else [MaglevStepCallback()]
     if name in TEACHER_ARMS:
         callbacks.append(SelfFeedFrom(steps // 2, passes=2))
     if name in SWITCH_ARMS:

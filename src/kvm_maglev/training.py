@@ -8,7 +8,8 @@
 - `parameter_digest`: one hash over all parameters, to check replicas and resumed runs agree.
 - `training_block_size`: a block length that trains every weight (KVM's state needs one chunk past its window).
 - `MaglevStepCallback`: tells a Maglev model the optimizer step, for its step-dependent training switches.
-- `MAGLEV_RECIPES` / `MAGLEV_RECIPE`: named Maglev memory-training recipes, and the one the examples use.
+- `MAGLEV_RECIPES` / `MAGLEV_RECIPE`: named Maglev memory-training recipes, and the one the examples use;
+  `maglev_recipe_callbacks(recipe)`: the Trainer callbacks a recipe trains with (its schedule, if any).
 """
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ MAGLEV_RECIPES: dict[str, dict[str, Any]] = {
     "self_feed2_projection": {"memory_self_feed_steps": 2, "memory_projection": True},
     "self_feed2_detach": {"memory_self_feed_steps": 2, "memory_self_feed_detach": True},
     "self_feed2_noise": {"memory_self_feed_steps": 2, "memory_noise_std": 0.1},
+    # self_feed2, then P trained on its own rollouts for the last quarter (the schedule in MAGLEV_SCHEDULES)
+    "self_feed2_then_recurrent_late": {"memory_self_feed_steps": 2},
 }
+# Recipes that change the training forward during a run: recipe -> the share of the optimizer steps trained lifted
+# before P trains on its own rollouts (`training_forward="recurrent"`, the inference forward). A schedule is a
+# callback (`maglev_recipe_callbacks`), not a config field: the saved config says how the model runs, not the run.
+MAGLEV_SCHEDULES: dict[str, float] = {"self_feed2_then_recurrent_late": 0.75}
 MAGLEV_RECIPE = "self_feed2"
 
 
@@ -258,3 +265,53 @@ class MaglevStepCallback(TrainerCallback):
         for module in model.modules():
             if hasattr(module, "schedule") and hasattr(module, "set_training_step"):  # a MaglevModel
                 module.set_training_step(state.global_step)
+
+
+class MaglevRecurrentFrom(TrainerCallback):
+    """Trains every Maglev model inside the trained model on P's own recurrent rollouts (`training_forward=
+    "recurrent"`: P alone, token after token, gradients through the recurrence - what inference runs) from optimizer
+    step `step` on, or from `round(share * max_steps)` when a share is given; before it the lifted forward trains P
+    and the prefiller in parallel. At the end of training the forward the model came with is restored, so a saved
+    model's config keeps it."""
+
+    def __init__(self, step: int | None = None, *, share: float | None = None):
+        if (step is None) == (share is None):
+            raise ValueError("give either step or share")
+        if share is not None and not 0 <= share <= 1:
+            raise ValueError(f"share must be in [0, 1], got {share}")
+        self.step, self.share = step, share
+        self._before: dict[int, str] = {}
+
+    def _models(self, model: nn.Module | None) -> list[nn.Module]:
+        if model is None:
+            return []
+        return [m for m in model.modules() if getattr(getattr(m, "config", None), "model_type", None) == "maglev"
+                and hasattr(m, "set_training_step")]
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        if self.share is not None:
+            self.step = round(self.share * state.max_steps)
+        self._before = {id(m.config): m.config.training_forward for m in self._models(model)}
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        forward = "recurrent" if state.global_step >= self.step else "lifted"
+        for module in self._models(model):
+            module.config.training_forward = forward
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        for module in self._models(model):
+            module.config.training_forward = self._before.get(id(module.config), module.config.training_forward)
+
+
+def maglev_recipe_callbacks(recipe: str = MAGLEV_RECIPE, max_steps: int | None = None) -> list[TrainerCallback]:
+    """The Trainer callbacks a Maglev model trains with under `recipe`: the step callback, and the switch to P's own
+    rollouts where the recipe has a schedule (MAGLEV_SCHEDULES), at its share of `max_steps` when given, else of
+    the run's `max_steps` as Trainer reports it."""
+    if recipe not in MAGLEV_RECIPES:
+        raise ValueError(f"unknown Maglev recipe {recipe!r}; known: {sorted(MAGLEV_RECIPES)}")
+    callbacks: list[TrainerCallback] = [MaglevStepCallback()]
+    if recipe in MAGLEV_SCHEDULES:
+        share = MAGLEV_SCHEDULES[recipe]
+        callbacks.append(MaglevRecurrentFrom(share=share) if max_steps is None
+                         else MaglevRecurrentFrom(round(share * max_steps)))
+    return callbacks
