@@ -30,8 +30,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 from kvm_maglev.training import (
     MAGLEV_RECIPE,
     MAGLEV_RECIPES,
+    MAGLEV_SCHEDULES,
     LossComponentsTrainer,
     MaglevStepCallback,
+    maglev_recipe_callbacks,
     group_texts_dataset,
     lora_target_modules,
     parameter_digest,
@@ -125,11 +127,24 @@ def add_lora(model, args: argparse.Namespace):
     return model
 
 
+def recipe_applies(config) -> bool:
+    """Whether a memory recipe changes how this model trains: a Maglev model that kept its prefiller (one without
+    it trains recurrently and has no lifted passes to change)."""
+    return config.model_type == "maglev" and bool(config.use_memory and config.has_prefiller)
+
+
+def recipe_callbacks(config, recipe: str) -> list:
+    """Trainer callbacks: for a Maglev model the step callback, and the recipe's schedule where the recipe applies."""
+    if config.model_type != "maglev":
+        return []
+    return maglev_recipe_callbacks(recipe) if recipe_applies(config) else [MaglevStepCallback()]
+
+
 def apply_maglev_recipe(model, recipe: str) -> None:
-    """Train a Maglev model that kept its prefiller with the named memory recipe (saved in its config); a model
-    without the prefiller trains recurrently and has no lifted passes to change."""
+    """Train a Maglev model that kept its prefiller with the named memory recipe (its fields saved in the config,
+    its schedule run by a callback, `recipe_callbacks`); other models are left alone."""
     config = model.config
-    if config.model_type != "maglev" or not (config.use_memory and config.has_prefiller):
+    if not recipe_applies(config):
         return
     for field, value in MAGLEV_RECIPES[recipe].items():
         if field in ARCHITECTURE_FIELDS and getattr(config, field) != value:
@@ -207,8 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         report_to="none",
         label_names=["labels"],
-        # by default every parameter must get a gradient each step: DDP then skips the unused-parameter search
-        ddp_find_unused_parameters=args.ddp_find_unused_parameters,
+        # by default every parameter must get a gradient each step: DDP then skips the unused-parameter search.
+        # A recipe's switch to P's own rollouts leaves the prefiller without one from then on: DDP must search.
+        ddp_find_unused_parameters=args.ddp_find_unused_parameters or (
+            recipe_applies(model.config) and args.maglev_recipe in MAGLEV_SCHEDULES),
         use_cpu=not torch.cuda.is_available(),
         fsdp=True if args.fsdp else None,
         fsdp_config=fsdp_config(model) if args.fsdp else None,
@@ -221,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_dataset=eval_dataset,
         data_collator=default_data_collator,
         processing_class=tokenizer,
-        callbacks=[MaglevStepCallback()] if model.config.model_type == "maglev" else [],
+        callbacks=recipe_callbacks(model.config, args.maglev_recipe),
     )
     if args.fsdp and not trainer.is_fsdp_enabled:
         raise SystemExit("--fsdp: accelerate applies FSDP only on GPUs (and other accelerators); on CPU it runs the "

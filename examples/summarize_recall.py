@@ -1,10 +1,14 @@
 """Medians over seeds of the recall runs written by train_recall.py, and the memory targets they meet.
 
     python examples/summarize_recall.py results/recall_eval --out docs/recall/summary.json
+    python examples/summarize_recall.py docs/recall/runs/capacity_s*.json --plot docs --out docs/recall/capacity_summary.json
 
-Reads every ``recall.json`` below the given folders, groups the models by (facts, model), and reports per
-group the median over seeds of recall per distance (P's own memory and prefiller-fed) with the seeds used,
-the mean recall past the window, and the targets of the Maglev memory issue checked on the medians.
+Reads every ``recall.json`` below the given folders (or the run files given), groups the models by (facts, model),
+and reports per group the median over seeds of recall per distance (P's own memory and prefiller-fed) with the
+seeds used, the mean recall past the window, and the targets of the Maglev memory issue checked on the medians.
+Runs of the capacity task (``--task capacity``) are summarized apart: per model the mean, minimum and maximum
+over seeds of recall per evaluation length and per (length, facts), and the cache bytes per length
+(``--plot``: ``capacity.png``).
 """
 
 import argparse
@@ -15,20 +19,67 @@ from pathlib import Path
 from typing import Dict, List
 
 
+def run_files(paths: List[Path]) -> List[Path]:
+    """Every ``recall.json`` below the folders given, and the files given."""
+    return [found for path in paths for found in ([path] if path.is_file() else sorted(path.rglob("recall.json")))]
+
+
+def is_capacity_run(run: dict) -> bool:
+    return "num_queries" in run["task"]
+
+
 def load_runs(folders: List[Path], aliases: Dict[str, str]) -> Dict[tuple, List[dict]]:
     """(facts, model) -> the per-seed result rows (each with its seed); a model trained with another init than
-    PyTorch's defaults is its own group."""
+    PyTorch's defaults is its own group. Capacity runs are left to `summarize_capacity`."""
     groups: Dict[tuple, List[dict]] = defaultdict(list)
-    for folder in folders:
-        for path in sorted(folder.rglob("recall.json")):
-            run = json.loads(path.read_text())
-            facts, seed = run["task"]["num_facts"], int(run["settings"]["seed"])
-            init = run["settings"].get("weight_init", "torch")
-            for name, row in run["models"].items():
-                name = aliases.get(name, name)
-                label = name if init == "torch" else f"{name} ({init} init)"
-                groups[(facts, label)].append({**row, "seed": seed, "file": str(path)})
+    for path in run_files(folders):
+        run = json.loads(path.read_text())
+        if is_capacity_run(run):
+            continue
+        facts, seed = run["task"]["num_facts"], int(run["settings"]["seed"])
+        init = run["settings"].get("weight_init", "torch")
+        for name, row in run["models"].items():
+            name = aliases.get(name, name)
+            label = name if init == "torch" else f"{name} ({init} init)"
+            groups[(facts, label)].append({**row, "seed": seed, "file": str(path)})
     return groups
+
+
+def _spread(values: List[float]) -> Dict[str, float]:
+    return {"mean": statistics.mean(values), "min": min(values), "max": max(values)}
+
+
+def summarize_capacity(paths: List[Path]) -> List[dict]:
+    """Per model of the capacity runs (grouped by the run's settings but the seed and output): seeds, recall by
+    length and by (length, facts) as mean / min / max over seeds, per-seed recall by length, cache bytes per
+    length (the same on every seed) and, for KVM, the state slots."""
+    groups: Dict[tuple, List[dict]] = defaultdict(list)
+    for path in run_files(paths):
+        run = json.loads(path.read_text())
+        if not is_capacity_run(run):
+            continue
+        settings = {k: v for k, v in run["settings"].items() if k not in ("seed", "out", "models", "progress",
+                                                                           "threads", "eval_seed")}
+        for name, row in run["models"].items():
+            key = (name, json.dumps(settings, sort_keys=True))
+            groups[key].append({**row, "seed": int(run["settings"]["seed"]), "file": str(path),
+                                "train_length": run["task"]["seq_len"], "settings": settings})
+    summary = []
+    for (name, _), rows in sorted(groups.items()):
+        lengths = list(rows[0]["recall_by_length"])
+        entry = {
+            "model": name, "seeds": sorted(row["seed"] for row in rows), "train_length": rows[0]["train_length"],
+            "chance": rows[0]["chance"], "window": rows[0]["window"], "settings": rows[0]["settings"],
+            "recall_by_length": {n: _spread([row["recall_by_length"][n] for row in rows]) for n in lengths},
+            "recall": {n: {f: _spread([row["recall"][n][f] for row in rows]) for f in rows[0]["recall"][n]}
+                       for n in lengths},
+            "per_seed_recall_by_length": {str(row["seed"]): row["recall_by_length"] for row in rows},
+            "cache_bytes": rows[0]["cache_bytes"],
+        }
+        if "state_slots" in rows[0]:
+            entry["state_slots"] = rows[0]["state_slots"]
+        summary.append(entry)
+    return summary
 
 
 def median_curve(rows: List[dict], key: str) -> Dict[str, float] | None:
@@ -105,6 +156,14 @@ def main(argv: List[str] = None) -> None:
                         help="count model NAME as AS (e.g. maglev=maglev_self_feed2: the demo's model is that recipe)")
     args = parser.parse_args(argv)
     aliases = dict(alias.split("=", 1) for alias in args.alias)
+    capacity = summarize_capacity(args.folders)
+    for entry in capacity:
+        cells = " ".join(f"{n}:{100 * r['mean']:4.0f}" for n, r in entry["recall_by_length"].items())
+        print(f"capacity {entry['model']:<16} seeds {entry['seeds']}  recall by length (mean) {cells}")
+        for n, row in entry["recall"].items():
+            print(f"    length {n:>6}: " + "  ".join(f"{f} facts {100 * r['mean']:4.0f}% ({100 * r['min']:.0f}-"
+                                                    f"{100 * r['max']:.0f})" for f, r in row.items())
+                  + f"  cache {entry['cache_bytes'][n]} B")
     summary = summarize(load_runs(args.folders, aliases))
     for entry in summary:
         cells = " ".join(f"{d}:{100 * r:4.0f}" for d, r in entry["recurrent_median"].items())
@@ -115,10 +174,19 @@ def main(argv: List[str] = None) -> None:
             print(f"    {'met ' if met else 'MISS'} {target}")
     if args.plot is not None:
         plot_medians(summary, args.plot)
+        if capacity:
+            from kvm_maglev.capacity import plot_capacity
+
+            args.plot.mkdir(parents=True, exist_ok=True)
+            means = {e["model"]: {n: {f: r["mean"] for f, r in row.items()} for n, row in e["recall"].items()}
+                     for e in capacity}
+            plot_capacity(means, capacity[0]["chance"], capacity[0]["train_length"], args.plot / "capacity.png")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
+        found = {"groups": summary} if summary else {}
+        found.update({"capacity": capacity} if capacity else {})
         args.out.write_text(json.dumps({"command": "python examples/summarize_recall.py "
-                                        + " ".join(map(str, args.folders)), "groups": summary}, indent=1))
+                                        + " ".join(map(str, args.folders)), **found}, indent=1))
         print(f"wrote {args.out}")
 
 

@@ -162,3 +162,17 @@ def test_a_capacity_run_writes_recall_by_length(tmp_path):
         assert all(0 <= r <= 1 for r in row["recall_by_length"].values())
         assert set(row["recall"]["512"]) == {"8", "16"} and set(row["cache_bytes"]) == {"256", "512"}
     assert run["models"]["kvm_fixed"]["state_slots"]["256"] == run["models"]["kvm_fixed"]["state_slots"]["512"]
+
+
+def test_summary_of_capacity_runs_spreads_over_seeds(tmp_path):
+    summarize = load_example("summarize_recall")
+    for seed, recall in ((0, 0.25), (1, 0.75)):
+        row = {"recall_by_length": {"256": recall}, "recall": {"256": {"8": recall}}, "cache_bytes": {"256": 99},
+               "window": 16, "chance": 1 / 64, "state_slots": {"256": 62}}
+        run = {"task": {"num_queries": 8, "seq_len": 256, "num_facts": 16}, "models": {"kvm_sqrt": row},
+               "settings": {"seed": str(seed), "out": f"o{seed}", "steps": "2000"}}
+        (tmp_path / f"capacity_s{seed}.json").write_text(json.dumps(run))
+    (entry,) = summarize.summarize_capacity([tmp_path / "capacity_s0.json", tmp_path / "capacity_s1.json"])
+    assert entry["seeds"] == [0, 1] and entry["recall_by_length"]["256"] == {"mean": 0.5, "min": 0.25, "max": 0.75}
+    assert entry["recall"]["256"]["8"]["mean"] == 0.5 and entry["state_slots"] == {"256": 62}
+    assert not summarize.load_runs([tmp_path / "capacity_s0.json"], {})  # the recall summary leaves them alone

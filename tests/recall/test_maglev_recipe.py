@@ -77,3 +77,14 @@ def test_maglev_of_both_examples_is_the_shipped_recipe(tmp_path):
     # the challenger arm keeps its switch at three quarters of the run, as in the issue-28 runs
     late = train_lm.arm_callbacks("maglev_self_feed2_then_recurrent_late", model, 4800)
     assert [c.step for c in late if isinstance(c, MaglevRecurrentFrom)] == [3600]
+
+
+def test_finetune_trains_with_the_recipes_callbacks():
+    finetune = load_example("finetune")
+    kept = SimpleNamespace(model_type="maglev", use_memory=True, has_prefiller=True)
+    late = finetune.recipe_callbacks(kept, "self_feed2_then_recurrent_late")
+    assert [type(c) for c in late] == [MaglevStepCallback, MaglevRecurrentFrom] and late[1].share == 0.75
+    assert _kinds(finetune.recipe_callbacks(kept, MAGLEV_RECIPE)) == _kinds(maglev_recipe_callbacks(MAGLEV_RECIPE))
+    alone = SimpleNamespace(model_type="maglev", use_memory=True, has_prefiller=False)
+    assert [type(c) for c in finetune.recipe_callbacks(alone, "self_feed2_then_recurrent_late")] == [MaglevStepCallback]
+    assert finetune.recipe_callbacks(SimpleNamespace(model_type="kvm"), MAGLEV_RECIPE) == []
