@@ -36,7 +36,7 @@ setup(
             "accelerate>=1.0",
             "datasets>=3",
             "peft>=0.15",
-            "lm-eval==0.4.13",
+            "lm-eval[ruler]==0.4.13",  # ruler: nltk, wonderwords, scipy for tests/ecosystem/test_ecosystem_ruler.py
             "matplotlib>=3.7",
             "tqdm>=4",
             "parameterized>=0.9",  # transformers' own test_modeling_common.py, run by the suite
