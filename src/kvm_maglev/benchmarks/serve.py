@@ -352,6 +352,27 @@ def child_environment(args) -> dict:
     return env
 
 
+def code_version() -> dict:
+    """Where the measured package was imported from, its git commit, and whether its model or plugin code differs
+    from that commit (a benchmark of uncommitted code says so)."""
+    import kvm_maglev
+
+    package = Path(kvm_maglev.__file__).resolve().parent
+    version = {"package": str(package)}
+
+    def git(*command: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(package), *command], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    version["commit"] = git("rev-parse", "HEAD")
+    changed = git("status", "--porcelain", "--", str(package / "models"), str(package / "vllm"))
+    version["models_or_plugin_uncommitted"] = None if changed is None else bool(changed)
+    return version
+
+
 def run_engine(engine: str, job: dict, args, workdir: Path) -> dict:
     if args.in_process:
         os.environ.update(child_environment(args))
@@ -502,6 +523,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         settings["kvm_config"] = {k: v for k, v in kvm_config_kwargs(args).items() if k.startswith("state_")}
     settings["vllm"] = vllm_settings(args)
     payload = {"command": command, "seed": args.seed, "settings": settings, "versions": versions,
+               "code": code_version(),
                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                "workloads": {name: {**asdict(WORKLOADS[name]), **workload_tokens(r),
                                     "prompt_lengths": [len(x.prompt) for x in r],
