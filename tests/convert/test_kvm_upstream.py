@@ -59,8 +59,8 @@ def test_gqa_case_keeps_state_per_key_value_head(converted):
     assert (config.num_attention_heads, config.num_key_value_heads, config.kv_group_size) == (4, 2, 2)
     with torch.no_grad():
         cache = returned_cache(model(torch.arange(70).view(1, -1), use_cache=True))
-    layer = cache.groups[0].layers[0]
-    assert layer.state_keys.shape[1] == 2 and cache.nbytes() == config.cache_bytes(70, dtype=torch.float32)
+    layer = cache.layers[0]
+    assert layer.tensors["state_keys"].shape[1] == 2 and cache.nbytes() == config.cache_bytes(70, dtype=torch.float32)
 
 
 def test_both_forms_give_the_same_weights(converted):

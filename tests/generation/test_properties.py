@@ -191,7 +191,7 @@ def maglev_reference(model: MaglevForCausalLM, ids: torch.Tensor, prompt: int) -
 def maglev_state(cache: MaglevCache) -> list[torch.Tensor]:
     tensors = [cache.positions, cache.previous_embedding]
     tensors += [] if cache.last_memory is None else [cache.last_memory]
-    for store in cache.layer_stores:
+    for store in cache.layers:
         tensors += list(store.state().values())
     return tensors
 

@@ -100,19 +100,8 @@ def tiny_kvm(seed: int = 0, **overrides) -> KVMForCausalLM:
 
 
 def kvm_row_state(cache: KVMCache, row: int) -> list[torch.Tensor]:
-    """Everything the cache holds for one row: per layer state, window and token-shift carries."""
-    for group in cache.groups:
-        if row in group.rows:
-            local = group.rows.index(row)
-            tensors = []
-            for layer in group.layers:
-                named = layer.tensors()
-                tensors += [named[name][local:local + 1] for name in sorted(named)]
-                tensors.append(torch.tensor([layer.seen, layer.merged_blocks, layer.window.begin]))
-            for carries in cache.carries:
-                tensors += [carries.values[name][row:row + 1] for name in sorted(carries.values)]
-            return tensors
-    raise AssertionError(f"row {row} not in the cache")
+    """Everything the cache holds for one row: per layer its live window (in position order), state and carries."""
+    return cache.row_tensors(row) + [torch.tensor(cache.row_lengths()[row])]
 
 
 KVM = GenerationTester(
@@ -132,7 +121,7 @@ KVM = GenerationTester(
 def maglev_state(cache: MaglevCache) -> list[torch.Tensor]:
     tensors = [cache.positions, cache.previous_embedding]
     tensors += [] if cache.last_memory is None else [cache.last_memory]
-    for store in cache.layer_stores:
+    for store in cache.layers:
         tensors += list(store.state().values())
     return tensors
 

@@ -1,9 +1,11 @@
-"""The shared plan module against plain per-row loops: positions, predecessors, the KVM chunk grid, row groups."""
+"""The plan modules against plain per-row loops: positions, predecessors, the flat token layout, KVM's pieces."""
 
 import pytest
 import torch
 
-from kvm_maglev.models.common.step_plan import GroupedStepPlan, RowGroup, StepPlan, chunk_pieces
+from kvm_maglev.models.common.step_plan import RowTokens, StepPlan
+from kvm_maglev.models.kvm import KVMConfig
+from kvm_maglev.models.kvm.step_plan_kvm import chunk_pieces
 
 
 def random_valid(seed: int, batch: int, length: int) -> torch.Tensor:
@@ -48,39 +50,46 @@ def test_step_plan_without_padding_is_consecutive():
     assert torch.equal(previous, torch.tensor([[0, 1, 2, 3]] * 2)) and torch.equal(last, torch.tensor([[4]] * 2))
 
 
-@pytest.mark.parametrize("seen,length", [(0, 1), (0, 37), (5, 3), (16, 40), (23, 1), (31, 9)])
-def test_chunk_pieces_cover_the_tokens_on_the_chunk_grid(seen, length):
-    chunk, window_chunks = 4, 3
-    pieces = chunk_pieces(seen, length, chunk, window_chunks)
-    assert pieces[0][0] == seen and pieces[-1][1] == seen + length
-    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
-    for pos, stop in pieces:
-        if pos < window_chunks * chunk:  # the front window is one piece
-            assert stop <= window_chunks * chunk
-        else:  # then never across a chunk boundary
-            assert pos // chunk == (stop - 1) // chunk
+@pytest.mark.parametrize("seed", range(4))
+def test_row_tokens_lay_out_real_tokens_flat_with_their_predecessors(seed):
+    """RowTokens against a per-row loop: each real token's row, position and predecessor (the token before it, the
+    row's carry, or - a row's very first token - itself or zero), each row's last token; flatten/unflatten."""
+    valid = random_valid(seed, 5, 11)
+    starts = [0, 3, 7, 0, 12]
+    tokens = RowTokens.from_batch(starts, valid, 5, 11, "cpu")
+    batch = 5
+    rows, positions, previous_first, previous_zero, last = [], [], [], [], []
+    for row, begin in enumerate(starts):
+        count = int(valid[row].sum())
+        offset = len(rows)
+        for i in range(count):
+            rows.append(row)
+            positions.append(begin + i)
+            before = batch + 1 + offset + i - 1 if i else (row if begin else None)
+            previous_first.append(before if before is not None else batch + 1 + offset)
+            previous_zero.append(before if before is not None else batch)
+        last.append(batch + 1 + offset + count - 1 if count else row)
+    assert tokens.row.tolist() == rows and tokens.position.tolist() == positions
+    assert [t.tolist() for t in tokens.predecessors("first")] == [previous_first, last]
+    assert tokens.predecessors("zero")[0].tolist() == previous_zero
+    x = torch.randn(5, 11, 3)
+    assert torch.equal(tokens.flatten(x), x[valid])
+    assert torch.equal(tokens.unflatten(tokens.flatten(x)), torch.where(valid[..., None], x, 0))
 
 
-class CountedLayer:
-    """A stand-in layer cache: how many tokens its rows have read, and its rows' ids."""
-
-    def __init__(self, seen: int, ids: list[int]) -> None:
-        self.seen, self.ids, self.window = seen, ids, type("Window", (), {"storage": None})()
-
-    def take_rows(self, index: torch.Tensor) -> "CountedLayer":
-        return CountedLayer(self.seen, [self.ids[i] for i in index.tolist()])
-
-
-def test_grouped_plan_splits_rows_by_real_token_count_and_keeps_each_row_its_layers():
-    batch, length = 4, 5
-    valid = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
-    groups = [RowGroup([0, 1, 2, 3], [CountedLayer(6, [0, 1, 2, 3])])]
-    plan = GroupedStepPlan(batch, length, valid, groups, "cpu")
-    assert [g.rows for g in plan.groups] == [[0, 2], [1], [3]]
-    assert all(g.layers[0].ids == g.rows for g in plan.groups)
-    assert sorted(s.count for s in plan.segments) == [3, 5]  # the row with no real token reads nothing
-    positions, _, previous, last = loop_geometry([6] * batch, valid)
-    assert torch.equal(plan.positions, positions)
-    assert torch.equal(plan.previous_index, previous) and torch.equal(plan.last_index, last)
-    uniform = GroupedStepPlan(batch, length, None, groups, "cpu")
-    assert uniform.uniform and torch.equal(uniform.positions, torch.arange(6, 11)) and uniform.previous_index is None
+@pytest.mark.parametrize("starts,counts", [([0, 5, 23], [37, 3, 1]), ([16, 0], [40, 1]), ([31, 8], [9, 0])])
+def test_kvm_pieces_follow_each_row_chunk_grid(starts, counts):
+    """Each row's new tokens cut at its own chunk boundaries, every token in exactly one piece, in flat order; a
+    query sees its chunk and the window_chunks - 1 before it."""
+    config = KVMConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=1, rotary_dim=2,
+                       chunk_size=4, window_chunks=3)
+    tokens = RowTokens(starts, counts, "cpu")
+    pieces = chunk_pieces(config, tokens)
+    queries = pieces.query_index.reshape(-1)[pieces.order]
+    assert queries.tolist() == list(range(tokens.total))
+    for piece, row in enumerate(pieces.rows):
+        positions = pieces.query_pos[piece][pieces.query_valid[piece]].tolist()
+        assert len({p // 4 for p in positions}) == 1
+        assert starts[row] <= positions[0] and positions[-1] < starts[row] + counts[row]
+        window_start = max(0, positions[0] // 4 + 1 - 3) * 4
+        assert set(pieces.query_low[piece].tolist()) == {window_start}

@@ -138,7 +138,7 @@ class KVMModelTest(CompressedStateModelTest, unittest.TestCase):
     def _check_past_key_values_for_generate(self, batch_size, cache, seq_length, config):
         self.assertIsInstance(cache, KVMCache)
         self.assertEqual((cache.batch_size, cache.get_seq_length()), (batch_size, seq_length))
-        states = [layer.state_len for group in cache.groups for layer in group.layers]
+        states = [length for row in cache.row_state_lengths() for length in row]
         self.assertTrue(all(length > 0 for length in states), f"the KVM state was not used: {states}")
 
 

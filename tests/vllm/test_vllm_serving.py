@@ -152,8 +152,9 @@ def served_model(llm):
 
 
 def test_kvm_state_pages_hold_what_cache_bytes_counts(folder):
-    """A KVM request's pages, summed over layers, are `config.cache_bytes(max_model_len)`: windows at their widest,
-    states at the length `max_model_len` tokens reach, the token-shift carries."""
+    """A KVM request's pages, summed over layers, are `config.cache_bytes(max_model_len)` - windows at their widest,
+    states at the length `max_model_len` tokens reach, the token-shift carries - and the state's read form (keys and
+    values as attention reads them, per KVM layer)."""
     from math import prod
 
     from vllm import LLM
@@ -164,7 +165,12 @@ def test_kvm_state_pages_hold_what_cache_bytes_counts(folder):
     model = served_model(llm)
     pages = sum(prod(shape) * torch.empty((), dtype=dtype).element_size() for layer in model.state_layers
                 for shape, dtype in zip(layer.get_state_shape(), layer.get_state_dtype()))
-    assert pages == model.config.cache_bytes(ENGINE["max_model_len"], dtype=torch.float32)
+    config = model.config
+    max_len = ENGINE["max_model_len"]
+    kvm_layers = sum(not config.is_sliding_window_layer(i) for i in range(config.num_hidden_layers))
+    read_form = (kvm_layers * config.kv_heads * config.state_slots_after(max_len)
+                 * (config.qk_head_dim + config.v_head_dim) * 4)
+    assert pages == config.cache_bytes(max_len, dtype=torch.float32) + read_form
     del llm
 
 
@@ -265,3 +271,70 @@ def test_hub_folders_built_by_the_converter_serve_the_same_tokens(kept, tmp_path
     for prompt, output in zip(batch, outputs):
         assert list(output.outputs[0].token_ids) == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
     del llm
+
+
+@pytest.fixture(scope="module")
+def engines(folder):
+    """Engines of the folder with chunked prefill under a token budget per step, made once per budget."""
+    from vllm import LLM
+
+    made = {}
+
+    def engine(budget: int):
+        if budget not in made:
+            made[budget] = LLM(model=str(folder), **ENGINE, enable_chunked_prefill=True,
+                               max_num_batched_tokens=budget).llm_engine
+        return made[budget]
+    yield engine
+    made.clear()
+
+
+def run_schedule(engine, requests: list, preempt_at: set[int], name: str) -> dict[int, list[int]]:
+    """Each (arrival step, prompt, new tokens) request added at its step (ids `<name>.<index>`), every running
+    request preempted at the steps `preempt_at`; the tokens each request generated."""
+    scheduler = engine.engine_core.engine_core.scheduler
+    finished, step = {}, 0
+    waiting = sorted(enumerate(requests), key=lambda item: item[1][0])
+    while waiting or engine.has_unfinished_requests():
+        while waiting and waiting[0][1][0] <= step:
+            index, (_, prompt, new_tokens) = waiting.pop(0)
+            engine.add_request(f"{name}.{index}", {"prompt_token_ids": prompt}, greedy(new_tokens))
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id.split(".")[-1])] = list(output.outputs[0].token_ids)
+        step += 1
+        if step in preempt_at and scheduler.running:
+            assert engine.reset_prefix_cache(reset_running_requests=True)
+        assert step < 1000
+    return finished
+
+
+def test_random_schedules_give_generates_tokens(folder, engines):
+    """Property: whatever the schedule - requests arriving at random steps, prompts across chunk and window
+    boundaries, token budgets that split prompts over steps, preemption of every running request at random steps
+    - each request's greedy tokens equal one uninterrupted generate() of its prompt."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    model = hf_model(folder)
+    expected, examples = {}, []
+
+    def reference_of(prompt: list[int], new_tokens: int) -> list[int]:
+        key = (tuple(prompt), new_tokens)
+        if key not in expected:
+            expected[key] = hf_continuation(model, prompt, new_tokens)
+        return expected[key]
+
+    request = st.tuples(st.integers(0, 6), st.lists(st.integers(2, VOCAB - 2), min_size=1, max_size=40),
+                        st.integers(1, 10))
+
+    @settings(max_examples=6, deadline=None, derandomize=True, database=None)
+    @given(budget=st.sampled_from([8, 13]), requests=st.lists(request, min_size=1, max_size=5),
+           preempt_at=st.sets(st.integers(1, 25), max_size=2))
+    def check(budget, requests, preempt_at):
+        examples.append(1)
+        finished = run_schedule(engines(budget), requests, preempt_at, f"case{len(examples)}")
+        for index, (_, prompt, new_tokens) in enumerate(requests):
+            assert finished[index] == reference_of(prompt, new_tokens), (index, len(prompt), budget, preempt_at)
+
+    check()

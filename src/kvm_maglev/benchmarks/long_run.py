@@ -88,12 +88,7 @@ class NonFiniteWatch:
 def cache_max_abs(cache) -> float:
     """Largest magnitude held by the cache (e.g. KVM's merged value sums), to see how close float16's
     65504 is."""
-    tensors = []
-    for group in getattr(cache, "groups", []):
-        for layer in group.layers:
-            tensors += list(layer.tensors().values())
-    for store in getattr(cache, "layer_stores", []):
-        tensors += [t for t in store.tensors() if t.is_floating_point()]
+    tensors = [t for layer in cache.layers for t in layer.tensors.values()]
     tensors += [t for t in (getattr(cache, "last_memory", None),) if t is not None]
     return max((float(t.float().abs().max()) for t in tensors if t.numel() and t.is_floating_point()), default=0.0)
 

@@ -83,9 +83,7 @@ def profiled_step(run) -> dict:
 
 
 def bench(research_path: Path, budget: str, length: int, layers: int, repeats: int, seed: int,
-          with_loop: bool, research_checkpointing: bool = False, profiled: bool = False, warmup: int = 1) -> dict:
-    from kvm_maglev.models.kvm.modeling_kvm import KVMAttention
-
+          research_checkpointing: bool = False, profiled: bool = False, warmup: int = 1) -> dict:
     fields = {**RESEARCH_FIELDS, **BUDGETS[budget], "num_hidden_layers": layers}
     research = research_model(research_path, fields, seed, research_checkpointing)
     ours = our_model(fields, research)
@@ -95,16 +93,7 @@ def bench(research_path: Path, budget: str, length: int, layers: int, repeats: i
     targets = ids[:, 1:].clone()
     targets[:, -1] = -100
 
-    def run_ours(at_once: bool):
-        KVMAttention.chunks_at_once = at_once
-        try:
-            return timed_step(ours, inputs, inputs)
-        finally:
-            KVMAttention.chunks_at_once = True
-
-    runs = {"research": lambda: timed_step(research, inputs, targets), "ours": lambda: run_ours(True)}
-    if with_loop:
-        runs["ours_chunk_loop"] = lambda: run_ours(False)
+    runs = {"research": lambda: timed_step(research, inputs, targets), "ours": lambda: timed_step(ours, inputs, inputs)}
     times = {name: [] for name in runs}
     losses = {}
     for _ in range(warmup):
@@ -135,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed steps of each first (a process's first touch of fresh memory is slow)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--with-loop", action="store_true", help="also time our plain chunk loop")
     parser.add_argument("--research-checkpointing", action="store_true",
                         help="keep the research code's per-block checkpointing (its training default)")
     parser.add_argument("--profile", action="store_true",
@@ -147,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for length in args.lengths:
         for budget in args.budgets:
-            result = bench(args.research_path, budget, length, args.layers, args.repeats, args.seed, args.with_loop,
+            result = bench(args.research_path, budget, length, args.layers, args.repeats, args.seed,
                            args.research_checkpointing, args.profile, args.warmup)
             results.append(result)
             ratios = ", ".join(f"{k} {v:.2f}x" for k, v in result.items() if k.endswith("_over_research"))

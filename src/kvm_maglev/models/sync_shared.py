@@ -28,6 +28,7 @@ SHARED_MODULES: dict[str, tuple[str, ...]] = {
     "tensor_parallel.py": ("kvm", "maglev"),
     "row_block_loss.py": ("kvm", "maglev"),
     "step_plan.py": ("kvm", "maglev"),
+    "row_storage.py": ("kvm", "maglev"),
 }
 HEADER = "# Generated from kvm_maglev/models/common/{name} (python -m kvm_maglev.models.sync_shared); do not edit by hand.\n"
 

@@ -1,15 +1,17 @@
-"""Maglev on vLLM: the decoder P run recurrently by our own model code, its per-request state in vLLM's state pages.
+"""Maglev on vLLM: the decoder P run recurrently by our own model code, each request's state in vLLM's state pages,
+read and written in place.
 
-Each decoder layer owns one state page per request (a `MambaBase` layer, so vLLM's cache manager allocates the
-pages with the request and frees them with it): the layer's window ring of keys and values (memory already
-injected), and the request's carry (the last memory vector and smear's previous-token embedding, read from and
-written to layer 0's page; the other layers' carry rows stay unused so that every page has one size). A request's
-position is vLLM's token position, so it is not stored.
+Each decoder layer owns one state page per request (a `MambaBase` layer, so vLLM's cache manager allocates the pages
+with the request and frees them with it): the layer's window ring of keys and values (memory already injected),
+under a `MaglevCache` layer's names, and the request's carry (the last memory vector and smear's previous-token
+embedding, read from and written to layer 0's page; the other layers' carry rows stay unused so that every page has
+one size). A request's position is vLLM's token position, so it is not stored.
 
-A forward gathers the scheduled requests' pages into a `MaglevCache` (one row per request, each at its own
-position), runs `MaglevModel.forward` on it (token after token, the paper's recurrent prompt processing, padding
-skipped per row) and writes the rows back. Chunked prefill continues a row from its pages, and a preempted
-request restarts at position 0 with a fresh carry, so both give the tokens of one uninterrupted `generate()`.
+Each engine step runs `MaglevModel.forward` once on a `MaglevCache` whose layers are bound to the pages
+(`MaglevCache.over_pages`): P reads every request's tokens in order, the paper's recurrent prompt processing, and
+each recurrent step advances every request that has a token left in one batch (`MaglevModel.recurrent_rows`), the
+rings read and written in place. Chunked prefill continues a request from its pages, and a preempted request restarts
+at position 0 with a fresh state, so both give the tokens of one uninterrupted `generate()`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM, MaglevModel
 from kvm_maglev.models.maglev.onednn_linear import OneDNNLinear
-from kvm_maglev.vllm.pages import PagedStateModel, ScheduledRows, page_layers
+from kvm_maglev.vllm.pages import PagedStateModel, ScheduledStep, page_layers
 
 MEMORY, EMBEDDING = 0, 1  # rows of the carry state
 
@@ -48,33 +50,29 @@ class VllmMaglevForCausalLM(PagedStateModel):
         shapes = [[(config.num_key_value_heads, n, config.head_dim)] * 2 + [(2, config.hidden_size)] for n in slots]
         self.state_layers = page_layers(prefix, shapes, [[dtype] * 3 for _ in slots])
 
-    def gather(self, rows: ScheduledRows) -> MaglevCache:
-        """A MaglevCache whose rows are the scheduled requests' pages; rows at position 0 start fresh."""
-        cache = MaglevCache(self.config)
-        fresh = rows.fresh[:, None]
-        carry = self.state_layers[0].kv_cache[2][rows.pages[0]]
-        memory_init = self.model.memory_init
-        if memory_init is not None:
-            start_memory = memory_init.to(carry.dtype).expand_as(carry[:, MEMORY])
-            cache.last_memory = torch.where(fresh, start_memory, carry[:, MEMORY])[:, None]
-        cache.previous_embedding = torch.where(fresh, 0.0, carry[:, EMBEDDING])[:, None]
-        cache.positions = rows.positions
-        # generate() counts columns read; a positive count means "continue" (never the prefiller: refused on vLLM)
-        cache.seen_tokens = int(rows.positions.max()) + 1
-        for store, layer, index in zip(cache.layer_stores, self.state_layers, rows.pages):
-            store.grows = False
-            store.load_state({"keys": layer.kv_cache[0][index], "values": layer.kv_cache[1][index]})
-        return cache
-
-    def scatter(self, rows: ScheduledRows, cache: MaglevCache) -> None:
-        """Write the advanced rows back into their pages."""
-        for store, layer, index in zip(cache.layer_stores, self.state_layers, rows.pages):
-            layer.kv_cache[0][index] = store.keys
-            layer.kv_cache[1][index] = store.values
-        carry = self.state_layers[0].kv_cache[2]
+    def run_step(self, input_ids: torch.Tensor, step: ScheduledStep) -> torch.Tensor:
+        """One forward of the model over the step's requests as rows (each its own tokens, padding after them), on a
+        cache over their pages; then each request's carries back into its page."""
+        tokens = step.row_tokens(input_ids.device)
+        width = max(step.counts)
+        rows = input_ids.new_zeros(len(step.counts) * width)
+        columns = tokens.row * width + tokens.local
+        rows[columns] = input_ids
+        valid = torch.zeros_like(rows, dtype=torch.bool)
+        valid[columns] = True
+        carry = self.page_tensors(0)[2][step.pages[0]]
+        cache = MaglevCache.over_pages(
+            self.config, [{"keys": self.page_tensors(i)[0], "values": self.page_tensors(i)[1]}
+                          for i in range(len(self.state_layers))],
+            step.pages, step.starts, carry[:, MEMORY], carry[:, EMBEDDING], self.model.memory_init)
+        ragged = min(step.counts) < width
+        outputs = self.model(input_ids=rows.view(-1, width), past_key_values=cache, use_cache=True, return_dict=True,
+                             attention_mask=valid.view(-1, width).long() if ragged else None)
+        pages = self.page_tensors(0)[2]
         if cache.last_memory is not None:
-            carry[rows.pages[0], MEMORY] = cache.last_memory[:, 0].to(carry.dtype)
-        carry[rows.pages[0], EMBEDDING] = cache.previous_embedding[:, 0].to(carry.dtype)
+            pages[step.pages[0], MEMORY] = cache.last_memory[:, 0].to(pages.dtype)
+        pages[step.pages[0], EMBEDDING] = cache.previous_embedding[:, 0].to(pages.dtype)
+        return outputs.last_hidden_state.reshape(-1, outputs.last_hidden_state.shape[-1])[columns]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Our head: lm_head, padded rows sliced away, float32, soft-capped (MaglevForCausalLM.logits)."""

@@ -1,8 +1,8 @@
 """What both served models share: per-layer state pages that vLLM's cache manager allocates per request, and the
-scheduled tokens of one engine step laid out as rows (one per request) for our models' batched forwards.
+scheduled tokens of one engine step (request after request, flat) for our models' batched forwards.
 
 A request's position is vLLM's token position, so no page stores it; a request at position 0 (new, or preempted
-and recomputed) starts from a fresh state whatever its pages hold.
+and recomputed) starts from an empty state whatever its pages hold.
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from kvm_maglev.models.common.step_plan import RowTokens
 
 
 class StatePages(nn.Module, MambaBase):
@@ -55,37 +58,23 @@ def page_layers(prefix: str, shapes: list[list[tuple[int, ...]]], dtypes: list[l
 
 
 @dataclass
-class ScheduledRows:
-    """One engine step's tokens as rows: `tokens` [requests, width] (zero past each request's count), `valid`
-    marks the scheduled ones, `positions` is each request's first scheduled position (tokens it has read before),
-    `pages[i]` the page index of each request in layer i's tensors, `count` the scheduled tokens in all."""
+class ScheduledStep:
+    """One engine step's scheduled tokens, request after request: request r reads `counts[r]` tokens from position
+    `starts[r]` (the tokens it has read before); `pages[i]` holds each request's page index in layer i's tensors;
+    `total` is the number of scheduled tokens (vLLM may pad its token count past them)."""
 
-    tokens: torch.Tensor
-    valid: torch.Tensor
-    positions: torch.Tensor
+    starts: list[int]
+    counts: list[int]
     pages: list[torch.Tensor]
-    count: int
+    total: int
 
-    @property
-    def ragged(self) -> bool:
-        """Whether requests were given different numbers of tokens (then `valid` is the attention mask)."""
-        return not bool(self.valid.all())
-
-    @property
-    def fresh(self) -> torch.Tensor:
-        """[requests] True where a request starts at position 0 (new or preempted): its pages are not read."""
-        return self.positions == 0
-
-    def flat(self, hidden: torch.Tensor, rows: int) -> torch.Tensor:
-        """[rows, dim] hidden states in vLLM's token order from [requests, width, dim]; vLLM may pad its token
-        count past the scheduled tokens (those rows stay zero)."""
-        out = hidden.new_zeros(rows, hidden.shape[-1])
-        out[:self.count] = hidden[self.valid]
-        return out
+    def row_tokens(self, device) -> RowTokens:
+        """The step's tokens as the models lay out a forward's tokens: flat, request after request."""
+        return RowTokens(self.starts, self.counts, device)
 
 
-def scheduled_rows(layers: nn.ModuleList, input_ids: torch.Tensor, positions: torch.Tensor) -> ScheduledRows | None:
-    """The step's `ScheduledRows` from vLLM's forward context, or None in its profiling and warm-up runs (no
+def scheduled_step(layers: nn.ModuleList, positions: torch.Tensor) -> ScheduledStep | None:
+    """The step's `ScheduledStep` from vLLM's forward context, or None in its profiling and warm-up runs (no
     request, no pages)."""
     metadata = get_forward_context().attn_metadata
     if metadata is None:
@@ -94,24 +83,18 @@ def scheduled_rows(layers: nn.ModuleList, input_ids: torch.Tensor, positions: to
         metadata = metadata[0]
     first = metadata[layers[0].prefix]
     requests = first.num_decodes + first.num_prefills
-    starts = first.query_start_loc[:requests + 1].tolist()
-    lengths = [end - begin for begin, end in zip(starts[:-1], starts[1:])]
-    width = max(lengths)
-    tokens = input_ids.new_zeros(requests, width)
-    valid = torch.zeros(requests, width, dtype=torch.bool, device=input_ids.device)
-    for row, (begin, length) in enumerate(zip(starts, lengths)):
-        tokens[row, :length] = input_ids[begin:begin + length]
-        valid[row, :length] = True
-    first_positions = positions[torch.tensor(starts[:-1], device=positions.device)].long()
+    bounds = first.query_start_loc[:requests + 1].tolist()
+    counts = [end - begin for begin, end in zip(bounds[:-1], bounds[1:])]
+    starts = positions[first.query_start_loc[:requests]].tolist()
     pages = [metadata[layer.prefix].state_indices_tensor[:requests].long() for layer in layers]
-    return ScheduledRows(tokens, valid, first_positions, pages, starts[-1])
+    return ScheduledStep(starts, counts, pages, bounds[-1])
 
 
 class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
-    """What a served model of this package does each engine step: gather the scheduled requests' pages into the
-    model's own cache (one row per request, each at its own position), run the model's batched forward on it (padding
-    skipped per row, as `generate()` does) and write the rows back. Subclasses set `model`, `lm_head`, `config` and
-    `state_layers` (`build` sets the first three) and define `gather`, `scatter` and `compute_logits`."""
+    """What a served model of this package does each engine step: run its model's layers over the step's scheduled
+    tokens, all requests in one batched forward whatever their positions, each request's state read and written in
+    place in its pages. Subclasses set `model`, `lm_head`, `config` and `state_layers` (`build` sets the first
+    three) and define `run_step` and `compute_logits`."""
 
     MODEL_NAME = ""  # in error messages
     PROMPT_EMBEDDINGS_REFUSED = ""  # why prompt embeddings are refused
@@ -143,17 +126,18 @@ class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
         if inputs_embeds is not None:
             raise ValueError(f"{self.MODEL_NAME} on vLLM: prompt embeddings are not supported "
                              f"({self.PROMPT_EMBEDDINGS_REFUSED})")
-        rows = scheduled_rows(self.state_layers, input_ids, positions)
-        if rows is None:  # vLLM's profiling and warm-up runs: no request, no pages
+        step = scheduled_step(self.state_layers, positions)
+        if step is None:  # vLLM's profiling and warm-up runs: no request, no pages
             return torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.lm_head.weight.dtype,
                                device=input_ids.device)
-        cache = self.gather(rows)
         self.hold_speedups()
         with torch.no_grad():
-            outputs = self.model(input_ids=rows.tokens, attention_mask=rows.valid.long() if rows.ragged else None,
-                                 past_key_values=cache, use_cache=True, return_dict=True)
-        self.scatter(rows, cache)
-        return rows.flat(outputs.last_hidden_state, input_ids.shape[0])
+            hidden = self.run_step(input_ids[:step.total], step)
+        return F.pad(hidden, (0, 0, 0, input_ids.shape[0] - step.total))
+
+    def page_tensors(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer `layer`'s page tensors, [pages, ...] each, as vLLM bound them."""
+        return tuple(self.state_layers[layer].kv_cache)
 
     def hold_speedups(self) -> None:
         """Open the model's runtime speed-ups (same math up to rounding) once, for the engine's life: generate()

@@ -92,8 +92,8 @@ def test_gqa_cache_holds_key_value_heads(kv_heads):
     model = random_model(num_key_value_heads=kv_heads, **BUDGETS["power_law"])
     with torch.no_grad():
         cache = returned_cache(model(torch.randint(0, 61, (3, 41)), use_cache=True))
-    layer = cache.groups[0].layers[1]
-    assert layer.state_keys.shape[1] == kv_heads
+    layer = cache.layers[1]
+    assert layer.tensors["state_keys"].shape[1] == kv_heads and layer.tensors["window_keys"].shape[1] == kv_heads
     assert cache.nbytes() == model.config.cache_bytes(41, batch_size=3, dtype=torch.float32)
     plain = random_model(**BUDGETS["power_law"]).config
     assert model.config.cache_bytes(41) < plain.cache_bytes(41)

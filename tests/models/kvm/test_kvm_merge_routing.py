@@ -15,11 +15,16 @@ BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=1, num_attention_he
             window_chunks=2, state_budget_mode="fixed", state_budget_min=8, state_max_chunks=1)
 
 
+def allowed_past(protected: int, slots: int) -> torch.Tensor:
+    """Every slot allowed but the first `protected` (the sinks)."""
+    return (torch.arange(slots) >= protected).view(1, 1, 1, slots)
+
+
 def test_bfloat16_scores_tie_where_float32_scores_do_not():
     reference = torch.tensor([[1.0, 0.0], [1.001, 0.0], [0.0, 1.0]]).view(1, 1, 3, 2)  # 1.001 is 1.0 in bfloat16
     keys = torch.tensor([[1.0, 0.0]]).view(1, 1, 1, 2)
-    assert most_similar_slot(keys, reference, 0, torch.float32).item() == 1
-    assert most_similar_slot(keys, reference, 0, torch.bfloat16).item() == 0  # the tie goes to the first slot
+    assert most_similar_slot(keys, reference, allowed_past(0, 3), torch.float32).item() == 1
+    assert most_similar_slot(keys, reference, allowed_past(0, 3), torch.bfloat16).item() == 0  # the first of a tie
 
 
 def test_float32_routing_is_the_argmax_of_exact_scores():
@@ -31,9 +36,9 @@ def test_float32_routing_is_the_argmax_of_exact_scores():
     top2 = exact.topk(2, dim=-1).values
     clear = (top2[..., 0] - top2[..., 1]) > 1e-5  # where float32 rounding cannot decide
     assert clear.float().mean() > 0.95
-    chosen = most_similar_slot(keys, reference, 1, torch.float32)
+    chosen = most_similar_slot(keys, reference, allowed_past(1, 16), torch.float32)
     assert torch.equal(chosen[clear], exact.argmax(dim=-1, keepdim=True)[clear])
-    in_bf16 = most_similar_slot(keys, reference, 1, torch.bfloat16)
+    in_bf16 = most_similar_slot(keys, reference, allowed_past(1, 16), torch.bfloat16)
     assert (in_bf16[clear] != chosen[clear]).any()  # bfloat16 scores flip some of the clear decisions
 
 
@@ -55,7 +60,7 @@ def state_after(model: KVMForCausalLM, ids: torch.Tensor, prefill: int | None = 
             cache = returned_cache(model(ids[:, :prefill], use_cache=True))
             for pos in range(prefill, ids.shape[1]):
                 model(ids[:, pos : pos + 1], cache=cache)
-    return cache.groups[0].layers[0].state_keys
+    return cache.layers[0].tensors["state_keys"][:, :, :cache.layers[0].live_slots(ids.shape[1])]
 
 
 def test_switch_changes_bfloat16_slots_and_default_is_float32():
@@ -66,7 +71,7 @@ def test_switch_changes_bfloat16_slots_and_default_is_float32():
 
 
 @pytest.mark.parametrize("routing", ["float32", "model"])
-def test_folds_computed_ahead_score_like_the_full_forward(routing):
+def test_folds_of_decoding_steps_score_like_the_full_forward(routing):
     model = bf16_model(routing)
     ids = torch.randint(0, 61, (1, 120), generator=torch.Generator().manual_seed(4))
     assert torch.equal(state_after(model, ids, prefill=5), state_after(model, ids))

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM, modeling_kvm, onednn_linear, runtime_kvm, state_kvm
+from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM, modeling_kvm, onednn_linear, state_kvm
 from kvm_maglev.models.kvm.modeling_kvm import KVMAttention
 
 
@@ -27,24 +27,30 @@ def random_model(**overrides) -> KVMForCausalLM:
     return model
 
 
+def random_key_sets(pieces: int, slots: int, window: int, generator) -> list:
+    """A state key set and a window key set as KVMAttention.attend hands them over (2 key/value heads, 16
+    channels, per-query-head temperatures), some keys hidden."""
+    key_sets = []
+    for size in (slots, window):
+        keys = torch.randn(pieces, 2, size, 16, generator=generator)
+        values = torch.randn(pieces, 2, size, 16, generator=generator)
+        visible = torch.rand(pieces, 1, size, generator=generator) < 0.7
+        visible[..., -1] = True
+        key_sets.append(modeling_kvm.KeySet(keys, values, visible, 0.5 + torch.rand(4, generator=generator)))
+    return key_sets
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("batch,slots,window", [(1, 5, 7), (3, 40, 16), (2, 1, 1)])
-@pytest.mark.parametrize("temperatures", [True, False])
-def test_one_query_attention_matches_the_plain_joint_softmax(batch, slots, window, temperatures):
-    model = random_model(head_temperatures=temperatures)
-    attention = model.model.layers[0].self_attn
-    if temperatures:
-        attention.window_temperature.copy_(0.5 + torch.rand(4))
+@pytest.mark.parametrize("pieces,slots,window", [(1, 5, 7), (3, 40, 16), (2, 1, 1)])
+def test_one_query_logits_match_the_plain_joint_softmax(pieces, slots, window):
     generator = torch.Generator().manual_seed(1)
-    q = torch.randn(batch, 4, 1, 16, generator=generator)
-    keys, values = torch.randn(batch, 4, window, 16, generator=generator), torch.randn(batch, 4, window, 16,
-                                                                                       generator=generator)
-    state_keys = torch.randn(batch, 4, slots, 16, generator=generator)
-    columns = torch.randn(batch, 4, 16, slots, generator=generator)
-    plain = attention.attend_state_and_window(q, keys, values, state_keys, columns)
-    window_q = q * attention.temperature("window_temperature")
-    fast = runtime_kvm.one_query_attention(q, window_q, keys, values, state_keys, columns, 1 / math.sqrt(16))
+    q = torch.randn(pieces, 1, 4, 16, generator=generator)
+    key_sets = random_key_sets(pieces, slots, window, generator)
+    plain = modeling_kvm.joint_attention(q, key_sets, 2, 1 / math.sqrt(16))
+    fast = modeling_kvm.joint_attention(q, key_sets, 2, 1 / math.sqrt(16), one_query=True)
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)
+    fused = modeling_kvm.fused_attention(q, key_sets, 2)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
@@ -64,15 +70,15 @@ def test_stepping_inside_runtime_speedups_matches_the_plain_model():
     with model.runtime_speedups():
         assert all(m.onednn for m in model.modules() if isinstance(m, torch.nn.Linear))
         fast, fast_cache = decode()
-        assert any(layer.pending_fold is not None for layer in fast_cache.groups[0].layers)
+        assert any(layer.pending is not None for layer in fast_cache.layers)
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
-    for a, b in zip(fast_cache.groups[0].layers, plain_cache.groups[0].layers):
-        for x, y in zip(a.state(), b.state()):
+    for row in range(2):
+        for x, y in zip(fast_cache.row_tensors(row), plain_cache.row_tensors(row)):
             torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)  # sums of many tokens
     assert all(not m.onednn for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert all(type(m) is KVMAttention and not m.one_query_kernel
                for m in model.modules() if isinstance(m, KVMAttention))
-    assert plain_cache.groups[0].layers[0].pending_fold is not None  # outside the block folds are paced too
+    assert plain_cache.layers[0].pending is not None  # outside the block folds are paced too
 
 
 @torch.no_grad()
@@ -105,24 +111,19 @@ def test_nested_blocks_leave_the_switch_to_the_outermost():
 
 
 @torch.no_grad()
-def test_the_one_query_kernel_is_chosen_at_its_call_site_and_equals_the_plain_products(monkeypatch):
-    """With the flag on, a one-query float32 CPU step takes `one_query_attention` (and nothing else does);
-    its output equals the plain products'."""
+def test_the_one_query_kernel_is_chosen_at_its_call_site(monkeypatch):
+    """With the flag on, a step of one query per row on CPU in float32 computes its logits with `one_query_logits`;
+    a prompt (pieces of several queries) does not."""
     model = random_model()
-    attention = model.model.layers[0].self_attn
-    generator = torch.Generator().manual_seed(5)
-    keys, values = torch.randn(2, 4, 6, 16, generator=generator), torch.randn(2, 4, 6, 16, generator=generator)
-    state_keys, columns = torch.randn(2, 4, 3, 16, generator=generator), torch.randn(2, 4, 16, 3, generator=generator)
-    calls, kernel = [], modeling_kvm.one_query_attention
-    monkeypatch.setattr(modeling_kvm, "one_query_attention", lambda *args: calls.append(args[0].shape[2]) or kernel(*args))
-    for queries in (1, 6):
-        q = torch.randn(2, 4, queries, 16, generator=generator)
-        attention.one_query_kernel = False
-        plain = attention.attend_state_and_window(q, keys, values, state_keys, columns)
-        attention.one_query_kernel = True
-        fast = attention.attend_state_and_window(q, keys, values, state_keys, columns)
-        torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)
-    assert calls == [1]
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(5))
+    calls, kernel = [], modeling_kvm.one_query_logits
+    monkeypatch.setattr(modeling_kvm, "one_query_logits", lambda *args: calls.append(args[0].shape) or kernel(*args))
+    with model.runtime_speedups():
+        cache = KVMCache(model.config)
+        model(ids[:, :12], cache=cache)
+        assert not calls
+        model(ids[:, 12:13], cache=cache)
+    assert len(calls) == 2 * 3  # both KVM layers: the state, the cached window and the step's own key
 
 
 def test_training_inside_the_block_takes_the_plain_path():

@@ -1,6 +1,6 @@
 """state_kvm's pure functions against small re-implementations of the research code's state functions
-(recursal/KVM-paper, model/kvm_mixer.py), on random tensors; and the fold computed ahead (runtime_kvm)
-against the plain fold, bit for bit."""
+(recursal/KVM-paper, model/kvm_mixer.py), on random tensors; rows folding together as each alone; and the fold
+computed ahead (runtime_kvm) against the plain fold, bit for bit."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvm_maglev.models.kvm import KVMConfig, runtime_kvm, state_kvm
-from kvm_maglev.models.kvm.cache_kvm import KVMLayerCache
+from kvm_maglev.models.kvm.cache_kvm import STATE, WINDOW, KVMCacheLayer
 from kvm_maglev.models.kvm.modeling_kvm import KVMAttention
 from kvm_maglev.models.kvm.state_kvm import Overflow
 
@@ -34,6 +34,11 @@ def random_state(slots: int, norm, generator: torch.Generator, value_norms: bool
 
 
 # ---- the research functions, re-implemented from reading them -------------------------------------------
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Tokens `index` [B, H, N] of x [B, H, T, D]."""
+    return x.gather(2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
+
+
 def research_prepare_k(k: torch.Tensor, rope_partial_dim: int, ln) -> torch.Tensor:
     """SequenceMixer._prepare_state_update_k: rotary part zeroed, then ln_s_k."""
     zeroed = k.clone()
@@ -85,7 +90,7 @@ def research_update(s, k_overflow, v_overflow, gate, n_append, sink, ln, gate_ke
     k_merge, v_merge = k_gated, v_gated
     if n_append > 0:
         append_idx, merge_idx = research_split(k_plain, n_append, ln(s_k))
-        take = state_kvm.gather_tokens
+        take = gather_tokens
         s_k, s_v, s_vlen = research_append(s_k, s_v, s_vlen, take(k_append, append_idx), take(v_append, append_idx),
                                            use_vlens)
         k_merge, v_merge = take(k_gated, merge_idx), take(v_gated, merge_idx)
@@ -102,6 +107,23 @@ def research_read(s_k, s_v, s_vlen, ln, temperature, use_vlens: bool):
 
 
 # ---- state_kvm against them ------------------------------------------------------------------------------
+def padded(state, capacity: int):
+    """A state padded with zero slots to `capacity` (rows of a batch hold different numbers of slots)."""
+    return tuple(F.pad(t, (0, 0, 0, capacity - t.shape[2])) for t in state)
+
+
+def counts(value: int) -> torch.Tensor:
+    return torch.full((B,), value, dtype=torch.long)
+
+
+def fold_of(state, block: Overflow, n_append: int, sink: int, norm, value_norms: bool, capacity: int | None = None):
+    """state_kvm's Fold of `block` into `state` for every row, the state padded to `capacity`."""
+    slots = state[0].shape[2]
+    capacity = capacity or slots + block.keys.shape[2]
+    return state_kvm.Fold(padded(state, capacity), counts(slots), None, block, counts(n_append), sink, norm,
+                          value_norms)
+
+
 @torch.no_grad()
 def test_state_keys_zero_the_rotary_channels_then_norm():
     norm = random_layer_norm()
@@ -111,31 +133,33 @@ def test_state_keys_zero_the_rotary_channels_then_norm():
 
 @torch.no_grad()
 @pytest.mark.parametrize("n_append", [0, 1, 7, 16])
-def test_split_by_novelty_matches_the_research_split(n_append):
+def test_appends_are_the_research_split(n_append):
     generator = torch.Generator().manual_seed(n_append)
     norm = random_layer_norm()
-    reference = norm(torch.randn(B, H, 11, D, generator=generator))
+    state = random_state(11, norm, generator)
     keys = norm(torch.randn(B, H, 16, D, generator=generator))
-    expected = research_split(keys, n_append, reference)
-    block = Overflow(keys, keys, keys, keys, keys)
-    scores = state_kvm.novelty(keys, reference) if 0 < n_append < 16 else None
-    appended, _, merged, _ = block.split(n_append, scores)
-    assert torch.equal(appended, state_kvm.gather_tokens(keys, expected[0]))
-    assert torch.equal(merged, state_kvm.gather_tokens(keys, expected[1]))
-    if scores is not None:
-        assert all(torch.equal(a, b) for a, b in zip(state_kvm.split_by_novelty(scores, n_append), expected))
+    expected_append, _ = research_split(keys, n_append, norm(state[0]))
+    fold = fold_of(state, Overflow(keys, keys, keys, keys, keys), n_append, 0, norm, True)
+    for stage in state_kvm.fold_stages(fold):
+        if stage.func in (state_kvm.score_overflow, state_kvm.choose_appends):
+            stage()
+    appended = fold.appended[..., 0]
+    assert torch.equal(appended.sum(dim=-1), torch.full((B, H), n_append))
+    assert torch.equal(appended.nonzero()[:, 2].view(B, H, -1), expected_append)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("value_norms", [True, False])
-def test_append_slots_matches_the_research_append(value_norms):
+def test_append_stage_matches_the_research_append(value_norms):
     generator = torch.Generator().manual_seed(1)
     norm = random_layer_norm()
     state = random_state(6, norm, generator, value_norms)
     keys, values = norm(torch.randn(B, H, 4, D, generator=generator)), torch.randn(B, H, 4, DV, generator=generator)
-    ours = state_kvm.append_slots(state, keys, values, value_norms)
+    fold = fold_of(state, Overflow(keys, keys, values, keys, values), 4, 0, norm, value_norms)
+    state_kvm.choose_appends(fold)
+    state_kvm.append(fold)
     theirs = research_append(*state, keys, values, value_norms)
-    assert all(torch.equal(a, b.float()) for a, b in zip(ours, theirs))
+    assert all(torch.equal(a, b.float()) for a, b in zip(fold.state, theirs))
 
 
 @torch.no_grad()
@@ -146,11 +170,11 @@ def test_merge_by_most_similar_slot_matches_the_research_merge(value_norms, prot
     slots = 9
     state = random_state(slots, norm, generator, value_norms)
     keys, values = norm(torch.randn(B, H, slots, D, generator=generator)), torch.randn(B, H, slots, DV, generator=generator)
-    slot = state_kvm.most_similar_slot(keys, norm(state[0]), protected)
-    assert bool((slot >= protected).all())
-    ours = state_kvm.merge_into_slots(state, keys, values, slot, value_norms)
+    fold = fold_of(state, Overflow(keys, keys, values, keys, values), 0, protected, norm, value_norms, slots)
+    state_kvm.run_fold(fold)
+    assert bool((torch.cat(fold.routes, dim=2) >= protected).all())
     theirs = research_merge(keys, values, *state, protected, norm, value_norms)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(fold.state, theirs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -158,7 +182,7 @@ def test_merge_by_most_similar_slot_matches_the_research_merge(value_norms, prot
 @pytest.mark.parametrize("n_append", [0, 5, 16])
 @pytest.mark.parametrize("gates", [(True, True, True), (True, False, False), (False, True, True)])
 @pytest.mark.parametrize("value_norms,sink", [(True, 1), (False, 0)])
-def test_fold_overflow_matches_the_research_update(n_append, gates, value_norms, sink):
+def test_fold_matches_the_research_update(n_append, gates, value_norms, sink):
     generator = torch.Generator().manual_seed(3)
     norm = random_layer_norm()
     slots = 10
@@ -169,24 +193,53 @@ def test_fold_overflow_matches_the_research_update(n_append, gates, value_norms,
     gate_keys, gate_values, gate_appends = gates
     merge_k, merge_v = (k * gate if gate_keys else k), (v * gate if gate_values else v)
     block = Overflow(k, merge_k if gate_appends else k, merge_v if gate_appends else v, merge_k, merge_v)
-    ours = state_kvm.run_fold(state_kvm.Fold(state, norm(state[0]), block, n_append, sink, norm, value_norms))
+    ours = state_kvm.run_fold(fold_of(state, block, n_append, sink, norm, value_norms))
     theirs = research_update(state, k, v, gate, n_append, sink, norm, gate_keys, gate_values, gate_appends,
                              value_norms)
     for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b.float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a[:, :, :b.shape[2]], b.float(), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_rows_fold_together_as_each_folds_alone():
+    """Rows at different slot counts and appends fold in one batch (states padded) exactly as each row alone."""
+    generator = torch.Generator().manual_seed(9)
+    norm = random_layer_norm()
+    rows = [(6, 3), (10, 0), (4, 16), (8, 5)]  # (live slots, appends)
+    capacity = max(slots + min(appends, 16) for slots, appends in rows)
+    states = [random_state(slots, norm, generator) for slots, _ in rows]
+    blocks = [(norm(torch.randn(B, H, 16, D, generator=generator)), torch.randn(B, H, 16, DV, generator=generator))
+              for _ in rows]
+    alone = []
+    for state, (keys, values), (slots, appends) in zip(states, blocks, rows):
+        block = Overflow(keys[:1], keys[:1], values[:1], keys[:1], values[:1])
+        one = state_kvm.Fold(padded(tuple(t[:1] for t in state), capacity), torch.tensor([slots]), None, block,
+                             torch.tensor([appends]), 1, norm, True)
+        alone.append(state_kvm.run_fold(one))
+    batch_state = tuple(torch.cat([padded(tuple(t[:1] for t in state), capacity)[i] for state in states])
+                        for i in range(3))
+    keys = torch.cat([k[:1] for k, _ in blocks])
+    values = torch.cat([v[:1] for _, v in blocks])
+    together = state_kvm.run_fold(state_kvm.Fold(
+        batch_state, torch.tensor([slots for slots, _ in rows]), None, Overflow(keys, keys, values, keys, values),
+        torch.tensor([appends for _, appends in rows]), 1, norm, True))
+    for row, ((slots, appends), one) in enumerate(zip(rows, alone)):
+        live = slots + min(appends, 16)
+        for a, b in zip(together, one):
+            torch.testing.assert_close(a[row:row + 1, :, :live], b[:, :, :live], rtol=1e-6, atol=1e-6)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("value_norms", [True, False])
 def test_readable_state_matches_the_research_read(value_norms):
+    """The read form without temperature (the model scales the queries by it, which gives the same logits)."""
     generator = torch.Generator().manual_seed(4)
     norm = random_layer_norm()
     state = random_state(7, norm, generator, value_norms)
-    temperature = (0.5 + torch.rand(H, generator=generator)).view(1, H, 1, 1)
-    keys, columns = state_kvm.readable_state(state, norm(state[0]), temperature, value_norms, torch.float32)
-    expected_keys, expected_values = research_read(*state, norm, temperature, value_norms)
+    keys, values = state_kvm.readable_state(state, norm(state[0]), value_norms, torch.float32)
+    expected_keys, expected_values = research_read(*state, norm, 1.0, value_norms)
     torch.testing.assert_close(keys, expected_keys, rtol=0, atol=0)
-    torch.testing.assert_close(columns, expected_values.transpose(-1, -2), rtol=0, atol=0)
+    torch.testing.assert_close(values, expected_values, rtol=0, atol=0)
 
 
 def test_similarity_rows_cover_the_block_in_order():
@@ -197,8 +250,8 @@ def test_similarity_rows_cover_the_block_in_order():
 
 # ---- the fold computed ahead equals the plain fold --------------------------------------------------------
 def attention_and_cache(slots: int, budget: int, value_norms: bool, gated: bool, dtype=torch.float32):
-    """A KVM attention layer (chunk 16, 3 heads) and a cache whose state has `slots` slots and whose window
-    holds block 1, with random weights and tensors everywhere."""
+    """A KVM attention layer (chunk 16, 3 heads) and a dense cache layer whose state has `slots` slots and whose
+    window ring holds block 1 (positions 16-31), with random weights and tensors everywhere."""
     config = KVMConfig(vocab_size=32, hidden_size=48, num_hidden_layers=1, num_attention_heads=H, rotary_dim=4,
                        chunk_size=16, window_chunks=2, state_budget_mode="fixed", state_budget_min=budget,
                        state_max_chunks=100, sink_slots=1, state_value_norms=value_norms,
@@ -209,18 +262,17 @@ def attention_and_cache(slots: int, budget: int, value_norms: bool, gated: bool,
         for param in attention.parameters():
             param.add_(0.3 * torch.randn_like(param))
     generator = torch.Generator().manual_seed(6)
-    cache = KVMLayerCache()
-    head_dim = attention.head_dim
+    layer = KVMCacheLayer(config, 0)
+    head_dim, value_dim = attention.head_dim, attention.value_head_dim
     keys = attention.state_key_norm(torch.randn(B, H, slots, head_dim, generator=generator))
-    values = torch.randn(B, H, slots, attention.value_head_dim, generator=generator)
+    values = torch.randn(B, H, slots, value_dim, generator=generator)
     norms = values.norm(dim=-1, keepdim=True) if value_norms else torch.ones(B, H, slots, 1)
-    cache.set_state(keys, values, norms)
-    window = [torch.randn(B, H, 16, head_dim, generator=generator).to(dtype),
-              torch.randn(B, H, 16, attention.value_head_dim, generator=generator).to(dtype)]
+    ring = [torch.randn(B, H, 32, head_dim, generator=generator).to(dtype),
+            torch.randn(B, H, 32, value_dim, generator=generator).to(dtype)]
     if gated:
-        window.append((1 + F.elu(torch.randn(B, H, 16, 1, generator=generator))).to(dtype))
-    cache.window.load(window, 16)
-    return attention, cache
+        ring.append((1 + F.elu(torch.randn(B, H, 32, 1, generator=generator))).to(dtype))
+    layer.tensors = {**dict(zip(WINDOW, ring)), **dict(zip(STATE, (keys, values, norms)))}
+    return attention, layer
 
 
 @torch.no_grad()
@@ -233,25 +285,16 @@ def test_fold_computed_ahead_equals_the_plain_fold_bit_for_bit(slots, budget, va
                                                                monkeypatch):
     if block_size is not None:
         monkeypatch.setattr(state_kvm, "SIMILARITY_BLOCK", block_size)
-    attention, cache = attention_and_cache(slots, budget, value_norms, gated)
-    attention.read_state(cache, torch.float32)  # as in decoding: the state's normed keys are at hand
-    fold = runtime_kvm.PacedFold(attention, cache, 1)
+    attention, layer = attention_and_cache(slots, budget, value_norms, gated)
+    appends = min(max(min(budget, 32), slots) - slots, 16)
+    capacity = slots + appends
+    fold = runtime_kvm.PacedFold(attention, layer, 1, slots, appends, capacity)
     assert fold.stride == max(1, 14 // (len(fold.stages) + 1))
     steps = 0
     while not fold.done:
         fold.advance()
         steps += 1
     assert steps == len(fold.stages)
-    attention.fold_block(cache, 1, torch.float32)
-    assert all(torch.equal(a, b) for a, b in zip(fold.state, cache.state()))
-    assert all(torch.equal(a, b) for a, b in zip(fold.read, attention.read_state(cache, torch.float32)))
-
-
-@torch.no_grad()
-def test_fold_computed_ahead_without_normed_keys_at_hand():
-    """A state swapped in from a fold computed ahead has no normed keys yet: each head norms its own."""
-    attention, cache = attention_and_cache(20, 27, True, True)
-    fold = runtime_kvm.PacedFold(attention, cache, 1)
-    fold.finish()
-    attention.fold_block(cache, 1, torch.float32)
-    assert all(torch.equal(a, b) for a, b in zip(fold.state, cache.state()))
+    plain = state_kvm.run_fold(attention.ring_fold(layer, 1, slots, appends, capacity))
+    assert all(torch.equal(a, b) for a, b in zip(fold.state, plain))
+    assert all(torch.equal(a, b) for a, b in zip(fold.read, attention.readable(plain, torch.float32)))

@@ -21,7 +21,7 @@ if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.
 # ----- end of version guard -----
 
 from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
-from .state_kvm import append_count, state_budget
+from .state_kvm import state_budget, state_slots_after, window_start
 
 logger = logging.get_logger(__name__)
 
@@ -348,20 +348,12 @@ class KVMConfig(PretrainedConfig):
         return state_budget(self, context_len)
 
     def state_slots_after(self, num_tokens: int) -> int:
-        """Closed-form state length of a KVM layer after `num_tokens` tokens (one row): the first chunk's tokens,
-        then what `state_kvm.append_count` appends of each block that has left the window."""
-        chunk, window = self.chunk_size, self.window_chunks
-        slots = min(num_tokens, chunk)
-        # block j >= 1 enters the state when the first token of chunk j + window arrives
-        for block in range(1, (max(num_tokens, 1) - 1) // chunk - window + 1):
-            slots += append_count(self, block, slots)
-        return slots
+        """State length of a KVM layer after `num_tokens` tokens (one row): state_kvm's one rule."""
+        return state_slots_after(self, num_tokens)
 
     def window_tokens_after(self, num_tokens: int) -> int:
-        """Tokens held in a KVM layer's block window after `num_tokens` tokens."""
-        chunk = self.chunk_size
-        end = -(-num_tokens // chunk) * chunk
-        return num_tokens - max(0, end - self.window_size)
+        """Tokens held in a KVM layer's block window after `num_tokens` tokens: state_kvm's one rule."""
+        return max(num_tokens, 0) - window_start(self, False, max(num_tokens, 0))
 
     def cache_bytes(self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes a KVMCache holds after `num_tokens` tokens (what `KVMCache.nbytes()` reports)."""
@@ -384,7 +376,7 @@ class KVMConfig(PretrainedConfig):
                 continue
             total += shift * batch_size
             if sliding:
-                total += batch_size * heads * min(num_tokens, self.sliding_window_size) * (dk + dv) * item
+                total += batch_size * heads * (num_tokens - window_start(self, True, num_tokens)) * (dk + dv) * item
                 continue
             window = self.window_tokens_after(num_tokens)
             gate = 1 if self.merge_gate_keys or self.merge_gate_values else 0

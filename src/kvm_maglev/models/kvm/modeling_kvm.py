@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,20 +23,21 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple, logging
 
-from .cache_kvm import KVMCache, KVMLayerCache, SlidingWindowLayerCache, new_layer_cache
+from .cache_kvm import READ, STATE, WINDOW, KVMCache
 from .carried_card import CarriedCardMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
-from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
+from .conventions import (SdpaOrEagerMixin, check_position_ids, config_default,
                           refuse_attention_weights)
 from .generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from .model_inputs import CACHE_NAME, check_cache, check_token_ids, take_cache
 from .onednn_linear import OneDNNLinear, sharing_parameters
 from .row_block_loss import RowBlockLossMixin
-from .runtime_kvm import one_query_attention, prepare_next_fold, take_fold_ahead
+from .runtime_kvm import one_query_logits, prepare_next_fold, take_fold_ahead
 from .runtime_switch import runtime_speedups
-from .state_kvm import Fold, Overflow, append_count, query_slice, readable_state, run_fold, slot_norms, state_keys
-from .step_plan import (GroupedStepPlan, RowGroup, boundary_kwargs, bucket_index, chunk_pieces, gather_bucket,
-                        length_buckets, packed_documents, real_tokens, refuse_packed_cache, scatter_outputs)
+from .state_kvm import Fold, Overflow, readable_state, run_fold, slot_norms, state_keys
+from .step_plan import (RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket, length_buckets,
+                        packed_documents, real_tokens, refuse_packed_cache, scatter_outputs)
+from .step_plan_kvm import Pieces, StateSchedule, chunk_pieces, ring_positions, sliding_pieces, state_schedule
 from .tensor_parallel import full_tensor, local_tensor
 
 logger = logging.get_logger(__name__)
@@ -67,71 +69,183 @@ def rotary_tables(
 
 
 def apply_rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """Rotate adjacent channel pairs of x [B, H, T, D]; tables are [T, D] or [B, T, D]."""
+    """Rotate adjacent channel pairs of x [N, H, D] (one row of tables [N, D] per token)."""
     if tables is None:
         return x
-    cos, sin = (t.to(x.dtype) for t in tables)
-    if cos.dim() == 3:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = (t.to(x.dtype).unsqueeze(1) for t in tables)
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return cos * x + sin * swapped
-
-
-def lower_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """Query i (the last q_len of kv_len positions) sees keys up to its own position."""
-    q_idx = torch.arange(q_len, device=device).unsqueeze(1)
-    kv_idx = torch.arange(kv_len, device=device).unsqueeze(0)
-    return kv_idx <= q_idx + (kv_len - q_len)
 
 
 def value_residual_rank(hidden_size: int) -> int:
     return max(32, int(round(1.3 * hidden_size**0.5 / 32) * 32))
 
 
-def token_shift(plan: GroupedStepPlan, x: torch.Tensor, mix: torch.Tensor, carries, name: str,
+def token_shift(tokens: RowTokens, x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str,
                 first: str) -> torch.Tensor:
-    """Token shift x + mix * (x[t-1] - x[t]) over each row's real tokens, updating the carry of `name`.
-    A row's first token has no predecessor: itself ("first") or zero ("zero")."""
-    carry = carries.get(name) if carries is not None else None
-    if plan.previous_index is None:
-        if carry is None or not plan.has_prior:
-            previous = x[:, :1] if first == "first" else torch.zeros_like(x[:, :1])
-        else:
-            previous = carry.to(x.dtype)
-        if carries is not None:
-            carries.set(name, x[:, -1:])
-            carries.record(name, x)
-        return x + mix * (torch.cat([previous, x[:, :-1]], dim=1) - x)
-    if carry is None:
-        carry = x.new_zeros(x.shape[0], 1, x.shape[-1])
-    source = torch.cat([carry.to(x.dtype), x], dim=1)
-    index = plan.first_previous_index if first == "first" else plan.previous_index
-    previous = source.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
-    if carries is not None:
-        carries.set(name, source.gather(1, plan.last_index[..., None].expand(-1, -1, x.shape[-1])))
-        carries.record(name, x)
-    return x + mix * (previous - x)
+    """Token shift x + mix * (x[t-1] - x[t]) over each row's tokens (x: [1, N, D], the forward's flat tokens),
+    updating the row's carry of stream `name` in `cache_layer`. A row's first token reads the carry when the row
+    has read tokens before, else itself ("first") or zero ("zero")."""
+    flat = x[0]
+    if cache_layer is None and tokens.fresh_rectangle:
+        rows = flat.view(tokens.batch, tokens.width, -1)
+        lead = rows[:, :1] if first == "first" else torch.zeros_like(rows[:, :1])
+        previous = torch.cat([lead, rows[:, :-1]], dim=1).view_as(flat)
+        return x + mix * (previous[None] - x)
+    carry = f"carry.{name}"
+    if cache_layer is not None:
+        cache_layer.ensure(carry, tokens.batch, flat.shape[1:], flat.dtype, flat.device)
+    carried = cache_layer.read(carry).to(flat.dtype) if cache_layer is not None and any(tokens.starts) \
+        else flat.new_zeros(tokens.batch, flat.shape[1])
+    source = torch.cat([carried, flat.new_zeros(1, flat.shape[1]), flat])
+    previous_index, last_index = tokens.predecessors(first)
+    if cache_layer is not None:
+        reading = tokens.once("reading rows", lambda: tokens.count.nonzero().squeeze(1))
+        cache_layer.write(carry, reading, source[last_index[reading]].detach())
+        if cache_layer.journal is not None:
+            cache_layer.journal.shifts[name] = flat.detach()
+    return x + mix * (source[previous_index][None] - x)
 
 
-def run_segments(plan: GroupedStepPlan, caches: list, attend, q, k, v, *extra) -> torch.Tensor:
-    """Run `attend(cache, q, k, v, *extra)` per row group on its real tokens; padding columns get zeros."""
-    if len(plan.segments) == 1 and plan.segments[0].whole_batch:
-        return attend(caches[0], q, k, v, *extra)
-    out = None
-    for segment, cache in zip(plan.segments, caches):
-        y = attend(cache, *(segment.take(t) for t in (q, k, v, *extra)))
-        if out is None:  # in the dtype attention returns (autocast's), not the inputs'
-            out = y.new_zeros(q.shape[:3] + y.shape[-1:])
-        segment.put(out, y)
-    if out is None:  # no row has a real token in this step
-        out = v.new_zeros(q.shape[:3] + v.shape[-1:])
-    return out
+# ---- the joint softmax over state and window -----------------------------------------------------------
+# Piece attention runs in blocks of pieces so that its logits stay under this many elements.
+ATTENTION_BLOCK = 1 << 25
 
 
-@torch.compiler.disable
-def run_cached_segments(plan: GroupedStepPlan, caches: list, attend, q, k, v, *extra) -> torch.Tensor:
-    """`run_segments` on a cache, never compiled (see `KVMAttention.cached_step`)."""
-    return run_segments(plan, caches, attend, q, k, v, *extra)
+class KeySet(NamedTuple):
+    """Keys [P, Hkv, K, D] and values [P, Hkv, K, Dv] one softmax spans for each piece, which query sees which key
+    (`visible` [P, Q or 1, K]), and the per-query-head temperature [H] its logits take (None: none)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    visible: torch.Tensor
+    temperature: torch.Tensor | None
+
+
+def grouped_queries(q: torch.Tensor, groups: int, temperature: torch.Tensor | None) -> torch.Tensor:
+    """Pieces' queries [P, Q, H, D] as [P, Hkv, groups * Q, D] (the query heads of each key/value head together,
+    query head h reading key/value head h // groups), each head scaled by its `temperature`."""
+    pieces, width, heads, dim = q.shape
+    q = q.view(pieces, width, heads // groups, groups, dim).permute(0, 2, 3, 1, 4)
+    if temperature is not None:
+        q = q * temperature.view(1, heads // groups, groups, 1, 1).to(q.dtype)
+    return q.reshape(pieces, heads // groups, groups * width, dim)
+
+
+def visible_over(groups: int, visible: torch.Tensor) -> torch.Tensor:
+    """[P, 1, groups * Q, K] from per-query visibility [P, Q or 1, K] (the same for every head of a group)."""
+    pieces, width, keys = visible.shape
+    return visible[:, None].expand(pieces, groups, width, keys).reshape(pieces, 1, groups * width, keys)
+
+
+# Attention runs in at least float32: half-precision queries, keys and values are widened, so that the explicit
+# products and the fused kernel, and so cached steps and whole prompts, round alike.
+def widened(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def joint_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int, scale: float,
+                    one_query: bool = False) -> torch.Tensor:
+    """One softmax per query over every key set, as explicit products: queries [P, Q, H, D], output
+    [P, Q, H, Dv] (in the values' dtype). `one_query`: runtime_kvm's matrix-vector form of the logits (one query
+    per piece)."""
+    pieces, width, heads, _ = q.shape
+    logits = []
+    for keys, _, visible, temperature in key_sets:
+        queries = grouped_queries(widened(q), groups, temperature)
+        keys = widened(keys)
+        scores = one_query_logits(queries, keys) if one_query else torch.matmul(queries, keys.transpose(-1, -2))
+        logits.append(scores.masked_fill(~visible_over(groups, visible.expand(-1, width, -1)), float("-inf")))
+    probs = torch.softmax(torch.cat(logits, dim=-1) * scale, dim=-1)
+    out, begin = None, 0
+    for keys, values, _, _ in key_sets:
+        part = torch.matmul(probs[..., begin:begin + keys.shape[2]], widened(values))
+        out, begin = part if out is None else out + part, begin + keys.shape[2]
+    out = out.to(key_sets[-1].values.dtype).view(pieces, heads // groups, groups, width, -1)
+    return out.permute(0, 3, 1, 2, 4).reshape(pieces, width, heads, -1)
+
+
+def fused_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int) -> torch.Tensor:
+    """`joint_attention` through torch's fused kernel: the key sets' keys (scaled by their temperatures, per query
+    head) and values concatenated, one boolean mask. Queries [P, Q, H, D], output [P, Q, H, Dv]."""
+    width = q.shape[1]
+    keys, values = [], []
+    for set_keys, set_values, _, temperature in key_sets:
+        set_keys, set_values = widened(set_keys), widened(set_values)
+        if groups > 1:
+            set_keys, set_values = set_keys.repeat_interleave(groups, 1), set_values.repeat_interleave(groups, 1)
+        if temperature is not None:
+            set_keys = set_keys * temperature.view(1, -1, 1, 1).to(set_keys.dtype)
+        keys.append(set_keys)
+        values.append(set_values)
+    mask = torch.cat([key_set.visible.expand(-1, width, -1) for key_set in key_sets], dim=-1)[:, None]
+    out = F.scaled_dot_product_attention(widened(q).transpose(1, 2), torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                                         attn_mask=mask)
+    return out.transpose(1, 2).to(key_sets[-1].values.dtype)
+
+
+def attend_pieces(q: torch.Tensor, key_sets: list[KeySet], groups: int, eager: bool,
+                  one_query: bool = False) -> torch.Tensor:
+    """Every piece's queries [P, Q, H, D] over its key sets, in blocks of pieces (memory stays bounded for long
+    prompts): the explicit products (`eager`, one query per piece, or its `one_query` form) or the fused kernel."""
+    def attend(q, key_sets):
+        if eager or q.shape[1] == 1:
+            return joint_attention(q, key_sets, groups, 1.0 / math.sqrt(q.shape[-1]), one_query and q.shape[1] == 1)
+        return fused_attention(q, key_sets, groups)
+
+    pieces = q.shape[0]
+    if not pieces:  # every row pads this forward
+        return key_sets[-1].values.new_zeros(*q.shape[:3], key_sets[-1].values.shape[-1])
+    per_piece = q.shape[1] * q.shape[2] * sum(key_set.keys.shape[2] for key_set in key_sets)
+    block = max(1, ATTENTION_BLOCK // max(1, per_piece))
+    if pieces <= block:
+        return attend(q, key_sets)
+    return torch.cat([attend(q[begin:begin + block], [KeySet(*(t[begin:begin + block] for t in key_set[:3]),
+                                                             key_set.temperature) for key_set in key_sets])
+                      for begin in range(0, pieces, block)])
+
+
+def cached_ring(cache_layer, names: tuple[str, ...], pieces: Pieces) -> list[torch.Tensor]:
+    """The layer's cached window tensors `names` for each piece's row [P, Hkv, ring, d] (the storage itself when
+    the pieces are the rows)."""
+    rows = None if pieces.identity_rows else pieces.row
+    return [cache_layer.read(name, rows) for name in names]
+
+
+def write_ring(cache_layer, tokens: RowTokens, names: tuple[str, ...], tensors: list[torch.Tensor]) -> None:
+    """Each row's newest tokens (flat [N, Hkv, d] tensors) into its window ring: position p in slot p % size."""
+    size = cache_layer.ring_size
+
+    def build():
+        rows, flat = [], []
+        for row, (offset, count) in enumerate(zip(tokens.offsets, tokens.counts)):
+            kept = min(count, size)
+            rows += [row] * kept
+            flat += range(offset + count - kept, offset + count)
+        flat = torch.tensor(flat, dtype=torch.long, device=tokens.device)
+        return torch.tensor(rows, dtype=torch.long, device=tokens.device), flat, tokens.position[flat] % size
+    rows, flat, slots = tokens.once(("ring writes", size), build)
+    for name, tensor in zip(names, tensors):
+        cache_layer.ensure(name, tokens.batch, (tensor.shape[1], size, tensor.shape[2]), tensor.dtype, tensor.device)
+        cache_layer.write(name, rows, tensor[flat].detach(), slots)
+    if cache_layer.journal is not None:
+        cache_layer.journal.inputs = tuple(t.detach() for t in tensors) + (None,) * (3 - len(tensors))
+
+
+def window_key_sets(k, v, tokens: RowTokens, pieces: Pieces, cache_layer, names,
+                    temperature: torch.Tensor | None) -> list[KeySet]:
+    """The window key sets of the pieces: the layer's cached ring of each piece's row (when a row has read tokens
+    before) and this forward's tokens in each piece's window, with which query sees which key."""
+    key_sets = []
+    low, high = pieces.query_low[:, :, None], pieces.query_pos[:, :, None]
+    if pieces.reads_ring:
+        keys, values = cached_ring(cache_layer, names[:2], pieces)
+        held = ring_positions(tokens.start[pieces.row], keys.shape[2])[:, None, :]
+        key_sets.append(KeySet(keys.to(k.dtype), values.to(v.dtype), (held >= 0) & (held >= low), temperature))
+    position = pieces.new_pos[:, None, :]
+    key_sets.append(KeySet(k[pieces.new_index].transpose(1, 2), v[pieces.new_index].transpose(1, 2),
+                           (position >= 0) & (position >= low) & (position <= high), temperature))
+    return key_sets
 
 
 # ---- attention -----------------------------------------------------------------------------
@@ -181,9 +295,20 @@ class KVMAttentionBase(nn.Module):
     def value_gate(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(local_tensor(self.value_gate_bias) + self.value_gate_up(self.value_gate_down(x)))
 
-    def project(self, x: torch.Tensor, v_first: torch.Tensor | None, plan: GroupedStepPlan, carries) -> tuple[torch.Tensor, ...]:
-        """Return q, k [B, H, T, Dqk] (normed, not rotated) and v [B, H, T, Dv]; shifts follow each row's real tokens."""
-        batch, length, _ = x.shape
+    def carries(self) -> list[tuple[str, int]]:
+        """The token-shifted streams this attention carries between forwards, with their widths."""
+        streams = []
+        if self.token_shift_on:
+            streams += [("q", self.num_heads * self.head_dim), ("k", self.kv_heads * self.head_dim),
+                        ("v", self.kv_heads * self.value_head_dim)]
+        if self.value_residual_mode == "rwkv_post_tokenshift":
+            streams.append(("x", self.config.hidden_size))
+        return streams
+
+    def project(self, x: torch.Tensor, v_first: torch.Tensor | None, tokens: RowTokens,
+                cache_layer) -> tuple[torch.Tensor, ...]:
+        """q, k [N, H, Dqk] (normed, not rotated) and v [N, H, Dv] of the flat tokens x [1, N, hidden]; the
+        token shifts follow each row's tokens."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if q.shape[-1] != self.num_heads * self.head_dim:  # a tensor-parallel rank's share of the heads
             self.config.check_tensor_parallel(self.num_heads * self.head_dim // q.shape[-1])
@@ -192,25 +317,29 @@ class KVMAttentionBase(nn.Module):
         elif self.value_residual_mode == "rwkv":
             v = v + (v_first.to(v.dtype) - v) * self.value_gate(x).to(v.dtype)
         if self.token_shift_on:
-            q = token_shift(plan, q, local_tensor(self.q_shift), carries, "q", "first")
-            k = token_shift(plan, k, local_tensor(self.k_shift), carries, "k", "first")
-            v = token_shift(plan, v, local_tensor(self.v_shift), carries, "v", "first")
+            q = token_shift(tokens, q, local_tensor(self.q_shift), cache_layer, "q", "first")
+            k = token_shift(tokens, k, local_tensor(self.k_shift), cache_layer, "k", "first")
+            v = token_shift(tokens, v, local_tensor(self.v_shift), cache_layer, "v", "first")
         if self.value_residual_mode == "rwkv_post_tokenshift":
             # the mix of the (whole) input: all of v_shift, also where tensor parallelism shards it by head
-            shifted = token_shift(plan, x, full_tensor(self.v_shift), carries, "x", "first")
+            shifted = token_shift(tokens, x, full_tensor(self.v_shift), cache_layer, "x", "first")
             v = v + (v_first.to(v.dtype) - v) * self.value_gate(shifted).to(v.dtype)
         # -1 heads: under tensor parallelism a rank holds only its share of them
-        q = self.q_norm(q.view(batch, length, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(k.view(batch, length, -1, self.head_dim)).transpose(1, 2)
-        v = v.view(batch, length, -1, self.value_head_dim).transpose(1, 2)
-        return q, k, v
+        q = self.q_norm(q[0].unflatten(-1, (-1, self.head_dim)))
+        k = self.k_norm(k[0].unflatten(-1, (-1, self.head_dim)))
+        return q, k, v[0].unflatten(-1, (-1, self.value_head_dim))
 
     def output(self, y: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(y.transpose(1, 2).flatten(2))
+        """o_proj of the heads' outputs [N, H, Dv], as [1, N, hidden]."""
+        return self.o_proj(y.flatten(1)[None])
+
+    @property
+    def groups(self) -> int:
+        return self.config.kv_group_size
 
     @property
     def eager(self) -> bool:
-        """attn_implementation="eager": window attention as explicit products instead of torch's fused kernel."""
+        """attn_implementation="eager": attention as explicit products instead of torch's fused kernel."""
         return self.config._attn_implementation == "eager"
 
 
@@ -221,30 +350,15 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         super().__init__(config, layer_idx, config.sliding_window_token_shift, config.sliding_window_value_residual_mode)
         self.window = config.sliding_window_size
 
-    def forward(self, x, v_first, rotary, plan: GroupedStepPlan, state) -> torch.Tensor:
-        carries, caches = state if state is not None else (None, [SlidingWindowLayerCache() for _ in plan.segments])
-        q, k, v = self.project(x, v_first, plan, carries)
+    def forward(self, x, v_first, rotary, tokens: RowTokens, cache_layer) -> torch.Tensor:
+        q, k, v = self.project(x, v_first, tokens, cache_layer)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-        step = run_segments if state is None else run_cached_segments
-        return self.output(step(plan, caches, self.attend, q, k, v))
-
-    def attend(self, cache: SlidingWindowLayerCache, q, k, v) -> torch.Tensor:
-        """Causal attention of new tokens over the group's last `window` tokens and themselves."""
-        if cache.journal is not None:
-            cache.journal["inputs"] = (k, v)
-        start, length = cache.seen, q.shape[2]
-        if start == 0:
-            cache.window.start_at(0)
-        cache.window.append((k, v))
-        first_key = max(0, start - self.window + 1)
-        keys, values = cache.window.view(first_key, start + length)
-        q_pos = torch.arange(start, start + length, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(first_key, start + length, device=q.device).unsqueeze(0)
-        mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
-        y = attention(q, keys, values, mask, self.eager)
-        cache.window.drop_before(start + length - self.window)
-        cache.seen = start + length
-        return y
+        pieces = tokens.once(("sliding pieces", self.window), lambda: sliding_pieces(self.window, tokens))
+        key_sets = window_key_sets(k, v, tokens, pieces, cache_layer, WINDOW, None)
+        y = attend_pieces(q[pieces.query_index], key_sets, self.groups, self.eager)
+        if cache_layer is not None:
+            write_ring(cache_layer, tokens, WINDOW[:2], [k, v])
+        return self.output(y.flatten(0, 1)[pieces.order])
 
 
 class KVMStateKeyNorm(nn.LayerNorm):
@@ -252,6 +366,12 @@ class KVMStateKeyNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
+def fit_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:
+    """[B, H, slots, d]: a padded state tensor cut or zero-padded to `slots` slots."""
+    have = tensor.shape[2]
+    return tensor[:, :, :slots] if have >= slots else F.pad(tensor, (0, 0, 0, slots - have))
 
 
 class KVMAttention(KVMAttentionBase):
@@ -267,250 +387,218 @@ class KVMAttention(KVMAttentionBase):
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
 
-    def query_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """Key/value-head tensor [B, Hkv, ...] repeated for the query heads of each group [B, H, ...]."""
-        group = self.config.kv_group_size
-        return x if group == 1 else x.repeat_interleave(group, dim=1)
-
-    def temperature(self, name: str) -> torch.Tensor | float:
-        """Per-head temperature `name` shaped to scale [B, H, T, D] keys or queries (1 when off)."""
-        if not self.config.head_temperatures:
-            return 1.0
-        return local_tensor(getattr(self, name)).view(1, -1, 1, 1)
-
-    def forward(self, x, v_first, rotary, plan: GroupedStepPlan, state) -> torch.Tensor:
-        carries, caches = state if state is not None else (None, [KVMLayerCache() for _ in plan.segments])
-        q, k, v = self.project(x, v_first, plan, carries)
-        q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-        gate = None
-        if self.gated:
-            gate = (1.0 + F.elu(self.merge_gate_proj(x))).transpose(1, 2).unsqueeze(-1)  # [B, Hkv, T, 1]
-        if state is None:
-            return self.output(run_segments(plan, caches, self.run_chunks, q, k, v, gate))
-        return self.output(self.cached_step(plan, caches, q, k, v, gate))
-
-    @torch.compiler.disable
-    def cached_step(self, plan: GroupedStepPlan, caches: list, q, k, v, gate) -> torch.Tensor:
-        """`run_chunks` on a cache, then, without autograd, each cache's next fold computed ahead whatever steps
-        the model (runtime_kvm.prepare_next_fold; unless `paced_folds` is off); a forward that builds a graph
-        folds at the boundary, as training does. Never compiled: traced, the cache's positions and buffer offsets become symbolic sizes,
-        and inductor's kernels for them returned NaN logits in decoding steps (greedy tokens other than eager's)."""
-        y = run_segments(plan, caches, self.run_chunks, q, k, v, gate)
-        if self.paced_folds and not torch.is_grad_enabled():
-            for cache in caches:
-                prepare_next_fold(self, cache, whole=q.shape[2] > 1)
-        return y
-
-    # Without autograd a cached step computes the next fold ahead (`prepare_next_fold`); False folds at the chunk
-    # boundary instead (the same tensors), for a caller that rebuilds its cache every step (the vLLM plugin).
-    paced_folds = True
-    # Under autograd a fresh forward past the front window attends all its chunks in one call
-    # (`attend_chunks_at_once`); False keeps the chunk loop, the reference it equals.
-    chunks_at_once = True
-    # Inside `runtime_speedups`: a one-query CPU float32 step takes runtime_kvm's matrix-vector products
-    # (`attend_state_and_window`); False keeps the plain products, the reference they equal.
+    # Inside `runtime_speedups`: a step of one query per row on CPU in float32 reads state and window as
+    # runtime_kvm's matrix-vector products; False keeps the plain products, the reference they equal.
     one_query_kernel = False
+    # Without autograd a decoding forward on a dense cache computes the next fold ahead (runtime_kvm.PacedFold);
+    # False folds at the chunk boundary instead (the same tensors).
+    paced_folds = True
 
-    def run_chunks(self, cache: KVMLayerCache, q, k, v, gate) -> torch.Tensor:
-        """Process one group's new tokens (any count, any cache state) chunk by chunk; returns [G, H, T, Dv].
+    def temperature(self, name: str) -> torch.Tensor | None:
+        """Per-head temperature `name` [H] (None when off)."""
+        return local_tensor(getattr(self, name)) if self.config.head_temperatures else None
 
-        Each chunk's state is final before its attention, and the attention changes no state: a training
-        forward computes every chunk's state first, then the attention of all chunks at once."""
-        if cache.journal is not None:
-            cache.journal["inputs"] = (k, v, gate)
-        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
-        at_once = (self.chunks_at_once and torch.is_grad_enabled() and cache.seen == 0
-                   and q.shape[2] > window_chunks * chunk)
-        pieces = chunk_pieces(cache.seen, q.shape[2], chunk, window_chunks)
-        # split, not sliced: a slice's gradient is a zero-filled copy of the whole sequence, per chunk
-        queries = q.split([stop - pos for pos, stop in pieces], dim=2)
-        outputs, reads = [], []
-        for (pos, stop), q_piece, (window_k, window_v, state) in zip(pieces, queries,
-                                                                     self.update_chunks(cache, pieces, k, v, gate)):
-            window_k, window_v = self.query_heads(window_k), self.query_heads(window_v)
-            if at_once:
-                reads += [state] if state is not None else [None] * math.ceil((stop - pos) / chunk)
-            elif state is None:
-                outputs.append(self.attend_window(q_piece, window_k, window_v))
-            else:
-                outputs.append(self.attend_state_and_window(q_piece, window_k, window_v, *state))
-        if at_once:
-            return self.attend_chunks_at_once(q, self.query_heads(k), self.query_heads(v), reads)
-        return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+    def forward(self, x, v_first, rotary, tokens: RowTokens, cache_layer) -> torch.Tensor:
+        q, k, v = self.project(x, v_first, tokens, cache_layer)
+        q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        gate = (1.0 + F.elu(self.merge_gate_proj(x[0]))).unsqueeze(-1) if self.gated else None  # [N, Hkv, 1]
+        pieces, schedule = tokens.once("chunk pieces", lambda: self.plan(tokens))
+        return self.output(self.attend(q, k, v, gate, tokens, pieces, schedule, cache_layer))
 
-    def attend_chunks_at_once(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reads: list) -> torch.Tensor:
-        """The chunk loop's attention over a fresh forward's tokens as one attention call: every chunk's
-        queries over its state (`reads[c]`: keys [G, H, slots, D] and value columns [G, H, Dv, slots] as
-        `read_state` gives them, None for the front chunks, which read no state) and its causal block window.
+    def plan(self, tokens: RowTokens) -> tuple[Pieces, StateSchedule]:
+        pieces = chunk_pieces(self.config, tokens)
+        return pieces, state_schedule(self.config, tokens, pieces)
 
-        Chunks become a batch dimension: states are padded to the largest one and windows gathered as
-        `window_chunks` shifted copies of the blocks (zero blocks before the first), masked. q, k, v:
-        [G, H, T, D] (query heads); returns [G, H, T, Dv].
-        """
-        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
-        groups, heads, length, _ = q.shape
-        count = len(reads)  # chunks, the last one possibly partial
-
-        def blocks(x: torch.Tensor) -> torch.Tensor:  # [G, chunks, H, chunk, D], the layout attention takes
-            x = F.pad(x, (0, 0, 0, count * chunk - length))
-            return x.view(groups, heads, count, chunk, x.shape[-1]).transpose(1, 2)
-
-        def windows(x: torch.Tensor) -> torch.Tensor:  # [G, chunks, H, window_chunks * chunk, D]
-            x = F.pad(blocks(x), (0, 0, 0, 0, 0, 0, window_chunks - 1, 0))
-            return torch.cat([x[:, offset : offset + count] for offset in range(window_chunks)], dim=3)
-
-        # the window temperature scales keys here (the loop scales queries): the same logits
-        window_k, window_v = windows(k * self.temperature("window_temperature")), windows(v)
-        sizes = [0 if read is None else read[0].shape[2] for read in reads]
-        slots = max(sizes)
-
-        def stacked(index: int, dim: int) -> torch.Tensor:  # [G, chunks, H, slots, dim]: every chunk's state, padded
-            parts = []
-            for read in reads:
-                if read is None:
-                    parts.append(q.new_zeros(groups, heads, slots, dim))
-                    continue
-                part = read[index] if index == 0 else read[index].transpose(-1, -2)
-                parts.append(F.pad(part, (0, 0, 0, slots - part.shape[2])))
-            return torch.stack(parts, dim=1)
-
-        keys = torch.cat([stacked(0, k.shape[-1]), window_k], dim=3).flatten(0, 1)
-        values = torch.cat([stacked(1, v.shape[-1]), window_v], dim=3).flatten(0, 1)
-        # state slot s is seen by chunk c when the chunk has that many slots; window key m by query i when it is
-        # at or before the query and not before position 0
-        state_seen = torch.arange(slots, device=q.device) < torch.tensor(sizes, device=q.device).unsqueeze(1)
-        query = torch.arange(chunk, device=q.device).view(1, chunk, 1)
-        key = torch.arange(window_chunks * chunk, device=q.device).view(1, 1, -1)
-        first_block = (window_chunks - 1 - torch.arange(count, device=q.device)).clamp(min=0).view(count, 1, 1)
-        window_seen = (key <= query + (window_chunks - 1) * chunk) & (key >= first_block * chunk)
-        mask = torch.cat([state_seen.unsqueeze(1).expand(count, chunk, slots), window_seen], dim=2)
-        mask = mask.unsqueeze(1).repeat(groups, 1, 1, 1)  # [G * chunks, 1, chunk, keys]
-        y = attention(blocks(q).flatten(0, 1), keys, values, mask, self.eager)  # [G * chunks, H, chunk, Dv]
-        y = y.view(groups, count, heads, chunk, -1).transpose(1, 2).flatten(2, 3)
-        return y[:, :, :length]
-
-    def update_chunks(self, cache: KVMLayerCache, pieces: list[tuple[int, int]], k, v, gate):
-        """For each piece in turn, bring the cache up to it (blocks that left the window folded into the
-        state, first-chunk tokens added, the piece's tokens in the window) and yield its window keys, window
-        values and the state it reads (None in the front window). A generator: the chunk loop attends each
-        piece before the next one's state is made, so only one state is alive at a time."""
-        chunk, window_chunks = self.config.chunk_size, self.config.window_chunks
-        state_dtype = state_dtype_for(k.dtype)
-        sizes = [stop - pos for pos, stop in pieces]
-        gates = gate.split(sizes, dim=2) if gate is not None else [None] * len(pieces)
-        if cache.seen == 0:
-            cache.window.start_at(0)
-        for (pos, stop), k_piece, v_piece, gate_piece in zip(pieces, k.split(sizes, dim=2), v.split(sizes, dim=2), gates):
-            chunk_idx = pos // chunk
-            window_begin = 0 if chunk_idx < window_chunks else (chunk_idx + 1 - window_chunks) * chunk
-            for block in range(cache.merged_blocks + 1, chunk_idx - window_chunks + 1):
-                self.fold_block(cache, block, state_dtype)
-                cache.merged_blocks = block
-                cache.note_state_change(pos, "fold")
-            cache.window.append((k_piece, v_piece, gate_piece))
-            if pos < chunk:
-                first = min(stop, chunk) - pos
-                before_len = cache.state_len
-                self.add_initial_tokens(cache, k_piece[:, :, :first], v_piece[:, :, :first],
-                                        None if gate_piece is None else gate_piece[:, :, :first], state_dtype)
-                cache.note_state_change(pos, "initial", before_len, pos + first)
-            window_k, window_v = cache.window.view(window_begin, stop)[:2]
-            state = self.read_state(cache, k.dtype) if chunk_idx >= window_chunks else None
-            cache.window.drop_before(window_begin)
-            cache.seen = stop
-            yield window_k, window_v, state
-
-    def attend_window(self, q, keys, values) -> torch.Tensor:
-        """Causal attention inside the front window (no state yet); temperature on the queries."""
-        q = q * self.temperature("window_temperature")
-        if q.shape[2] == keys.shape[2] and not self.eager:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
-        mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device) if q.shape[2] > 1 else None
-        return attention(q, keys, values, mask, self.eager)
-
-    def attend_state_and_window(self, q, keys, values, state_keys, state_value_columns) -> torch.Tensor:
-        """One softmax over state slots and window keys, without concatenating keys/values.
-
-        The per-head window temperature scales the queries of the window logits rather than
-        the window keys: the same logits without rewriting the window every step.
-        """
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        window_q = q * self.temperature("window_temperature")
-        if self.one_query_kernel and q.shape[2] == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
-            # the same softmax as the products below, as matrix-vector products (runtime_kvm)
-            return one_query_attention(q, window_q, keys, values, state_keys, state_value_columns, scale)
-        state_logits = torch.matmul(q, state_keys.transpose(-1, -2)).float()
-        window_logits = torch.matmul(window_q, keys.transpose(-1, -2)).float()
-        if q.shape[2] > 1:
-            mask = lower_right_causal_mask(q.shape[2], keys.shape[2], q.device)
-            window_logits = window_logits.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(torch.cat([state_logits, window_logits], dim=-1) * scale, dim=-1).to(values.dtype)
-        slots = state_keys.shape[2]
-        state_part = torch.matmul(probs[..., :slots], state_value_columns.transpose(-1, -2))
-        return state_part + torch.matmul(probs[..., slots:], values)
+    def attend(self, q, k, v, gate, tokens: RowTokens, pieces: Pieces, schedule: StateSchedule,
+               cache_layer) -> torch.Tensor:
+        """Every piece's queries over its row's state (as of its chunk) and its block window, in one batched
+        softmax; the rows' states brought up to date on the way (first-chunk slots, folds) and stored with the
+        window's newest tokens."""
+        names = WINDOW if self.gated else WINDOW[:2]
+        key_sets = window_key_sets(k, v, tokens, pieces, cache_layer, names, self.temperature("window_temperature"))
+        reads = self.state_reads(k, v, gate, tokens, pieces, schedule, cache_layer)
+        if reads is not None:
+            visible = torch.arange(reads[0].shape[2], device=q.device) < schedule.piece_slots[:, None]
+            key_sets.insert(0, KeySet(*reads, visible[:, None, :], self.temperature("state_temperature")))
+        one_query = self.one_query_kernel and q.device.type == "cpu" and q.dtype == torch.float32
+        y = attend_pieces(q[pieces.query_index], key_sets, self.groups, self.eager, one_query)
+        if cache_layer is not None:
+            write_ring(cache_layer, tokens, names, [k, v] + ([gate] if self.gated else []))
+            if self.paced_folds and cache_layer.index is None and not torch.is_grad_enabled():
+                prepare_next_fold(self, cache_layer, tokens)
+        return y.flatten(0, 1)[pieces.order]
 
     # -- the state (state_kvm has the math) --
-    def add_initial_tokens(self, cache: KVMLayerCache, k, v, gate, state_dtype: torch.dtype) -> None:
-        """Tokens of the first chunk enter the state directly, one slot each (norms of the ungated values)."""
-        keys = state_keys(k.to(state_dtype), self.config.rotary_dim, self.state_key_norm)
-        values, norms = v.to(state_dtype), slot_norms(v, self.config.state_value_norms)
-        if self.config.merge_gate_initial_state and gate is not None:
-            keys, values = keys * gate.to(state_dtype), values * gate.to(state_dtype)
-        if cache.state_keys is not None:
-            keys, values, norms = (torch.cat(pair, dim=2) for pair in zip(cache.state(), (keys, values, norms)))
-        cache.set_state(keys, values, norms)
+    def state_reads(self, k, v, gate, tokens: RowTokens, pieces: Pieces, schedule: StateSchedule,
+                    cache_layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The state each piece reads, as attention reads it ([P, Hkv, slots, d] keys and values, padded), or None
+        when no piece reads state; the rows whose state changes in this forward are brought up to date (first-chunk
+        tokens, folds) and stored."""
+        state_dtype = state_dtype_for(k.dtype)
+        reads = []  # (piece indices, [r, Hkv, slots, d] keys and values of those pieces' rows)
+        versions = {}  # version -> pieces reading it
+        for index, (version, slots) in enumerate(zip(schedule.piece_version, schedule.piece_slots.tolist())):
+            if slots:
+                versions.setdefault(version, []).append(index)
+        stored = [p for p in versions.get(0, []) if pieces.rows[p] not in schedule.entered]
+        if stored:
+            rows = None if pieces.identity_rows and len(stored) == pieces.count else pieces.row[stored]
+            reads.append((stored, [cache_layer.read(name, rows) for name in READ]))
+        if schedule.rows:
+            working = self.working_state(k, v, gate, schedule, cache_layer, state_dtype)
+            entered = [p for p in versions.get(0, []) if pieces.rows[p] in schedule.entered]
+            local = torch.tensor([schedule.local[pieces.rows[p]] for p in entered], dtype=torch.long, device=k.device)
+            if entered:
+                reads.append((entered, self.readable(tuple(t[local] for t in working), k.dtype)))
+            self.journal_state(cache_layer, schedule, list(schedule.entered), tokens, working, k.dtype)
+            for round_index, fold in enumerate(schedule.folds, start=1):
+                ahead = None if cache_layer is None else take_fold_ahead(cache_layer, fold, schedule.capacity)
+                if ahead is None:
+                    block = self.block_tokens(k, v, gate, fold, cache_layer)
+                    folded = run_fold(self.fold_of(tuple(t[fold.rows] for t in working), fold.slots, block,
+                                                   fold.appends, state_dtype))
+                    read = None
+                else:
+                    folded, read = ahead
+                working = tuple(t.index_copy(0, fold.rows, new) for t, new in zip(working, folded))
+                readers = versions.get(round_index, [])
+                if readers:
+                    position = {local: i for i, local in enumerate(fold.rows.tolist())}
+                    picks = torch.tensor([position[schedule.local[pieces.rows[p]]] for p in readers], device=k.device)
+                    read = self.readable(folded, k.dtype) if read is None else read
+                    reads.append((readers, tuple(t[picks] for t in read)))
+                rows = [schedule.rows[i] for i in fold.rows.tolist()]
+                self.journal_folds(cache_layer, rows, fold, tokens, working, k.dtype)
+            if cache_layer is not None:
+                self.store_state(cache_layer, tokens.batch, schedule, working, k.dtype)
+        if not reads:
+            return None
+        if len(reads) == 1 and len(reads[0][0]) == pieces.count:
+            return tuple(fit_slots(t, schedule.read_slots) for t in reads[0][1])
+        return tuple(self.assemble(reads, pieces.count, schedule.read_slots, part) for part in (0, 1))
 
-    def fold_block(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> None:
-        """Fold window block `block` (>= 1), which is leaving the window, into the state, every stage at once;
-        a fold computed ahead from this state is swapped in (the same tensors bit for bit)."""
-        if not take_fold_ahead(cache, block):
-            cache.set_state(*run_fold(self.block_fold(cache, block, state_dtype)))
+    @staticmethod
+    def assemble(reads: list, count: int, slots: int, part: int) -> torch.Tensor:
+        """[P, Hkv, slots, d]: each piece's read state from the sources in `reads`."""
+        first = reads[0][1][part]
+        out = first.new_zeros(count, first.shape[1], slots, first.shape[3])
+        for indices, tensors in reads:
+            out = out.index_copy(0, torch.tensor(indices, device=out.device), fit_slots(tensors[part], slots))
+        return out
 
-    def block_fold(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> Fold:
-        """The fold of window block `block` into the cache's state, before its stages (state_kvm): the block
-        as the state takes it, the budget's appends, the routing dtype, and the state keys normed to read
-        this state when the cache has them (else normed at the first stage)."""
-        return Fold(cache.state(), cache.normed_state_keys(), self.overflow(cache, block, state_dtype),
-                    append_count(self.config, block, cache.state_len), self.config.sink_slots, self.state_key_norm,
-                    self.config.state_value_norms, self.merge_score_dtype(cache))
+    def working_state(self, k, v, gate, schedule: StateSchedule, cache_layer, state_dtype: torch.dtype) -> tuple:
+        """[r, Hkv, capacity, d] states of the rows whose state changes in this forward: the stored ones (empty
+        for rows starting fresh) with this forward's first-chunk tokens entered, one slot each."""
+        heads, capacity = k.shape[1], schedule.capacity
+        rows = torch.tensor(schedule.rows, dtype=torch.long, device=k.device)
+        shapes = ((k.shape[2], state_dtype), (v.shape[2], state_dtype), (1, torch.float32))
+        if cache_layer is not None and not bool(schedule.fresh.all()):
+            stored = [fit_slots(cache_layer.read(name, rows), capacity) for name in STATE]
+            working = [torch.where(schedule.fresh[:, None, None, None], 0, t) for t in stored]
+        else:
+            working = [k.new_zeros(len(schedule.rows), heads, capacity, dim, dtype=dtype) for dim, dtype in shapes]
+        if schedule.initial_rows.numel():
+            index = schedule.initial_index
+            keys = state_keys(k[index].to(state_dtype), self.config.rotary_dim, self.state_key_norm).transpose(1, 2)
+            values = v[index].to(state_dtype).transpose(1, 2)
+            norms = slot_norms(values, self.config.state_value_norms)
+            if self.config.merge_gate_initial_state and gate is not None:
+                gates = gate[index].to(state_dtype).transpose(1, 2)
+                keys, values = keys * gates, values * gates
+            slot = schedule.initial_slot[:, None, :, None].expand(-1, heads, -1, 1)
+            entered = [scatter_into(t[schedule.initial_rows], slot, new)
+                       for t, new in zip(working, (keys, values, norms))]
+            working = [t.index_copy(0, schedule.initial_rows, new) for t, new in zip(working, entered)]
+        return tuple(working)
 
-    def merge_score_dtype(self, cache: KVMLayerCache) -> torch.dtype:
+    def block_tokens(self, k, v, gate, fold, cache_layer) -> list[torch.Tensor]:
+        """The keys, values (and merge gates) [r, Hkv, chunk, d] of the blocks a round of folds takes, from the
+        cached window or this forward's tokens."""
+        block = []
+        for name, new in zip(WINDOW if self.gated else WINDOW[:2], (k, v, gate)):
+            tokens = new[fold.new_index].transpose(1, 2)
+            if bool(fold.source_ring.any()):
+                ring = cache_layer.read(name, fold.members)
+                cached = ring.gather(2, fold.ring_slot[:, None, :, None].expand(-1, ring.shape[1], -1, ring.shape[3]))
+                tokens = torch.where(fold.source_ring[:, None, :, None], cached.to(tokens.dtype), tokens)
+            block.append(tokens)
+        return block
+
+    def fold_of(self, state: tuple, slots: torch.Tensor, block: list[torch.Tensor], appends: torch.Tensor,
+                state_dtype: torch.dtype) -> Fold:
+        """The fold of blocks (keys, values, gates) into `state`: the block as the state takes it (the merge gate
+        applied where the config says), the budget's appends, the routing dtype."""
+        config = self.config
+        keys = state_keys(block[0].to(state_dtype), config.rotary_dim, self.state_key_norm)
+        values = block[1].to(state_dtype)
+        gates = block[2].to(state_dtype) if self.gated else None
+        merge_keys = keys * gates if config.merge_gate_keys else keys
+        merge_values = values * gates if config.merge_gate_values else values
+        if config.merge_gate_appends:
+            overflow = Overflow(keys, merge_keys, merge_values, merge_keys, merge_values)
+        else:
+            overflow = Overflow(keys, keys, values, merge_keys, merge_values)
+        return Fold(state, slots, None, overflow, appends, config.sink_slots, self.state_key_norm,
+                    config.state_value_norms, self.merge_score_dtype(block[0].dtype))
+
+    def ring_fold(self, cache_layer, block: int, slots: int, appends: int, capacity: int) -> Fold:
+        """The fold of window block `block` of every row of a dense cache, its tokens all in the window ring, into
+        the stored states (`slots` live, `capacity` padded): what runtime_kvm computes ahead."""
+        chunk = self.config.chunk_size
+        ring_slots = torch.arange(block * chunk, (block + 1) * chunk, device=cache_layer.tensors["window_keys"].device)
+        ring_slots = ring_slots % cache_layer.ring_size
+        names = WINDOW if self.gated else WINDOW[:2]
+        tokens = [cache_layer.read(name)[:, :, ring_slots] for name in names]
+        state = tuple(fit_slots(cache_layer.read(name), capacity) for name in STATE)
+        rows = state[0].shape[0]
+        count = lambda value: torch.full((rows,), value, dtype=torch.long, device=state[0].device)  # noqa: E731
+        return self.fold_of(state, count(slots), tokens, count(appends), state[0].dtype)
+
+    def merge_score_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """dtype the merge routing is scored in (config.merge_routing_dtype): float32 or the finer state dtype,
         or the model's own dtype (its window keys'), as the research mixer scores it under bfloat16."""
-        model_dtype = cache.window.storage[0].dtype
         if self.config.merge_routing_dtype == "model":
             return model_dtype
         return torch.promote_types(state_dtype_for(model_dtype), torch.float32)
 
-    def overflow(self, cache: KVMLayerCache, block: int, state_dtype: torch.dtype) -> Overflow:
-        """Window block `block` as the state takes it, the merge gate applied where the config says."""
-        config, chunk = self.config, self.config.chunk_size
-        k, v, *gate = cache.window.view(block * chunk, (block + 1) * chunk)
-        keys, values = state_keys(k.to(state_dtype), config.rotary_dim, self.state_key_norm), v.to(state_dtype)
-        gate = gate[0].to(state_dtype) if self.gated else None
-        merge_keys = keys * gate if config.merge_gate_keys else keys
-        merge_values = values * gate if config.merge_gate_values else values
-        if config.merge_gate_appends:
-            return Overflow(keys, merge_keys, merge_values, merge_keys, merge_values)
-        return Overflow(keys, keys, values, merge_keys, merge_values)
+    def readable(self, state: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`state_kvm.readable_state` of a (padded) state."""
+        return readable_state(state, self.state_key_norm(state[0]), self.config.state_value_norms, dtype)
 
-    def read_state(self, cache: KVMLayerCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """State keys and value columns as attention reads them; recomputed only when the state changed."""
-        if cache.read_cache is None:
-            normed = self.state_key_norm(cache.state_keys)
-            cache.normed_keys = (cache.state_keys, normed)  # the next fold compares against the same keys
-            cache.read_cache = self.readable(cache.state(), normed, dtype)
-        return cache.read_cache
+    def store_state(self, cache_layer, batch: int, schedule: StateSchedule, working: tuple,
+                    dtype: torch.dtype) -> None:
+        """The changed rows' states and their read forms into the layer's storage (room made in dense storage)."""
+        rows = torch.tensor(schedule.rows, dtype=torch.long, device=working[0].device)
+        read = self.readable(working, dtype)
+        like = {name: (t.shape[1], t.shape[3], t.dtype, t.device) for name, t in zip(STATE + READ, working + read)}
+        cache_layer.ensure_state(batch, schedule.capacity, like)
+        for name, tensor in zip(STATE + READ, working + read):
+            cache_layer.write(name, rows, tensor.detach())
 
-    def readable(self, state: tuple, normed: torch.Tensor, dtype: torch.dtype,
-                 heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """`state_kvm.readable_state` of a state of key/value heads `heads`, repeated for their query heads,
-        with those query heads' temperatures."""
-        temperature = self.temperature("state_temperature")
-        if isinstance(temperature, torch.Tensor):
-            temperature = temperature[:, query_slice(heads, self.config.kv_group_size)]
-        state = tuple(self.query_heads(t) for t in state)
-        return readable_state(state, self.query_heads(normed), temperature, self.config.state_value_norms, dtype)
+    def journal_state(self, cache_layer, schedule: StateSchedule, rows: list[int], tokens: RowTokens, working,
+                      dtype) -> None:
+        """While recording: the state rows hold once their first-chunk tokens entered (from their first token on)."""
+        if cache_layer is None or cache_layer.journal is None or not rows:
+            return
+        local = torch.tensor([schedule.local[row] for row in rows], device=working[0].device)
+        state = tuple(t[local] for t in working)
+        cache_layer.journal.states.append((rows, [tokens.starts[row] + 1 for row in rows],
+                                           state + self.readable(state, dtype)))
+
+    def journal_folds(self, cache_layer, rows: list[int], fold, tokens: RowTokens, working, dtype) -> None:
+        """While recording: the state rows hold after a round of folds (from the token that started the fold on)."""
+        if cache_layer is None or cache_layer.journal is None:
+            return
+        state = tuple(t[fold.rows] for t in working)
+        window = self.config.window_chunks
+        valid_from = [(block + window) * self.config.chunk_size + 1 for block in fold.blocks]
+        cache_layer.journal.states.append((rows, valid_from, state + self.readable(state, dtype)))
+
+
+def scatter_into(state: torch.Tensor, slot: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`state` [r, H, S, d] with tokens [r, H, n, d] written into slots [r, H, n, 1] (slot S: nowhere)."""
+    padded = F.pad(state, (0, 0, 0, 1))
+    return padded.scatter(2, slot.expand(-1, -1, -1, tokens.shape[-1]), tokens)[:, :, :-1]
 
 
 # ---- feed-forward and blocks ---------------------------------------------------------------
@@ -526,9 +614,13 @@ class KVMMLP(nn.Module):
         if self.token_shift_on:
             self.shift = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
 
-    def forward(self, x: torch.Tensor, plan: GroupedStepPlan, carries) -> torch.Tensor:
+    def carries(self) -> list[tuple[str, int]]:
+        """The token-shifted stream this feed-forward carries between forwards, with its width."""
+        return [("ffn", self.shift.shape[-1])] if self.token_shift_on else []
+
+    def forward(self, x: torch.Tensor, tokens: RowTokens, cache_layer) -> torch.Tensor:
         if self.token_shift_on:
-            x = token_shift(plan, x, self.shift, carries, "ffn", "zero")
+            x = token_shift(tokens, x, self.shift, cache_layer, "ffn", "zero")
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
@@ -547,21 +639,25 @@ class KVMDecoderLayer(GradientCheckpointingLayer):
         if config.block_lambdas:
             self.block_lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
 
+    def carries(self) -> list[tuple[str, int]]:
+        """The token-shifted streams this layer carries between forwards (a cache layer's `carry.<name>`)."""
+        return self.self_attn.carries() + self.mlp.carries()
+
     def forward(
-        self, hidden_states, x0, v_first, rotary, plan: GroupedStepPlan, state=None
+        self, hidden_states, x0, v_first, rotary, tokens: RowTokens, cache_layer=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`state`: (carries, per-segment layer caches) from a KVMCache, or None for a fresh per-call
-        state (so that checkpoint recomputation replays identically). Returns the new hidden states and, for a
-        layer in `value_anchor_layers`, its value-residual anchor (else None), which it then uses itself."""
+        """Hidden states [1, N, hidden] of the forward's flat tokens. `cache_layer`: this layer's storage in a
+        KVMCache, or None (no cache: checkpoint recomputation replays identically). Returns the new hidden
+        states and, for a layer in `value_anchor_layers`, its value-residual anchor (else None), which it then
+        uses itself."""
         anchor = None
         if self.anchors:  # inside the layer's own forward: FSDP gathers its weights only for that
             anchor = v_first = self.self_attn.v_proj(self.input_layernorm(x0))
         if hasattr(self, "block_lambdas"):
             hidden_states = self.block_lambdas[0] * hidden_states + self.block_lambdas[1] * x0
-        attn = self.self_attn(self.input_layernorm(hidden_states), v_first, rotary, plan, state)
+        attn = self.self_attn(self.input_layernorm(hidden_states), v_first, rotary, tokens, cache_layer)
         hidden_states = hidden_states + attn * self.residual_scale
-        carries = state[0] if state is not None else None
-        mlp = self.mlp(self.post_attention_layernorm(hidden_states), plan, carries)
+        mlp = self.mlp(self.post_attention_layernorm(hidden_states), tokens, cache_layer)
         return hidden_states + mlp * self.residual_scale, anchor
 
 
@@ -589,9 +685,9 @@ class KVMPreTrainedModel(CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerM
     _supports_sdpa = True
 
     def runtime_speedups(self) -> contextlib.AbstractContextManager:
-        """A block in which inference takes runtime_kvm's speed-ups (oneDNN linears, one-query CPU attention,
-        folds computed ahead) and outside which the model is plain; same results up to float rounding.
-        generate() opens one; a loop that steps the model itself can too."""
+        """A block in which inference takes runtime_kvm's speed-ups (oneDNN linears, one-query CPU attention)
+        and outside which the model is plain; same results up to float rounding. generate() opens one; a loop
+        that steps the model itself can too."""
         return runtime_speedups(self, KVMAttention)
 
     @torch.no_grad()
@@ -699,24 +795,40 @@ class KVMModel(KVMPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         x0 = self.embed_norm(inputs_embeds)
         batch, length = x0.shape[:2]
-        seen = (cache.columns if cache is not None else 0) + length
-        if self.training and torch.is_grad_enabled() and seen < state_training_length(self.config):
+        cached = cache.columns if cache is not None else 0
+        if self.training and torch.is_grad_enabled() and cached + length < state_training_length(self.config):
             logger.warning_once(
-                f"Training KVM on {seen}-token sequences: blocks enter the state only once a chunk has left the "
-                f"attention window, so the merge gate and state norm get no gradient below "
+                f"Training KVM on {cached + length}-token sequences: blocks enter the state only once a chunk has left "
+                f"the attention window, so the merge gate and state norm get no gradient below "
                 f"{state_training_length(self.config)} tokens ((window_chunks + 1) * chunk_size + 2).")
-        valid = real_tokens(attention_mask, batch, length, cache.columns if cache is not None else 0, x0.device)
+        valid = real_tokens(attention_mask, batch, length, cached, x0.device)
         if valid is not None and bool(valid.all()):
             valid = None  # all tokens real: the unpadded path
-        if cache is not None:
-            plan = cache.plan(batch, length, valid, x0.device)
-        else:
-            fresh = [new_layer_cache(self.config, i) for i in range(self.config.num_hidden_layers)]
-            plan = GroupedStepPlan(batch, length, valid, [RowGroup(list(range(batch)), fresh)], x0.device)
-        positions = plan.positions
+        starts = cache.row_starts(batch) if cache is not None else [0] * batch
+        tokens = RowTokens.from_batch(starts, valid, batch, length, x0.device)
+        positions = None
         if position_ids is not None:
-            check_position_ids(position_ids, positions, valid, batch, "KVM", "state and token shifts")
-            positions = position_ids.to(x0.device)
+            own = StepPlan(tokens.start, valid, length).query_positions
+            check_position_ids(position_ids, own, valid, batch, "KVM", "state and token shifts")
+            positions = tokens.flatten(position_ids.to(x0.device).expand(batch, length)[..., None])[:, 0]
+        hidden, all_hidden = self.run_layers(tokens.flatten(x0), tokens, cache, positions, output_hidden_states)
+        if cache is not None:
+            cache.advance(tokens, length)
+        return BaseModelOutputWithPast(
+            last_hidden_state=all_hidden[-1] if output_hidden_states else tokens.unflatten(hidden),
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            **{CACHE_NAME: cache if use_cache else None},
+        )
+
+    def run_layers(self, x0: torch.Tensor, tokens: RowTokens, cache: KVMCache | None,
+                   positions: torch.Tensor | None = None, output_hidden_states: bool = False):
+        """The decoder layers over a forward's flat tokens (x0: [N, hidden], normed embeddings; `positions`:
+        rotary positions, each token's own by default), and the final norm. Returns the head inputs [N, hidden]
+        and, when asked, each layer's input and the head input in the batch's [B, T, hidden] layout. A serving
+        engine calls it with its requests' tokens and a cache over its pages."""
+        if cache is not None:
+            cache.prepare(tokens)
+        positions = tokens.position if positions is None else positions
         head = self.config.qk_head_dim
         kvm_rotary = rotary_tables(positions, self.config.rotary_dim, head, self.config.rope_theta)
         sliding_rotary = None
@@ -725,24 +837,21 @@ class KVMModel(KVMPreTrainedModel):
                 positions, self.config.sliding_window_rotary_dim, head, self.config.sliding_window_rope_theta
             )
         anchors = {"kvm": None, "sliding": None}  # value-residual anchors, made by `value_anchor_layers`
+        x0 = x0[None]
         hidden_states, all_hidden = x0, []
         for idx, layer in enumerate(self.layers):
-            if output_hidden_states:
-                all_hidden.append(hidden_states)
-            state = (cache.carries[idx], cache.layer_caches(idx, plan)) if cache is not None else None
+            if output_hidden_states:  # returned in the batch's layout, and the layer reads them from there
+                all_hidden.append(tokens.unflatten(hidden_states[0]))
+                hidden_states = tokens.flatten(all_hidden[-1])[None]
+            cache_layer = cache.layers[idx] if cache is not None else None
             kind, rotary = ("sliding", sliding_rotary) if layer.sliding else ("kvm", kvm_rotary)
-            hidden_states, anchor = layer(hidden_states, x0, anchors[kind], rotary, plan, state)
+            hidden_states, anchor = layer(hidden_states, x0, anchors[kind], rotary, tokens, cache_layer)
             anchors.update(dict.fromkeys(layer.anchors, anchor))
-        if cache is not None:
-            cache.finish(plan)
-        hidden_states = self.norm(hidden_states)
+        hidden_states = self.norm(hidden_states)[0]
         if output_hidden_states:
-            all_hidden.append(hidden_states)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            **{CACHE_NAME: cache if use_cache else None},
-        )
+            all_hidden.append(tokens.unflatten(hidden_states))
+            hidden_states = tokens.flatten(all_hidden[-1])
+        return hidden_states, all_hidden
 
     def packed_forward(self, documents, input_ids, inputs_embeds, output_attentions, output_hidden_states):
         """A packed batch: its documents in chunk-aligned length buckets, each bucket run as an unpacked

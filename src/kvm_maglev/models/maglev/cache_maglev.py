@@ -13,6 +13,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_capacity
+from .row_storage import RowStorage
 from .saved_cache import SavedCache, tensors_under
 from .step_plan import StepPlan, gather_columns
 
@@ -23,14 +24,9 @@ TENSORS_FILE = "maglev_cache.safetensors"
 META_FILE = "maglev_cache.json"
 
 
-def _tracks_grad(*tensors: torch.Tensor) -> bool:
-    """Writes go out of place when autograd tracks them: attention saved the old ring for its backward
-    pass (recurrent training through the cache); otherwise in place, with no copy of the window."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-class RingKeyValues:
-    """The last `window` keys/values of one layer per row; position p lives in slot p % capacity.
+class MaglevCacheLayer(RowStorage):
+    """One decoder layer's ring of the last `window` keys/values of each row ("keys", "values" [rows, Hkv, capacity,
+    D], memory already injected); position p lives in slot p % capacity.
 
     A growing ring (nanochat's window pattern, whose windows span the training context) starts small and doubles
     up to its window with the columns read, so a short sequence keeps a short cache; until it reaches its window
@@ -38,11 +34,11 @@ class RingKeyValues:
     """
 
     def __init__(self, window: int, grows: bool = False):
+        super().__init__()
         self.window = window
         self.grows = grows
         self.capacity = min(window, growing_capacity(0)) if grows else window
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.batch = 0  # rows of a dense ring (set by the cache)
 
     def reserve(self, columns: int) -> None:
         """Make room before a forward that ends at `columns` columns: a growing ring takes more slots (up to its
@@ -50,9 +46,11 @@ class RingKeyValues:
         if not self.grows or self.capacity == self.window:
             return
         capacity = min(self.window, growing_capacity(columns))
-        if capacity > self.capacity and self.keys is not None:
-            extra = self.keys.new_zeros(*self.keys.shape[:2], capacity - self.capacity, self.keys.shape[3])
-            self.keys, self.values = torch.cat([self.keys, extra], dim=2), torch.cat([self.values, extra], dim=2)
+        if capacity > self.capacity and "keys" in self:
+            for name in ("keys", "values"):
+                tensor = self.tensors[name]
+                extra = tensor.new_zeros(*tensor.shape[:2], capacity - self.capacity, tensor.shape[3])
+                self.tensors[name] = torch.cat([tensor, extra], dim=2)
         self.capacity = max(capacity, self.capacity)
 
     def shrink(self, columns: int) -> None:
@@ -61,16 +59,17 @@ class RingKeyValues:
         capacity = min(self.window, growing_capacity(columns))
         if not self.grows or capacity >= self.capacity:
             return
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :capacity].clone(), self.values[:, :, :capacity].clone()
+        if "keys" in self:
+            self.tensors = {name: t[:, :, :capacity].clone() for name, t in self.tensors.items()}
         self.capacity = capacity
 
-    def read(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, H, capacity, D] before this chunk is written (zeros shaped like `like` at first)."""
-        if self.keys is None:
-            self.keys = like.new_zeros(like.shape[0], like.shape[1], self.capacity, like.shape[3])
-            self.values = torch.zeros_like(self.keys)
-        return self.keys, self.values
+    def read_ring(self, like: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [rows, H, capacity, D] of rows `rows` (None: all) before this chunk is written (a dense
+        ring starts as zeros shaped like `like` [B, H, T, D])."""
+        if "keys" not in self:
+            for name in ("keys", "values"):
+                self.tensors[name] = like.new_zeros(self.batch, like.shape[1], self.capacity, like.shape[3])
+        return self.read("keys", rows), self.read("values", rows)
 
     def slot_positions(self, plan: "StepPlan") -> torch.Tensor:
         """[B, capacity]: the position each slot holds before this chunk (negative: never written)."""
@@ -83,35 +82,42 @@ class RingKeyValues:
         return plan.mask(("written", self.capacity), lambda: (
             torch.arange(self.capacity, device=plan.start.device) < plan.start[:, None])[:, None, None, :])
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan") -> None:
-        """Store the chunk's keys/values: each row's newest real tokens replace its oldest slots."""
+    def write_tokens(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan") -> None:
+        """Store the chunk's keys/values [B, H, T, D] of the plan's rows: each row's newest real tokens replace its
+        oldest slots."""
         if plan.records is None and plan.length > 1:
             self._write_chunk(k, v, plan)
             return
         for t in range(plan.length):
             start, valid = plan.column(t)
             if plan.length == 1:  # one slot index per step, shared by the layers
-                slot = plan.mask(("slot", self.capacity), lambda: (start % self.capacity).view(-1, 1, 1, 1))
+                slot = plan.mask(("slot", self.capacity), lambda: start % self.capacity)
             else:
-                slot = (start % self.capacity).view(-1, 1, 1, 1)
+                slot = start % self.capacity
             record = None if plan.records is None else plan.records[t]
-            self._write_column(k[:, :, t:t + 1], v[:, :, t:t + 1], slot, valid, record)
+            self._write_column(k[:, :, t], v[:, :, t], slot, valid, record, plan)
 
-    def _write_column(self, k, v, slot, valid, record) -> None:
-        """Write one column in place (padding rows keep their slot); remember the old slot when recording."""
-        slot = slot.expand_as(k)
+    def _write_column(self, k, v, slot, valid, record, plan) -> None:
+        """Write one column [B, H, D] into each row's slot (padding rows keep theirs); remember the old slot when
+        recording."""
+        rows = plan.rows
         if valid is not None or record is not None:
-            old_k, old_v = self.keys.gather(2, slot), self.values.gather(2, slot)
+            old_k, old_v = self.read_slots("keys", rows, slot), self.read_slots("values", rows, slot)
             if valid is not None:
-                keep = valid.view(-1, 1, 1, 1)
+                keep = valid.view(-1, 1, 1)
                 k, v = torch.where(keep, k, old_k), torch.where(keep, v, old_v)
-            if record is not None:
+            if record is not None:  # recording steps every row (no subset)
                 record.append((slot, old_k, old_v))
-        if _tracks_grad(k, self.keys):
-            self.keys, self.values = self.keys.scatter(2, slot, k), self.values.scatter(2, slot, v)
-        else:
-            self.keys.scatter_(2, slot, k)
-            self.values.scatter_(2, slot, v)
+        self.write("keys", rows, k, slot)
+        self.write("values", rows, v, slot)
+
+    def read_slots(self, name: str, rows: torch.Tensor | None, slot: torch.Tensor) -> torch.Tensor:
+        """[n, H, D]: slot `slot[i]` of row `rows[i]` (rows None: every row, in order)."""
+        index = self.rows(rows)
+        tensor = self.tensors[name]
+        if index is None:
+            index = torch.arange(tensor.shape[0], device=tensor.device)
+        return tensor[index, :, slot]
 
     def _write_chunk(self, k, v, plan) -> None:
         """Each slot takes the newest real chunk token that maps to it, else keeps its content."""
@@ -127,35 +133,26 @@ class RingKeyValues:
         else:
             index = torch.searchsorted(plan.valid.long().cumsum(dim=1), rank + 1)
         index = index.clamp(max=length - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        keys = torch.where(from_chunk, k.gather(2, index), self.keys)
-        values = torch.where(from_chunk, v.gather(2, index), self.values)
-        if _tracks_grad(k, self.keys):
-            self.keys, self.values = keys, values
-        else:
-            self.keys.copy_(keys)
-            self.values.copy_(values)
+        rows = plan.rows
+        keys = torch.where(from_chunk, k.gather(2, index), self.read("keys", rows))
+        values = torch.where(from_chunk, v.gather(2, index), self.read("values", rows))
+        self.write("keys", rows, keys)
+        self.write("values", rows, values)
 
     def undo(self, record) -> None:
         slot, old_k, old_v = record
-        self.keys.scatter_(2, slot, old_k)
-        self.values.scatter_(2, slot, old_v)
+        self.write("keys", None, old_k, slot)
+        self.write("values", None, old_v, slot)
 
     def length(self) -> int:
-        return 0 if self.keys is None else self.capacity
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values) if t is not None]
+        return self.capacity if "keys" in self else 0
 
     def state(self) -> dict:
-        return {} if self.keys is None else {"keys": self.keys, "values": self.values}
+        return dict(self.tensors)
 
     def load_state(self, state: dict) -> None:
-        self.keys, self.values = state["keys"].contiguous(), state["values"].contiguous()
-        self.capacity = self.keys.shape[2]
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if self.keys is not None:
-            self.keys, self.values = fn(self.keys), fn(self.values)
+        self.tensors = {name: t.contiguous() for name, t in state.items()}
+        self.capacity = self.tensors["keys"].shape[2]
 
 
 class ColumnRecord(NamedTuple):
@@ -187,7 +184,7 @@ class MaglevCache(SavedCache, Cache):
         self.config = config
         self.fingerprint = self.config_fingerprint(config)
         self.max_rollback = max_rollback
-        self.layer_stores = [RingKeyValues(window, grows=config.windows_grow) for window in config.decoder_windows]
+        self.layers = [MaglevCacheLayer(window, grows=config.windows_grow) for window in config.decoder_windows]
         self.seen_tokens = 0
         self.positions: torch.Tensor | None = None
         self.last_memory: torch.Tensor | None = None
@@ -196,12 +193,37 @@ class MaglevCache(SavedCache, Cache):
         self.history: deque[ColumnRecord] = deque(maxlen=max_rollback)
         self.prompt_length: int | None = None  # set by assisted decoding: its first forward also carries drafts
 
+    @classmethod
+    def over_pages(cls, config: MaglevConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
+                   positions: list[int], memory: torch.Tensor, embedding: torch.Tensor,
+                   memory_init: torch.Tensor | None) -> "MaglevCache":
+        """A cache whose layers read and write a serving engine's pages in place: `pages[i]` are layer i's ring
+        tensors ("keys", "values": [pages, Hkv, slots, D]), `index[i]` the page of each row in them; `positions`
+        each row's position, `memory` and `embedding` [rows, H] each row's carries. Rows at position 0 start
+        fresh whatever their pages hold: empty rings, no smear, memory `memory_init` (None: the memory is off)."""
+        cache = cls(config)
+        device = embedding.device
+        fresh = torch.tensor([position == 0 for position in positions], device=device)
+        for layer, tensors, rows in zip(cache.layers, pages, index):
+            layer.tensors, layer.index, layer.batch, layer.grows = tensors, rows, len(positions), False
+            layer.capacity = tensors["keys"].shape[2]
+            if bool(fresh.any()):
+                layer.zero_rows(fresh.nonzero().squeeze(1))
+        cache.positions = torch.tensor(positions, dtype=torch.long, device=device)
+        cache.previous_embedding = torch.where(fresh[:, None], 0, embedding)[:, None]
+        if memory_init is not None:
+            cache.last_memory = torch.where(fresh[:, None], memory_init.to(memory.dtype), memory)[:, None]
+        cache.seen_tokens = max(positions) + 1  # a count above 0: these forwards continue (the prefiller is refused)
+        return cache
+
     # ----- what the model uses -----------------------------------------------------------
     def prepare(self, batch_size: int, like: torch.Tensor, memory_init: torch.Tensor | None) -> None:
         """Start empty rows on the first forward (smear predecessor 0 = no smear, memory = memory_init);
         later forwards must keep the batch size."""
         if self.positions is None:
             hidden = self.config.hidden_size
+            for layer in self.layers:
+                layer.batch = batch_size
             self.positions = torch.zeros(batch_size, dtype=torch.long, device=like.device)
             self.previous_embedding = like.new_zeros(batch_size, 1, hidden)
             if memory_init is not None:
@@ -216,14 +238,33 @@ class MaglevCache(SavedCache, Cache):
         prompt, self.prompt_length = self.prompt_length, None
         return length if prompt is None else min(prompt, length)
 
+    def reserve(self, length: int) -> None:
+        """Growing rings make room for `length` more columns."""
+        for store in self.layers:
+            store.reserve(self.seen_tokens + length)
+
     def step_context(self, valid: torch.Tensor | None, length: int) -> StepPlan:
         """The plan of a forward over `length` new columns; growing rings make room for them first."""
-        for store in self.layer_stores:
-            store.reserve(self.seen_tokens + length)
+        self.reserve(length)
         plan = StepPlan(self.positions, valid, length)
         if self.recording:
             plan.records = [[] for _ in range(length)]
         return plan
+
+    def rows_step(self, rows: torch.Tensor | None) -> StepPlan:
+        """The plan of one token for each of rows `rows` alone (None: every row), a recurrent step of the rows with
+        tokens left."""
+        plan = StepPlan(self.positions if rows is None else self.positions[rows], None, 1)
+        plan.rows = rows
+        return plan
+
+    def advance_rows(self, rows: torch.Tensor, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
+        """Record one token read by each of rows `rows` (its pre-smear embedding and memory, [rows, 1, H]); the
+        forward counts its columns itself."""
+        self.positions = self.positions.index_add(0, rows, torch.ones_like(rows))
+        self.previous_embedding = self.previous_embedding.index_copy(0, rows, embeddings.to(self.previous_embedding.dtype))
+        if memories is not None:
+            self.last_memory = self.last_memory.index_copy(0, rows, memories.to(self.last_memory.dtype))
 
     def advance(self, plan: StepPlan, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
         """Record a processed chunk: per row its real-token count, last real (pre-smear) embedding and memory."""
@@ -280,15 +321,15 @@ class MaglevCache(SavedCache, Cache):
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [True] * len(self.layer_stores)
+        return [True] * len(self.layers)
 
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * len(self.layer_stores)
+        return [False] * len(self.layers)
 
     @property
     def is_dummy(self) -> list[bool]:
-        return [False] * len(self.layer_stores)
+        return [False] * len(self.layers)
 
     @property
     def batch_size(self) -> int:
@@ -296,22 +337,22 @@ class MaglevCache(SavedCache, Cache):
 
     def layer_lengths(self) -> list[int]:
         """Key/value slots each layer holds (its ring's capacity; 0 before the first forward)."""
-        return [store.length() for store in self.layer_stores]
+        return [store.length() for store in self.layers]
 
     def nbytes(self) -> int:
         """Bytes held by the cache's state (rollback records, kept only while recording, not included)."""
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def _tensors(self) -> list[torch.Tensor]:
-        tensors = [t for store in self.layer_stores for t in store.tensors()]
+        tensors = [t for store in self.layers for t in store.tensors.values()]
         return tensors + [t for t in (self.positions, self.last_memory, self.previous_embedding) if t is not None]
 
     def reset(self) -> None:
         self.__init__(self.config, self.max_rollback)
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for store in self.layer_stores:
-            store.map_batch(fn)
+        for store in self.layers:
+            store.map_rows(fn)
         self.positions, self.last_memory, self.previous_embedding = (
             None if t is None else fn(t) for t in (self.positions, self.last_memory, self.previous_embedding))
         records = list(self.history)
@@ -355,10 +396,10 @@ class MaglevCache(SavedCache, Cache):
             record = self.history.pop()
             self.positions, self.last_memory = record.positions, record.memory
             self.previous_embedding = record.embedding
-            for store, layer_record in zip(self.layer_stores, record.layers):
+            for store, layer_record in zip(self.layers, record.layers):
                 store.undo(layer_record)
         self.seen_tokens -= remove
-        for store in self.layer_stores:
+        for store in self.layers:
             store.shrink(self.seen_tokens)
 
     def update(self, *args, **kwargs):
@@ -372,7 +413,7 @@ class MaglevCache(SavedCache, Cache):
         tensors = {"positions": self.positions, "previous_embedding": self.previous_embedding}
         if self.last_memory is not None:
             tensors["last_memory"] = self.last_memory
-        for i, store in enumerate(self.layer_stores):
+        for i, store in enumerate(self.layers):
             tensors.update({f"layers.{i}.{name}": t for name, t in store.state().items()})
         fields = {"seen_tokens": self.seen_tokens, "batch_size": self.batch_size,
                   "dtype": str(self.previous_embedding.dtype).removeprefix("torch.")}
@@ -387,14 +428,15 @@ class MaglevCache(SavedCache, Cache):
         cache.positions = tensors["positions"]
         cache.previous_embedding = tensors["previous_embedding"].to(dtype)
         cache.last_memory = tensors["last_memory"].to(dtype) if "last_memory" in tensors else None
-        for i, store in enumerate(cache.layer_stores):
+        for i, store in enumerate(cache.layers):
+            store.batch = meta["batch_size"]
             state = tensors_under(tensors, f"layers.{i}.")
             if state:
                 store.load_state({k: v if k == "positions" else v.to(dtype) for k, v in state.items()})
         return cache
 
     def __len__(self) -> int:
-        return len(self.layer_stores)
+        return len(self.layers)
 
     def __repr__(self) -> str:
-        return f"MaglevCache(seen_tokens={self.seen_tokens}, layers={len(self.layer_stores)}, nbytes={self.nbytes()})"
+        return f"MaglevCache(seen_tokens={self.seen_tokens}, layers={len(self.layers)}, nbytes={self.nbytes()})"

@@ -19,7 +19,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
-from .cache_maglev import MaglevCache, RingKeyValues
+from .cache_maglev import MaglevCache, MaglevCacheLayer
 from .carried_card import CarriedCardMixin
 from .configuration_maglev import MaglevConfig
 from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
@@ -31,7 +31,7 @@ from .onednn_linear import OneDNNLinear
 from .row_block_loss import RowBlockLossMixin, row_block_head_loss
 from .runtime_maglev import one_query_attention
 from .runtime_switch import runtime_speedups
-from .step_plan import (StepPlan, boundary_kwargs, bucket_index, bucket_mask, gather_bucket, gather_columns,
+from .step_plan import (RowTokens, StepPlan, boundary_kwargs, bucket_index, bucket_mask, gather_bucket, gather_columns,
                         length_buckets, packed_documents, previous_real_index, real_tokens, refuse_packed_cache,
                         scatter_outputs)
 from .tensor_parallel import local_columns, local_tensor
@@ -221,14 +221,14 @@ class MaglevAttention(nn.Module):
         if store is None:
             return windowed_attention(plan, q, k, v, window, self.eager)
         y = self.attend_ring(q, k, v, store, plan)
-        store.write(k, v, plan)
+        store.write_tokens(k, v, plan)
         return y
 
-    def attend_ring(self, q, k, v, ring: RingKeyValues, plan: StepPlan) -> torch.Tensor:
+    def attend_ring(self, q, k, v, ring: MaglevCacheLayer, plan: StepPlan) -> torch.Tensor:
         """Over the ring's written slots within the layer's window before the chunk, and the chunk itself: a
         one-token step with `one_query_kernel` on as runtime_maglev's matrix-vector products, else the plain
         masked attention they equal."""
-        keys, values = ring.read(k)
+        keys, values = ring.read_ring(k, plan.rows)
         if self.one_query_kernel and plan.length == 1:
             return one_query_attention(q, k, v, keys, values, ring.written(plan))
         slot_positions, capacity, window = ring.slot_positions(plan), ring.capacity, ring.window
@@ -486,7 +486,7 @@ class MaglevModel(MaglevPreTrainedModel):
                 x = res_l[i] * x + x0_l[i] * x0
             if hidden_states is not None:
                 hidden_states.append(x)
-            store = None if cache is None else cache.layer_stores[i]
+            store = None if cache is None else cache.layers[i]
             x = block(x, value_embeddings[i], memory, rotary, windows[i], store, plan)
             if self.backout_lambda is not None and i == config.backout_layer:
                 backout = x
@@ -547,6 +547,8 @@ class MaglevModel(MaglevPreTrainedModel):
         length = input_ids.shape[1]
         x0, raw = self.embed(input_ids, cache.previous_embedding, valid)
         values = self.value_embeddings_for(input_ids, x0.dtype)
+        if valid is not None and length > 1 and not cache.recording:
+            return self.recurrent_rows(x0, raw, values, cache, valid, hidden_states)
         whole = cache.step_context(valid, 1) if length == 1 else StepPlan(cache.positions, valid, length)
         rotary = self.rotary_for(whole, x0.dtype)
         heads, outputs, per_step = [], [], []
@@ -564,6 +566,38 @@ class MaglevModel(MaglevPreTrainedModel):
         if hidden_states is not None:
             hidden_states.extend(torch.cat(states, dim=1) for states in zip(*per_step))
         return torch.cat(heads, dim=1), torch.cat(outputs, dim=1)
+
+    def recurrent_rows(self, x0, raw, values, cache, valid, hidden_states=None):
+        """`recurrent` for rows that read different numbers of tokens (padding; a serving engine's requests): step t
+        runs the t-th real token of every row that has one, so no step computes padding and rows that are done drop
+        out. Each row reads its tokens in order, as in `recurrent`; outputs at padding are zeros."""
+        batch, length = x0.shape[:2]
+        tokens = RowTokens.from_batch(cache.positions.tolist(), valid, batch, length, x0.device)
+        x0, raw = tokens.flatten(x0), tokens.flatten(raw)
+        values = [None if v is None else tokens.flatten(v) for v in values]
+        if self._inv_freq is None or self._inv_freq.device != x0.device:
+            self._inv_freq = inverse_frequencies(self.config, x0.device)
+        cos, sin = rotary_tables(self._inv_freq, tokens.position[:, None], x0.dtype)
+        heads, memories = torch.zeros_like(x0), torch.zeros_like(x0)
+        states = None if hidden_states is None else [torch.zeros_like(x0) for _ in range(len(self.layers))]
+        cache.reserve(length)
+        for t in range(max(tokens.counts)):
+            active = [row for row, count in enumerate(tokens.counts) if count > t]
+            rows = torch.tensor(active, device=x0.device)
+            flat = tokens.offset[rows] + t
+            plan = cache.rows_step(None if len(active) == batch else rows)
+            step_states = None if states is None else []
+            head, memory = self.read_out(*self.run_stack(
+                x0[flat, None], [None if v is None else v[flat, None] for v in values],
+                cache.last_memory[rows], cache, plan, (cos[flat], sin[flat]), hidden_states=step_states))
+            cache.advance_rows(rows, raw[flat, None], memory)
+            heads[flat], memories[flat] = head[:, 0], memory[:, 0]
+            for layer_states, state in zip(states or [], step_states or []):
+                layer_states[flat] = state[:, 0]
+        cache.seen_tokens += length
+        if hidden_states is not None:
+            hidden_states.extend(tokens.unflatten(state) for state in states)
+        return tokens.unflatten(heads), tokens.unflatten(memories)
 
     def prefill(self, input_ids, valid, cache, plan, hidden_states=None):
         """"prefiller" prompt processing: Q reads the prompt, P runs on it in parallel fed Q's shifted memories.

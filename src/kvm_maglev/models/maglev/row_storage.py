@@ -1,0 +1,75 @@
+# Generated from kvm_maglev/models/common/row_storage.py (python -m kvm_maglev.models.sync_shared); do not edit by hand.
+"""Per-row tensors of a cache layer, addressed by row, whoever owns them: a cache's own dense tensors (one storage
+row per batch row, generate()) or a serving engine's pages (one page per request, bound for each step). The layer code
+reads and writes through it the same way in both cases, in place."""
+
+from __future__ import annotations
+
+import torch
+
+
+class RowStorage:
+    """A layer's tensors, each [storage rows, ...], and the storage row of each of the forward's rows (`index`;
+    None: storage row i is row i). Reading all rows of a dense storage is the tensor itself, no copy; writes go
+    into the tensors in place and, while a journal is open, keep what they replaced."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.index: torch.Tensor | None = None
+        self.replaced: list | None = None  # while recording: (name, where, the values a write replaced)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def rows(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Storage rows of the forward's rows `rows` (None: all of them, in order)."""
+        if self.index is None:
+            return rows
+        return self.index if rows is None else self.index[rows]
+
+    def read(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, ...] of tensor `name` (all rows: `rows` None)."""
+        tensor, index = self.tensors[name], self.rows(rows)
+        return tensor if index is None else tensor[index]
+
+    def write(self, name: str, rows: torch.Tensor | None, values: torch.Tensor,
+              slots: torch.Tensor | None = None) -> None:
+        """Write `values` into rows `rows` (None: all) of tensor `name`: whole rows (their leading slots when
+        `values` holds fewer), or one slot per row (`slots`: [n] slots of dim 2, values [n, heads, dim]). Under
+        autograd, with values that carry gradients, the tensor is replaced rather than written in place (what
+        attention read from it stays as it was for the backward pass)."""
+        tensor, index = self.tensors[name], self.rows(rows)
+        if index is None:
+            index = torch.arange(tensor.shape[0], device=tensor.device) if slots is not None else slice(None)
+        if slots is not None:
+            where = (index, slice(None), slots)
+        elif values.dim() > 2 and values.shape[2] < tensor.shape[2]:
+            where = (index, slice(None), slice(0, values.shape[2]))
+        else:
+            where = (index,)
+        if self.replaced is not None:
+            self.replaced.append((name, where, tensor[where].clone()))
+        if torch.is_grad_enabled() and values.requires_grad:
+            tensor = self.tensors[name] = tensor.clone()
+        tensor[where] = values.to(tensor.dtype)
+
+    def ensure(self, name: str, rows: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+        """Dense storage: tensor `name` for `rows` rows with at least `shape` ([heads, slots, dim]: the slot count
+        grows, geometrically, keeping what it holds), zeros where new."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            self.tensors[name] = torch.zeros(rows, *shape, dtype=dtype, device=device)
+            return
+        if len(shape) == 3 and tensor.shape[2] < shape[1]:
+            grown = tensor.new_zeros(tensor.shape[0], tensor.shape[1], max(shape[1], 2 * tensor.shape[2]),
+                                     tensor.shape[3])
+            grown[:, :, :tensor.shape[2]] = tensor
+            self.tensors[name] = grown
+
+    def zero_rows(self, rows: torch.Tensor) -> None:
+        """Empty rows `rows` (a request starting at position 0 on pages another request used)."""
+        for name in self.tensors:
+            self.write(name, rows, torch.zeros((), dtype=self.tensors[name].dtype, device=rows.device))
+
+    def map_rows(self, fn) -> None:
+        self.tensors = {name: fn(tensor) for name, tensor in self.tensors.items()}
