@@ -156,7 +156,7 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="folder for one PNG of median recall per fact count")
     parser.add_argument("--alias", action="append", default=[], metavar="NAME=AS",
-                        help="count model NAME as AS (e.g. maglev=maglev_self_feed2: the demo's model is that recipe)")
+                        help="count model NAME as AS (e.g. maglev=maglev_self_feed2_then_recurrent_late: `maglev` is the shipped recipe)")
     args = parser.parse_args(argv)
     aliases = dict(alias.split("=", 1) for alias in args.alias)
     capacity = summarize_capacity(args.folders)
