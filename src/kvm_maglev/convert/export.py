@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 
+from kvm_maglev.models.hub_code import hub_code_files, hub_code_names
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 WRITE_STAGES = ["cast", "check logits", "weights", "tokenizer", "card", "verify", "move into place"]
 FOLDER_STAGES = ["copy files", "tokenizer", "card", "verify", "move into place"]
 # The package's model folders: their modules are the remote code every Hub folder gets.
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 _CLASS_PREFIXES = {"kvm": "KVM", "maglev": "Maglev"}
 # Large files are hard-linked into the staging folder when possible; small ones are copied, so
 # editing them there (config.json's auto_map) never touches the source folder.
@@ -107,15 +108,13 @@ def is_package_architecture(model_type: str | None) -> bool:
     return model_type in _CLASS_PREFIXES
 
 
-def package_code_files(model_type: str) -> list[Path]:
-    """The modules of the package's model folder for `model_type`: the remote code a Hub folder carries."""
+def package_code_files(model_type: str) -> dict[str, str]:
+    """The code files a Hub folder of one of our architectures carries (name -> text): its configuration and
+    modeling files, generated from the package's modules (`kvm_maglev.models.hub_code`)."""
     if not is_package_architecture(model_type):
         raise ValueError(f"no model code in this package for model_type {model_type!r}; expected one of "
                          f"{sorted(_CLASS_PREFIXES)}")
-    files = sorted(path for path in (MODELS_DIR / model_type).glob("*.py") if path.name != "__init__.py")
-    if not files:
-        raise ValueError(f"the package's model folder {MODELS_DIR / model_type} holds no code files")
-    return files
+    return hub_code_files(model_type)
 
 
 def package_auto_map(model_type: str) -> dict[str, str]:
@@ -133,7 +132,7 @@ def lacks_package_code(folder: str | os.PathLike) -> bool:
     model_type = _read_config(Path(folder)).get("model_type")
     if not is_package_architecture(model_type):
         return False
-    return any(not (Path(folder) / source.name).is_file() for source in package_code_files(model_type))
+    return any(not (Path(folder) / name).is_file() for name in hub_code_names(model_type))
 
 
 def _read_config(folder: Path) -> dict:
@@ -147,8 +146,8 @@ def _read_config(folder: Path) -> dict:
 def _add_package_code(folder: Path, model_type: str) -> None:
     """Copy the package's code files into `folder`, point config.json's auto_map at them and make the folder
     decode with its cache (`_decode_with_cache`)."""
-    for source in package_code_files(model_type):
-        shutil.copyfile(source, folder / source.name)
+    for name, text in package_code_files(model_type).items():
+        (folder / name).write_text(text, encoding="utf-8")
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text(encoding="utf-8"))
     config["auto_map"] = {**(config.get("auto_map") or {}), **package_auto_map(model_type)}
@@ -252,7 +251,7 @@ def _planned_folder_files(source: Path, tokenizer, card_text, extra_files) -> li
     model_type = _read_config(source).get("model_type")
     files = [f"{path.name} (from {source})" for path in sorted(source.iterdir()) if path.is_file()]
     if is_package_architecture(model_type):
-        files.append(f"{', '.join(path.name for path in package_code_files(model_type))} (the package's code)")
+        files.append(f"{', '.join(hub_code_names(model_type))} (the package's code)")
     return files + _planned_extras(tokenizer, card_text, extra_files)
 
 

@@ -20,7 +20,7 @@ if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.
                       "upgrade with: pip install -U 'transformers>=5.17'")
 # ----- end of version guard -----
 
-from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
+from ..common.config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
 
 WINDOW_LETTERS = "SL"
 CONSISTENCY_LOSSES = ("mse", "cosine")
