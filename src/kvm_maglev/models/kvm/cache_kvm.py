@@ -380,10 +380,10 @@ class KVMCache(SavedCache, Cache):
                 for stream, inputs in journal.shifts.items():
                     layer.write(f"carry.{stream}", index, inputs[offset + count - 1][None])
                 if journal.first_chunk is not None:  # the kept first-chunk tokens' slots
-                    rows, slots, values = journal.first_chunk
-                    kept = ((rows == row) & (slots < stop)).nonzero().squeeze(1)
+                    rows, first_slots, values = journal.first_chunk
+                    entered = ((rows == row) & (first_slots < stop)).nonzero().squeeze(1)
                     for name, tensor in zip(STATE + READ, values):
-                        layer.write(name, rows[kept], tensor[kept], slots[kept])
+                        layer.write(name, rows[entered], tensor[entered], first_slots[entered])
                 state = None if layer.is_sliding else latest_state(journal.states, row, stop)
                 if state is not None:
                     for name, tensor in zip(STATE + READ, state):
