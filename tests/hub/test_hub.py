@@ -520,7 +520,8 @@ def test_push_builds_the_hub_folder_of_a_folder_without_code(tmp_path):
     import shutil
 
     from kvm_maglev import demo
-    from kvm_maglev.convert.export import build_hub_folder, package_auto_map, package_code_files
+    from kvm_maglev.convert.export import build_hub_folder, package_code_files
+    from kvm_maglev.models.hub_code import hub_auto_map
     from kvm_maglev.hub import _with_package_code
 
     kept = shutil.copytree(demo.RECALL_MODELS_DIR / "kvm_fixed", tmp_path / "kvm_fixed")
@@ -529,7 +530,7 @@ def test_push_builds_the_hub_folder_of_a_folder_without_code(tmp_path):
         assert upload != kept
         for name, text in package_code_files("kvm").items():
             assert (upload / name).read_text() == text
-        assert json.loads((upload / "config.json").read_text())["auto_map"] == package_auto_map("kvm")
+        assert json.loads((upload / "config.json").read_text())["auto_map"] == hub_auto_map("kvm")
         assert (upload / "model.safetensors").read_bytes() == before["model.safetensors"]
     assert not upload.exists() and [p.name for p in tmp_path.iterdir()] == ["kvm_fixed"]
     assert {p.name: p.read_bytes() for p in kept.iterdir()} == before

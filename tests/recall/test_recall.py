@@ -157,7 +157,7 @@ def test_demo_loads_the_package_code_as_it_is_now(tmp_path, monkeypatch):
     for name, text in files.items():
         assert (built / name).read_text() == text, name
     config = json.loads((built / "config.json").read_text())
-    assert config["auto_map"] == export.package_auto_map("maglev")
+    assert config["auto_map"] == hub_code.hub_auto_map("maglev")
     assert "custom_code" in (built / "README.md").read_text()
     model = demo.load_demo_model(kept, tmp_path / "cache")
     loaded_from = Path(inspect.getfile(type(model)))

@@ -1,8 +1,8 @@
 """Build a complete Hub model folder, checked first and moved into place only when whole.
 
 `build_hub_folder` is the one place a Hub folder is made (converters, `kvm-maglev push`, the demo):
-weights and config come from a model or a saved folder, and our architectures' code files are
-copied from the package's own model folders with `auto_map` set, so a folder always carries the
+weights and config come from a model or a saved folder, and our architectures' two code files are
+generated from the package's model modules with `auto_map` set, so a folder always carries the
 package's current code. Everything is written to a temporary folder beside OUT and renamed at the
 end, so a failure at any stage (a bad tensor, a full disk, an interrupt) never leaves a
 half-written OUT behind.
@@ -20,14 +20,12 @@ from pathlib import Path
 
 import torch
 
-from kvm_maglev.models.hub_code import hub_code_files, hub_code_names
+from kvm_maglev.models.hub_code import CLASS_PREFIXES, hub_code_files, hub_code_names, write_hub_code
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 WRITE_STAGES = ["cast", "check logits", "weights", "tokenizer", "card", "verify", "move into place"]
 FOLDER_STAGES = ["copy files", "tokenizer", "card", "verify", "move into place"]
-# The package's model folders: their modules are the remote code every Hub folder gets.
-_CLASS_PREFIXES = {"kvm": "KVM", "maglev": "Maglev"}
 # Large files are hard-linked into the staging folder when possible; small ones are copied, so
 # editing them there (config.json's auto_map) never touches the source folder.
 _LINKED_SUFFIXES = (".safetensors", ".bin")
@@ -105,7 +103,7 @@ class Stages:
 
 def is_package_architecture(model_type: str | None) -> bool:
     """True for the architectures whose code this package ships (their folders get our code files)."""
-    return model_type in _CLASS_PREFIXES
+    return model_type in CLASS_PREFIXES
 
 
 def package_code_files(model_type: str) -> dict[str, str]:
@@ -113,18 +111,8 @@ def package_code_files(model_type: str) -> dict[str, str]:
     modeling files, generated from the package's modules (`kvm_maglev.models.hub_code`)."""
     if not is_package_architecture(model_type):
         raise ValueError(f"no model code in this package for model_type {model_type!r}; expected one of "
-                         f"{sorted(_CLASS_PREFIXES)}")
+                         f"{sorted(CLASS_PREFIXES)}")
     return hub_code_files(model_type)
-
-
-def package_auto_map(model_type: str) -> dict[str, str]:
-    """config.json's auto_map for one of our architectures: Auto classes -> `module.Class` in the code files."""
-    prefix = _CLASS_PREFIXES[model_type]
-    return {
-        "AutoConfig": f"configuration_{model_type}.{prefix}Config",
-        "AutoModel": f"modeling_{model_type}.{prefix}Model",
-        "AutoModelForCausalLM": f"modeling_{model_type}.{prefix}ForCausalLM",
-    }
 
 
 def lacks_package_code(folder: str | os.PathLike) -> bool:
@@ -144,13 +132,11 @@ def _read_config(folder: Path) -> dict:
 
 
 def _add_package_code(folder: Path, model_type: str) -> None:
-    """Copy the package's code files into `folder`, point config.json's auto_map at them and make the folder
-    decode with its cache (`_decode_with_cache`)."""
-    for name, text in package_code_files(model_type).items():
-        (folder / name).write_text(text, encoding="utf-8")
+    """Write the package's code files into `folder` with config.json's auto_map pointing at them, and make the
+    folder decode with its cache (`_decode_with_cache`)."""
+    write_hub_code(folder, model_type)
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text(encoding="utf-8"))
-    config["auto_map"] = {**(config.get("auto_map") or {}), **package_auto_map(model_type)}
     config["use_cache"] = True
     _write_json(config_file, config)
     _decode_with_cache(folder, config)

@@ -14,15 +14,9 @@ import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
-# ----- version guard: this file is the first of the folder's code transformers imports -----
-import transformers as _transformers
-
-if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.isdigit()) < (5, 17):
-    raise ImportError(f"KVM models need transformers >= 5.17 (installed: {_transformers.__version__}); "
-                      "upgrade with: pip install -U 'transformers>=5.17'")
-# ----- end of version guard -----
-
+from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
 from ..common.config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
+from ..common.hub_save import HubCodeSaveMixin
 
 logger = logging.get_logger(__name__)
 
@@ -209,7 +203,7 @@ CACHE_CONFIG_FIELDS = cache_fields(KVM_FIELDS)
 
 
 @declare_fields(KVM_FIELDS)
-class KVMConfig(PretrainedConfig):
+class KVMConfig(HubCodeSaveMixin, PretrainedConfig):
     """Configuration of a KVM language model: block sliding window plus key-value-means state."""
 
     model_type = "kvm"

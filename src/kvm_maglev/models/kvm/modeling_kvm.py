@@ -26,6 +26,7 @@ from transformers.utils import can_return_tuple, logging
 
 from .cache_kvm import READ, STATE, WINDOW, KVMCache
 from ..common.carried_card import CarriedCardMixin
+from ..common.hub_save import HubCodeSaveMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
 from ..common.conventions import (SdpaOrEagerMixin, check_position_ids, config_default,
                           refuse_attention_weights)
@@ -711,8 +712,8 @@ def value_anchor_layers(config: KVMConfig) -> dict[int, tuple[str, ...]]:
 
 
 # ---- models --------------------------------------------------------------------------------
-class KVMPreTrainedModel(CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin, RowBlockLossMixin,
-                        PreTrainedModel):
+class KVMPreTrainedModel(HubCodeSaveMixin, CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin,
+                         RowBlockLossMixin, PreTrainedModel):
     attention_model_name = "KVM"
     attention_refusal = KVM_NO_KERNELS
     config_class = KVMConfig

@@ -21,6 +21,7 @@ from transformers.utils import can_return_tuple
 
 from .cache_maglev import MaglevCache, MaglevCacheLayer
 from ..common.carried_card import CarriedCardMixin
+from ..common.hub_save import HubCodeSaveMixin
 from .configuration_maglev import MaglevConfig
 from ..common.conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
                           refuse_attention_weights)
@@ -271,8 +272,8 @@ class MaglevBlock(GradientCheckpointingLayer):
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
-class MaglevPreTrainedModel(CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin, RowBlockLossMixin,
-                        PreTrainedModel):
+class MaglevPreTrainedModel(HubCodeSaveMixin, CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin,
+                            RowBlockLossMixin, PreTrainedModel):
     attention_model_name = "Maglev"
     attention_refusal = MAGLEV_NO_KERNELS
     config_class = MaglevConfig
