@@ -191,6 +191,8 @@ def save_recall_model(model, target: Path, name: str, distances: List[int], args
     task_spec = {"task": args.task.__dict__, "window": WINDOW, "distances": distances, "steps": args.steps, "seed": args.seed}
     if args.in_window_share is not None:
         task_spec["in_window_share"] = args.in_window_share
+    if model_recipe(name) is not None:  # the card names it: a recipe's schedule is not in the config
+        task_spec["recipe"] = model_recipe(name)
     save_demo_model(model, target, task_spec)
 
 

@@ -125,7 +125,8 @@ def _demo_card(folder: Path, model_type: str) -> str:
     with safe_open(str(folder / "model.safetensors"), "pt") as weights:
         num_parameters = sum(_numel(weights.get_slice(name).get_shape()) for name in weights.keys())
     title = f"Tiny {folder.name} trained on synthetic long-range recall"
-    return render_model_card(config, num_parameters=num_parameters, license="apache-2.0", title=title)
+    return render_model_card(config, num_parameters=num_parameters, license="apache-2.0", title=title,
+                             recipe=load_task(folder).get("recipe"))
 
 
 def _numel(shape: List[int]) -> int:

@@ -10,6 +10,7 @@ import torch
 from accelerate.utils import compute_module_sizes
 from transformers import AutoModelForCausalLM
 
+from kvm_maglev.training import MAGLEV_RECIPE, MAGLEV_SCHEDULES
 from tests.ecosystem import ecosystem_support as support
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -57,7 +58,11 @@ def test_two_process_ddp_run_of_the_finetune_example(model_dir, tmp_path):
     assert any("eval_loss" in entry for entry in history)
     config = json.loads((model_dir / "config.json").read_text())
     if config["model_type"] == "maglev" and config.get("has_prefiller"):
-        assert all({"lm_loss", "consistency_loss"} <= entry.keys() for entry in history if "loss" in entry)
+        # lifted steps log both terms; a recipe with a schedule trains its last steps on P's own rollouts, which
+        # have no consistency term (steps after round(share x max_steps))
+        lifted = [entry for entry in history
+                  if "loss" in entry and entry["step"] <= round(MAGLEV_SCHEDULES.get(MAGLEV_RECIPE, 1.0) * 3)]
+        assert lifted and all({"lm_loss", "consistency_loss"} <= entry.keys() for entry in lifted)
 
 
 def test_device_map_auto_splits_between_blocks_and_matches(model_dir, tmp_path):

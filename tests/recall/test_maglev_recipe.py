@@ -88,3 +88,27 @@ def test_finetune_trains_with_the_recipes_callbacks():
     alone = SimpleNamespace(model_type="maglev", use_memory=True, has_prefiller=False)
     assert [type(c) for c in finetune.recipe_callbacks(alone, "self_feed2_then_recurrent_late")] == [MaglevStepCallback]
     assert finetune.recipe_callbacks(SimpleNamespace(model_type="kvm"), MAGLEV_RECIPE) == []
+
+
+def test_the_card_names_a_recipe_and_its_schedule():
+    from kvm_maglev.convert.cards import render_model_card
+
+    config = train_recall.MODELS["maglev"](train_recall.parse_args(["--out", "unused"])).config
+    late = render_model_card(config, num_parameters=10, recipe="self_feed2_then_recurrent_late")
+    assert "`self_feed2_then_recurrent_late`: lifted parallel training" in late
+    assert "own rollouts (the inference forward) for the last 25% of the optimizer steps" in late
+    plain = render_model_card(config, num_parameters=10)
+    assert "own rollouts" not in plain and "P fed its own memories in 2 more passes" in plain
+
+
+def test_a_kept_maglev_records_its_recipe_and_the_shipped_demo_model_is_the_shipped_recipe(tmp_path):
+    from kvm_maglev.demo import RECALL_MODELS_DIR, _demo_card, load_task
+
+    args = train_recall.parse_args(["--facts", "1", "--out", str(tmp_path)])
+    for name in ("maglev", "swa_baseline"):
+        train_recall.save_recall_model(train_recall.MODELS[name](args), tmp_path / name, name, [8], args)
+    assert load_task(tmp_path / "maglev")["recipe"] == MAGLEV_RECIPE
+    assert "recipe" not in load_task(tmp_path / "swa_baseline")
+    shipped = RECALL_MODELS_DIR / "maglev"
+    assert load_task(shipped)["recipe"] == MAGLEV_RECIPE
+    assert f"`{MAGLEV_RECIPE}`: " in _demo_card(shipped, "maglev")

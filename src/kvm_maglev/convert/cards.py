@@ -132,8 +132,10 @@ def _maglev_architecture(config) -> tuple[str, list[tuple[str, object]]]:
     return paragraph, rows
 
 
-def maglev_training_recipe(config) -> str:
-    """The memory-training switches a Maglev config records, in words (what the model was, or will be, trained with)."""
+def maglev_training_recipe(config, recipe: str | None = None) -> str:
+    """The memory-training switches a Maglev config records, in words (what the model was, or will be, trained with);
+    `recipe`, a name of `kvm_maglev.training.MAGLEV_RECIPES` the model was trained with, adds its name and its
+    schedule, which a config does not record (a schedule is a training callback)."""
     parts = [f"lifted parallel training, consistency {config.consistency_weight} ({config.consistency_loss})"]
     if config.memory_self_feed_steps:
         mix = "" if config.memory_self_feed_mix >= 1 else f", mixed with p={config.memory_self_feed_mix}"
@@ -149,7 +151,14 @@ def maglev_training_recipe(config) -> str:
     if config.consistency_detach_target_after is not None:
         parts.append(f"prefiller frozen as teacher from step {config.consistency_detach_target_after}")
     parts.append(f"{config.weight_init} init")
-    return "; ".join(parts)
+    if recipe is None:
+        return "; ".join(parts)
+    from kvm_maglev.training import MAGLEV_SCHEDULES
+
+    if recipe in MAGLEV_SCHEDULES:
+        parts.append(f"P trained on its own rollouts (the inference forward) for the last "
+                     f"{100 * (1 - MAGLEV_SCHEDULES[recipe]):.0f}% of the optimizer steps")
+    return f"`{recipe}`: " + "; ".join(parts)
 
 
 _ARCHITECTURE_TEXT = {"kvm": _kvm_architecture, "maglev": _maglev_architecture}
@@ -197,8 +206,10 @@ def render_model_card(
     provenance: Provenance | None = None,
     cache_dtype: torch.dtype = torch.bfloat16,
     title: str | None = None,
+    recipe: str | None = None,
 ) -> str:
-    """Fill the architecture's template from `config`; the result's metadata is checked with ModelCard."""
+    """Fill the architecture's template from `config`; the result's metadata is checked with ModelCard. `recipe`: the
+    Maglev memory-training recipe the weights were trained with, named in the card with its schedule."""
     architecture = architecture or getattr(config, "model_type", None)
     if architecture not in ARCHITECTURES:
         raise ValueError(f"no model card template for architecture {architecture!r}; expected one of {ARCHITECTURES}")
@@ -207,6 +218,9 @@ def render_model_card(
     if num_parameters <= 0:
         raise ValueError(f"num_parameters must be positive, got {num_parameters}")
     paragraph, rows = _ARCHITECTURE_TEXT[architecture](config)
+    if recipe is not None and architecture == "maglev" and config.use_memory:
+        rows = [(name, maglev_training_recipe(config, recipe) if name == "training recipe" else value)
+                for name, value in rows]
     metadata = card_metadata(architecture, license=license, base_model=base_model, datasets=datasets)
     template = Template(resources.files("kvm_maglev.model_cards").joinpath(f"{architecture}.md").read_text("utf-8"))
     text = template.substitute(
