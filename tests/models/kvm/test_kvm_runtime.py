@@ -13,7 +13,6 @@ import torch
 
 from kvm_maglev.models.common import onednn_linear
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM, modeling_kvm, state_kvm
-from kvm_maglev.models.kvm.modeling_kvm import KVMAttention
 
 
 def random_model(**overrides) -> KVMForCausalLM:
