@@ -4,10 +4,7 @@ other, and that load with trust_remote_code where this package is not installed 
 exactly."""
 
 import ast
-import json
-import subprocess
 import sys
-import sysconfig
 
 import pytest
 import torch
@@ -15,6 +12,8 @@ import torch
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 from kvm_maglev.convert.export import build_hub_folder
 from kvm_maglev.models import hub_code
+
+from .without_package import expected_outputs, run_without_package
 
 # what a folder may import: the standard library, torch, and transformers with what transformers itself installs
 ALLOWED = set(sys.stdlib_module_names) | {"torch", "transformers", "huggingface_hub", "safetensors"}
@@ -64,30 +63,8 @@ def test_a_hub_folder_loads_without_the_package_and_gives_its_logits(kind, tmp_p
     folder = build_hub_folder(tiny(kind), tmp_path / kind, progress=False)
     assert sorted(p.name for p in folder.glob("*.py")) == sorted(hub_code.hub_code_names(kind))
     model = (KVMForCausalLM if kind == "kvm" else MaglevForCausalLM).from_pretrained(folder).eval()  # as loaded there
-    ids = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = model(ids, use_cache=False).logits
-        tokens = model.generate(ids[:, :9], max_new_tokens=6, do_sample=False)
-    torch.save({"ids": ids, "logits": expected, "tokens": tokens}, tmp_path / "expected.pt")
-    script = f"""
-import sys, json, torch
-sys.modules["kvm_maglev"] = None  # the package cannot be imported: the folder's own code runs
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
-expected = torch.load({str(tmp_path / 'expected.pt')!r})
-with torch.no_grad():
-    logits = model(expected["ids"], use_cache=False).logits
-    tokens = model.generate(expected["ids"][:, :9], max_new_tokens=6, do_sample=False)
-print(json.dumps({{"module": type(model).__module__, "logits": bool(torch.equal(logits, expected["logits"])),
-                  "tokens": bool(torch.equal(tokens, expected["tokens"]))}}))
-"""
-    paths = sysconfig.get_paths()
-    env = {"PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-           "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                            cwd=paths["stdlib"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    expected_outputs(model, tmp_path / "expected.pt")
+    report = run_without_package(folder, tmp_path / "expected.pt", tmp_path)
     assert report["module"].startswith("transformers_modules.") and report["logits"] and report["tokens"], report
 
 

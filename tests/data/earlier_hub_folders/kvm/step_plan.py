@@ -1,0 +1,420 @@
+# Generated from kvm_maglev/models/common/step_plan.py (python -m kvm_maglev.models.sync_shared); do not edit by hand.
+"""Per-row geometry of one forward, shared by both models: which columns are real tokens and where each row
+stands, each token's real predecessor, KVM's row groups and chunk grid, Maglev's query blocks, and the documents
+of a packed row. Plans are built from a forward's inputs and the cache's counts and hold nothing between forwards;
+the caches hold storage, rollback and save/load.
+
+Packed rows (several documents in one row, as DataCollatorWithFlattening and TRL's padding-free batches make
+them): both models run a right-padded batch exactly (they are causal, so trailing pads never reach a real token)
+and batch rows independently. A packed row is therefore run exactly by splitting it into its documents, gathering
+them into a few length buckets (lengths rounded up to `align`, the KVM chunk size, so every document's chunk grid
+starts at its own first token), running each bucket as an ordinary unpacked batch, and scattering the outputs
+back to the packed layout, where the head and the loss run as usual."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+
+
+# ---- real tokens -------------------------------------------------------------------------------------------
+def real_tokens(attention_mask, batch: int, length: int, cached: int, device) -> torch.Tensor | None:
+    """[B, T] booleans for this forward's real tokens (None without a mask). The mask covers the new tokens
+    or, as generate() passes it, the cached columns and the new tokens; the cached part is in the cache."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (length,
+                                                                                                     cached + length):
+        expected = f"[{batch}, {length}]" + (f" or [{batch}, {cached + length}]" if cached else "")
+        raise ValueError(f"attention_mask must have shape {expected} (batch, cached + new tokens), "
+                         f"got {tuple(attention_mask.shape)}")
+    return attention_mask[:, -length:].to(device=device) != 0
+
+
+def last_real_index(valid: torch.Tensor) -> torch.Tensor:
+    """[B, T]: 1 + the index of the last real token at or before t (0 when none)."""
+    steps = torch.arange(1, valid.shape[1] + 1, device=valid.device)
+    return torch.where(valid, steps, 0).cummax(dim=1).values
+
+
+def previous_real_index(valid: torch.Tensor) -> torch.Tensor:
+    """[B, T]: 1 + the index of the last real token strictly before t (0: the carried state)."""
+    last = last_real_index(valid)
+    return torch.cat([last.new_zeros(last.shape[0], 1), last[:, :-1]], dim=1)
+
+
+def gather_columns(first: torch.Tensor, columns: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Pick, per row, column `index - 1` of `columns` or `first` (index 0): [B, 1, H] + [B, T, H] -> [B, K, H]."""
+    source = torch.cat([first.to(columns.dtype), columns], dim=1)
+    return source.gather(1, index[..., None].expand(-1, -1, columns.shape[-1]))
+
+
+class StepPlan:
+    """One forward's view of its tokens: per-row positions, which tokens are real, masks built once.
+
+    `start` [B] is each row's count of real tokens read before. Query positions of padding are those the next
+    real token would get (only they read them); padding keys get position -1, which no query sees. `records`
+    is where a recording cache keeps what each column overwrote (None when not recording).
+    """
+
+    def __init__(self, start: torch.Tensor, valid: torch.Tensor | None, length: int):
+        self.start = start
+        self.valid = valid
+        self.length = length
+        if valid is None:
+            self.query_positions = start[:, None] + torch.arange(length, device=start.device)
+            self.key_positions = self.query_positions
+            self.before = None
+        else:
+            self.before = valid.long().cumsum(dim=1) - valid.long()
+            self.query_positions = start[:, None] + self.before
+            self.key_positions = torch.where(valid, self.query_positions, -1)
+        self.records: list | None = None
+        self._masks: dict = {}
+
+    def column(self, t: int):
+        """(start positions, validity) of column t, for writes one column at a time."""
+        if self.length == 1:
+            return self.start, None if self.valid is None else self.valid[:, 0]
+        if self.valid is None:
+            return self.start + t, None
+        return self.start + self.before[:, t], self.valid[:, t]
+
+    def predecessors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices into [carried, x_0, ..., x_{T-1}] (0 = what the cache carried): each token's real predecessor
+        [B, T] and the row's last real token [B, 1], what the next forward carries."""
+        valid = self.valid
+        if valid is None:
+            valid = torch.ones(self.start.shape[0], self.length, dtype=torch.bool, device=self.start.device)
+        last = last_real_index(valid)
+        return torch.cat([last.new_zeros(last.shape[0], 1), last[:, :-1]], dim=1), last[:, -1:]
+
+    def mask(self, key, build: Callable[[], torch.Tensor]):
+        """`build()` once per forward under `key`, shared by the layers."""
+        if key not in self._masks:
+            self._masks[key] = build()
+        return self._masks[key]
+
+    def query_blocks(self, left: int, block: int) -> list[tuple[int, int, int]]:
+        """(first key column, first query column, end column) per block of `block` queries: the key columns any
+        query of the block can see under a `left` window, so a long chunk costs O(length * (block + left))
+        instead of O(length^2). One block when the chunk is short."""
+        if self.length <= block + left:
+            return [(0, 0, self.length)]
+
+        def build():
+            blocks = []
+            for begin in range(0, self.length, block):
+                # per row, the first column whose key position is within reach of the block's first query
+                reach = self.key_positions[:, :begin + 1] >= self.query_positions[:, begin:begin + 1] - left
+                first = torch.where(reach.any(dim=1), reach.float().argmax(dim=1), begin)
+                blocks.append((int(first.min()), begin, min(begin + block, self.length)))
+            return blocks
+        return self.mask(("blocks", left, block), build)
+
+
+# ---- row groups (KVM) -------------------------------------------------------------------------------------
+class RowGroup:
+    """Rows (batch indices, ascending) that have read the same number of real tokens, and their layer caches."""
+
+    def __init__(self, rows: list[int], layers: list) -> None:
+        self.rows = rows
+        self.layers = layers
+
+    @property
+    def seen(self) -> int:
+        return self.layers[0].seen
+
+    def take(self, local: list[int], rows: list[int]) -> "RowGroup":
+        """A group of this group's rows at positions `local`, renumbered `rows`."""
+        if local == list(range(len(self.rows))):
+            return RowGroup(rows, self.layers)
+        index = torch.tensor(local, device=self.device) if self.device is not None else torch.tensor(local)
+        return RowGroup(rows, [layer.take_rows(index) for layer in self.layers])
+
+    @property
+    def device(self):
+        for layer in self.layers:
+            if layer.window.storage is not None:
+                return layer.window.storage[0].device
+        return None
+
+
+def row_index(rows: list[int], batch: int, device) -> slice | torch.Tensor:
+    """Index of `rows` in a batch: a slice when they are consecutive (views, no copies)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows)) if len(rows) < batch else slice(None)
+    return torch.tensor(rows, device=device)
+
+
+class Segment:
+    """The tokens of one row group in one forward: which rows, which columns (None: all), how many."""
+
+    def __init__(self, group: RowGroup, batch: int, count: int, columns: torch.Tensor | None, device) -> None:
+        self.group = group
+        self.count = count
+        self.rows = row_index(group.rows, batch, device)
+        self.columns = columns  # [G, count] real columns of each row, ascending
+        if columns is not None and not isinstance(self.rows, torch.Tensor):
+            self.rows = torch.arange(batch, device=device)[self.rows]
+
+    @property
+    def whole_batch(self) -> bool:
+        return self.columns is None and self.rows == slice(None)
+
+    def take(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """This segment's tokens of a [B, H, T, D] tensor, as [G, H, count, D]."""
+        if t is None:
+            return None
+        if self.columns is None:
+            return t[self.rows]
+        return t.transpose(1, 2)[self.rows[:, None], self.columns].transpose(1, 2)
+
+    def put(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        """Write [G, H, count, D] results into their places of `out` [B, H, T, D]."""
+        if self.columns is None:
+            out[self.rows] = y
+        else:
+            out.transpose(1, 2)[self.rows[:, None], self.columns] = y.transpose(1, 2)
+
+
+def split_row_groups(groups: list[RowGroup], batch: int, valid: torch.Tensor | None, length: int,
+                     device) -> tuple[list[RowGroup], list[Segment]]:
+    """The groups split by this forward's per-row real-token counts (ordered by first row), and one segment per
+    group that reads tokens."""
+    counts = None if valid is None else valid.sum(dim=1).tolist()
+    split, segments = [], []
+    for group in groups:
+        by_count: dict[int, list[int]] = {}
+        for local, row in enumerate(group.rows):
+            by_count.setdefault(length if counts is None else counts[row], []).append(local)
+        for count, local in by_count.items():
+            sub = group.take(local, [group.rows[i] for i in local])
+            split.append(sub)
+            if count:
+                columns = None
+                if count < length:
+                    real = valid[torch.tensor(sub.rows, device=device)]
+                    columns = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices[:, :count]
+                segments.append(Segment(sub, batch, count, columns, device))
+    split.sort(key=lambda g: g.rows[0])
+    return split, segments
+
+
+class GroupedStepPlan:
+    """KVM's view of one forward's tokens: its row groups and segments, per-row positions, and where each
+    token's token-shift predecessor is. Built once per forward, shared by the layers.
+
+    `previous_index` / `last_index` index the sequence [carry, x_0, ..., x_{T-1}] (0 = the carry); both are
+    None in the common case of one group with every token real (plain shifts); `first_previous_index` makes a
+    row's very first token its own predecessor (the "first" shift mode).
+    """
+
+    def __init__(self, batch: int, length: int, valid: torch.Tensor | None, groups: list[RowGroup], device) -> None:
+        self.batch, self.length, self.valid = batch, length, valid
+        self.groups, self.segments = split_row_groups(groups, batch, valid, length, device)
+        self.uniform = len(self.groups) == 1 and valid is None
+        if self.uniform:
+            seen = self.groups[0].seen
+            self.positions = torch.arange(seen, seen + length, device=device)
+            self.previous_index = self.last_index = self.first_previous_index = None
+            self.has_prior = seen > 0
+            return
+        row_seen = torch.zeros(batch, dtype=torch.long)
+        for group in self.groups:
+            row_seen[group.rows] = group.seen
+        tokens = StepPlan(row_seen.to(device), valid, length)
+        self.positions = tokens.query_positions
+        self.previous_index, self.last_index = tokens.predecessors()
+        self.has_prior = tokens.start > 0
+        steps = torch.arange(1, length + 1, device=device)
+        self.first_previous_index = torch.where((self.previous_index == 0) & ~self.has_prior[:, None],
+                                                steps, self.previous_index)
+
+
+def chunk_pieces(seen: int, length: int, chunk: int, window_chunks: int) -> list[tuple[int, int]]:
+    """Absolute [pos, stop) of the pieces `length` new tokens after `seen` are processed in: the front window
+    (no state) as one piece, then one piece per chunk."""
+    pieces, pos, end = [], seen, seen + length
+    while pos < end:
+        front = pos // chunk < window_chunks
+        stop = min(end, window_chunks * chunk if front else (pos // chunk + 1) * chunk)
+        pieces.append((pos, stop))
+        pos = stop
+    return pieces
+
+
+# ---- packed rows ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Document:
+    """One document of a packed batch: its row and its columns [start, end)."""
+
+    row: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def boundaries_from_positions(position_ids: torch.Tensor, batch: int) -> list[list[int]] | None:
+    """Per row the columns where a document starts (position 0 after the row's first column), or None when no row
+    restarts. Each document's positions must count 0, 1, 2, ...; other position ids are left to the model's check."""
+    ids = position_ids.detach().to("cpu").long().expand(batch, position_ids.shape[1])
+    if not bool((ids[:, 1:] == 0).any()):
+        return None
+    starts = []
+    for row in ids.tolist():
+        cuts = [0] + [t for t in range(1, len(row)) if row[t] == 0]
+        for begin, end in zip(cuts, cuts[1:] + [len(row)]):
+            if row[begin:end] != list(range(end - begin)):
+                raise ValueError("position_ids of a packed row must count 0, 1, 2, ... within each document "
+                                 f"(a document starting at column {begin} reads {row[begin:end][:8]}...)")
+        starts.append(cuts)
+    return starts
+
+
+def boundaries_from_cu_seq_lens(cu_seq_lens: torch.Tensor, batch: int, length: int) -> list[list[int]]:
+    """Per row the document starts that `cu_seq_lens_q` (cumulative lengths over the flattened batch) gives."""
+    cu = [int(c) for c in cu_seq_lens.detach().to("cpu").reshape(-1).tolist()]
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != batch * length or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seq_lens_q must rise strictly from 0 to batch * length = {batch * length}, got "
+                         f"{cu[:8]}{'...' if len(cu) > 8 else ''}")
+    starts: list[list[int]] = [[] for _ in range(batch)]
+    for begin, end in zip(cu, cu[1:]):
+        row = begin // length
+        if (end - 1) // length != row:
+            raise ValueError(f"cu_seq_lens_q puts a document across rows (tokens {begin}..{end - 1} of rows of "
+                             f"{length}): a document must lie within one row")
+        starts[row].append(begin - row * length)
+    if any(not cuts or cuts[0] != 0 for cuts in starts):
+        raise ValueError("cu_seq_lens_q must start a document at the first column of every row")
+    return starts
+
+
+def boundaries_from_seq_idx(seq_idx: torch.Tensor, batch: int, length: int) -> list[list[int]]:
+    """Per row the document starts that `seq_idx` ([batch, length] document ids) gives: where the id changes."""
+    if seq_idx.ndim != 2 or tuple(seq_idx.shape) != (batch, length):
+        raise ValueError(f"seq_idx must be a [{batch}, {length}] tensor of document ids, got {tuple(seq_idx.shape)}")
+    ids = seq_idx.detach().to("cpu").tolist()
+    return [[0] + [t for t in range(1, length) if row[t] != row[t - 1]] for row in ids]
+
+
+def packed_documents(position_ids, attention_mask, kwargs: dict, batch: int, length: int,
+                     model_name: str) -> list[Document] | None:
+    """The documents of a packed batch, from position_ids restarts, `cu_seq_lens_q` or `seq_idx` (those that are
+    given must agree), or None when the batch is not packed (every row one document). A padded batch's
+    position_ids are not read here: the model checks them against its own positions, as before."""
+    sources = {}
+    padded = attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all())
+    # a padded batch's position ids hold placeholders on pads (generate() writes 1s there): not restarts
+    # one-token steps cannot restart, and reading their ids would stall an accelerator every decoded token
+    if length > 1 and not padded and isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 and position_ids.shape[1] == length \
+            and position_ids.shape[0] in (1, batch) and not position_ids.dtype.is_floating_point:
+        found = boundaries_from_positions(position_ids, batch)
+        if found is not None:
+            sources["position_ids"] = found
+    if kwargs.get("cu_seq_lens_q") is not None:
+        sources["cu_seq_lens_q"] = boundaries_from_cu_seq_lens(kwargs["cu_seq_lens_q"], batch, length)
+    if kwargs.get("seq_idx") is not None:
+        sources["seq_idx"] = boundaries_from_seq_idx(kwargs["seq_idx"], batch, length)
+    if not sources:
+        return None
+    (first_name, first), *others = sources.items()
+    for name, found in others:
+        if found != first:
+            raise ValueError(f"{first_name} and {name} put the document boundaries in different places; "
+                             "pass boundaries that agree (or only one of them)")
+    if all(len(cuts) == 1 for cuts in first):
+        return None
+    if padded:
+        raise ValueError(f"{model_name}: a packed batch (documents delimited by {first_name}) cannot also have "
+                         "padding (attention_mask zeros); pack without padding, as DataCollatorWithFlattening does")
+    return [Document(row, begin, end)
+            for row, cuts in enumerate(first) for begin, end in zip(cuts, cuts[1:] + [length])]
+
+
+def boundary_kwargs(kwargs: dict) -> dict:
+    """The keyword arguments that delimit documents (as the causal-LM forward hands them to its base model)."""
+    return {name: kwargs[name] for name in ("cu_seq_lens_q", "seq_idx") if kwargs.get(name) is not None}
+
+
+def refuse_packed_cache(use_cache, cache, model_name: str) -> None:
+    """A packed row cannot be cached: a cache carries one state per row, and a packed row holds several."""
+    if use_cache is True or cache is not None:
+        raise ValueError(f"{model_name}: a packed batch (several documents in one row) cannot be run with a cache "
+                         "(use_cache=True or a cache passed): a cache holds one sequence per row. Generate from each "
+                         "document as a row of its own; pass use_cache=False for a packed training or scoring forward.")
+
+
+def length_buckets(documents: list[Document], align: int) -> list[list[Document]]:
+    """Documents grouped for batched runs: longest first, lengths rounded up to `align`; a bucket takes the next
+    document while it is at least half the bucket's length, so padding stays under half a bucket."""
+    def rounded(doc: Document) -> int:
+        return -(-doc.length // align) * align
+
+    buckets: list[list[Document]] = []
+    for doc in sorted(documents, key=lambda d: -d.length):
+        if buckets and 2 * rounded(doc) >= rounded(buckets[-1][0]):
+            buckets[-1].append(doc)
+        else:
+            buckets.append([doc])
+    return buckets
+
+
+def bucket_index(bucket: list[Document], align: int, device: torch.device):
+    """For a bucket: its padded length, and (packed rows, packed columns, bucket rows, bucket columns) of its
+    real tokens, which gather packed tensors into the bucket and scatter its outputs back."""
+    width = -(-bucket[0].length // align) * align
+    rows, cols, slots, offsets = [], [], [], []
+    for i, doc in enumerate(bucket):
+        rows += [doc.row] * doc.length
+        cols += range(doc.start, doc.end)
+        slots += [i] * doc.length
+        offsets += range(doc.length)
+    as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return width, (as_index(rows), as_index(cols), as_index(slots), as_index(offsets))
+
+
+def gather_bucket(packed: torch.Tensor, count: int, width: int, index, fill=0) -> torch.Tensor:
+    """A packed [B, T, ...] tensor's documents of one bucket as a right-padded [count, width, ...] batch."""
+    rows, cols, slots, offsets = index
+    out = packed.new_full((count, width, *packed.shape[2:]), fill)
+    out[slots, offsets] = packed[rows, cols]
+    return out
+
+
+def bucket_mask(count: int, width: int, index, device: torch.device) -> torch.Tensor:
+    """The attention mask of a bucket: 1 on real tokens, 0 on the right padding."""
+    _, _, slots, offsets = index
+    mask = torch.zeros(count, width, dtype=torch.long, device=device)
+    mask[slots, offsets] = 1
+    return mask
+
+
+def scatter_outputs(outputs: list, indices: list, counts: list[int], batch: int, length: int) -> dict:
+    """The buckets' outputs in the packed layout: [count, width, ...] tensors scattered back to [B, T, ...],
+    tuples of them likewise, scalars (mean losses over real tokens) as the token-weighted mean; an output some
+    bucket lacks (Maglev's prefiller memories, which a one-token document does not make) is None."""
+    total = sum(counts)
+
+    def combine(values):
+        first = values[0]
+        if any(value is None for value in values):
+            return None
+        if isinstance(first, (tuple, list)):
+            return tuple(combine(list(group)) for group in zip(*values))
+        if first.ndim == 0:
+            return sum(v * (n / total) for v, n in zip(values, counts))
+        out = first.new_zeros((batch, length, *first.shape[2:]))
+        for value, (rows, cols, slots, offsets) in zip(values, indices):
+            out = out.index_put((rows, cols), value[slots, offsets])
+        return out
+
+    names = [field.name for field in fields(outputs[0])]
+    return {name: combine([getattr(o, name) for o in outputs]) for name in names}
