@@ -18,12 +18,13 @@ import torch
 from kvm_maglev.benchmarks.models import MODEL_BUILDERS, TINY
 
 # what -> (model, kind): a 4-row left-padded generate() of 200 tokens (rows at different counts: a per-row plan
-# every step) or 3 forward+backward steps on 2 x 512 tokens
+# every step), 3 forward+backward steps on 2 x 512 tokens, or a cached 4 x 4,096-token prefill
 MEASURES = {
     "kvm_generate": ("kvm_sqrt16", "generate"),
     "maglev_generate": ("maglev", "generate"),
     "kvm_train": ("kvm_sqrt16", "train"),
     "maglev_train": ("maglev", "train"),
+    "kvm_small_chunks_prefill": ("kvm_small_chunks", "prefill"),
 }
 
 
@@ -44,6 +45,26 @@ def time_generate(model) -> float:
         start = time.process_time()
         model.generate(ids, attention_mask=mask, max_new_tokens=200, min_new_tokens=200, do_sample=False,
                        pad_token_id=0)
+        return time.process_time() - start
+
+
+def small_chunks_kvm() -> torch.nn.Module:
+    """The capacity experiment's KVM (width 64, 2 layers, chunks of 8, a square-root state): a long prompt is
+    hundreds of chunks, each reading its own version of the state."""
+    from kvm_maglev import KVMConfig, KVMForCausalLM
+
+    return KVMForCausalLM(KVMConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    chunk_size=8, window_chunks=2, sink_slots=1, state_budget_mode="power_law",
+                                    state_budget_exponent=0.5, state_budget_min=8, state_max_chunks=1000))
+
+
+def time_prefill(model) -> float:
+    """A cached forward of 4 rows of 4,096 tokens, as generate()'s prefill."""
+    ids = torch.randint(0, model.config.vocab_size, (4, 4096), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        start = time.process_time()
+        model(ids, use_cache=True)
         return time.process_time() - start
 
 
@@ -79,8 +100,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     name, kind = MEASURES[args.what]
-    model = MODEL_BUILDERS[name](TINY)
-    measure = time_generate if kind == "generate" else time_train
+    model = small_chunks_kvm() if name == "kvm_small_chunks" else MODEL_BUILDERS[name](TINY)
+    measure = {"generate": time_generate, "train": time_train, "prefill": time_prefill}[kind]
     measure(model)  # warm-up
     seconds = [round(measure(model), 4) for _ in range(args.repeats)]
     row = {"what": args.what, "label": args.label, "commit": code_commit(), "cpu_seconds": seconds,

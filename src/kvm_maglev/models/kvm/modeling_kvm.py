@@ -504,7 +504,7 @@ class KVMAttention(KVMAttentionBase):
         first = reads[0][1][part]
         out = first.new_zeros(count, first.shape[1], slots, first.shape[3])
         for indices, tensors in reads:
-            out = out.index_copy(0, torch.tensor(indices, device=out.device), fit_slots(tensors[part], slots))
+            out.index_copy_(0, torch.tensor(indices, device=out.device), fit_slots(tensors[part], slots))
         return out
 
     def first_chunk_slots(self, k, v, gate, index: torch.Tensor, state_dtype: torch.dtype) -> tuple:
