@@ -62,6 +62,23 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _push_converted(args: argparse.Namespace) -> int:
+    """`convert --push-to-hub ORG/NAME`: publish the folder just written (not after a dry run)."""
+    if args.dry_run or not getattr(args, "push_to_hub", None):
+        return 0
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from kvm_maglev import hub
+
+    try:
+        hub.push_after_convert(args, args.out)
+    except (ValueError, HfHubHTTPError) as error:
+        print(f"error: {args.out} was written, but pushing it to {args.push_to_hub} failed: {str(error).strip()}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv == ["--version"]:  # answered before the subcommands (and torch) are imported
@@ -70,7 +87,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with _terminate_as_interrupt():
-            return int(args._run(args) or 0)
+            status = int(args._run(args) or 0)
+            if status == 0 and args.command == "convert":
+                status = _push_converted(args)
+            return status
     except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: cleaned up on the way out, one line, no traceback
         signum = signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT
         print(f"error: kvm-maglev {args.command} stopped by {signum.name}; its temporary files were removed",

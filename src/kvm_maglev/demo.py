@@ -107,7 +107,9 @@ def _build_key(folder: Path, model_type: str) -> str:
     from .convert.export import package_code_files
 
     digest = hashlib.sha256()
-    for path in [*package_code_files(model_type), *sorted(p for p in folder.iterdir() if p.is_file())]:
+    for name, text in package_code_files(model_type).items():
+        digest.update(name.encode() + b"\0" + text.encode())
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path, PurePath
 from typing import Optional, Union
 
+from kvm_maglev.convert.common import check_repo_id, repo_id_argument
+
 # Remote files of these kinds that are absent from the folder are deleted by the push, so a
 # re-converted model (say, with fewer shards) never leaves stale weights or code behind.
 _MIRRORED_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.py"]
@@ -67,7 +69,7 @@ def push_folder(
 
     folder = _check_folder(folder)
     _check_training_state(folder, include_training_state)
-    _check_repo_id(repo_id)
+    check_repo_id(repo_id)
     if revision is not None and not revision.strip():
         raise ValueError("--revision must be a non-empty branch name")
     token = token or get_token()
@@ -260,13 +262,6 @@ def _check_training_state(folder: Path, include: bool) -> None:
         )
 
 
-def _check_repo_id(repo_id: str) -> None:
-    if not isinstance(repo_id, str) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", repo_id):
-        raise ValueError(f"repo id must look like ORG/NAME (letters, digits, '-', '_', '.'), got {repo_id!r}")
-    if ".." in repo_id or repo_id.endswith((".git", ".")) or len(repo_id.split("/")[1]) > 96:
-        raise ValueError(f"invalid repo name: {repo_id!r}")
-
-
 def _refuse_files_containing(folder: Path, token: str) -> None:
     """A token must never be published: refuse folders where any small file contains it."""
     needle = token.encode()
@@ -287,7 +282,7 @@ def _read_json(path: Path):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", help="converted model folder (the OUT of `kvm-maglev convert`)")
-    parser.add_argument("repo_id", type=_repo_id_argument, help="Hub repository, ORG/NAME")
+    parser.add_argument("repo_id", type=repo_id_argument, help="Hub repository, ORG/NAME")
     _add_repo_options(parser)
     parser.add_argument("--commit-message", default=None, help="defaults to naming the source checkpoint")
     parser.add_argument("--include-training-state", action="store_true",
@@ -312,17 +307,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_push_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds `--push-to-hub ORG/NAME [--private] [--push-revision BRANCH]` to a converter's parser
-    (a converter's own `--revision` is the revision of a Hub SOURCE)."""
-    parser.add_argument(
-        "--push-to-hub", metavar="ORG/NAME", type=_repo_id_argument, default=None, help="publish OUT to this Hub repo"
-    )
-    parser.add_argument("--private", action="store_true", help="make the repo private (also an existing public one)")
-    parser.add_argument("--push-revision", metavar="BRANCH", default=None,
-                        help="branch to push to (created from main)")
-
-
 def push_after_convert(args: argparse.Namespace, out_dir: Union[str, Path]) -> Optional[str]:
     """Pushes `out_dir` when the converter was given `--push-to-hub`; returns the commit id."""
     if not getattr(args, "push_to_hub", None):
@@ -331,15 +315,6 @@ def push_after_convert(args: argparse.Namespace, out_dir: Union[str, Path]) -> O
     commit = push_folder(out_dir, args.push_to_hub, private=private, revision=revision)
     _report(args.push_to_hub, revision, commit)
     return commit
-
-
-def _repo_id_argument(value: str) -> str:
-    """Checks the repo id while parsing, so a typo fails before a long conversion starts."""
-    try:
-        _check_repo_id(value)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from error
-    return value
 
 
 def _add_repo_options(parser: argparse.ArgumentParser) -> None:

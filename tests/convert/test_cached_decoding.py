@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM, register_auto_classes
+from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 from kvm_maglev.cli import main as cli_main
 from kvm_maglev.convert.export import build_hub_folder
 from kvm_maglev.demo import RECALL_MODELS_DIR, build_demo_folder, save_demo_model
 
 PROMPT, NEW = 6, 5
-register_auto_classes()  # package folders (no code files) load through the Auto classes
+pytestmark = pytest.mark.usefixtures("package_auto_classes")  # package folders (no code files) load through them
 
 
 def input_lengths(model) -> list[int]:

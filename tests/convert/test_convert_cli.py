@@ -101,7 +101,7 @@ def test_folders_are_complete_hub_repositories(folders):
         arch = info["architecture"]
         weights = "model.safetensors.index.json" if "sharded" in name else "model.safetensors"
         expected = {"config.json", weights, "generation_config.json", "README.md", "tokenizer.json",
-                    "tokenizer_config.json", f"configuration_{arch}.py", f"modeling_{arch}.py", f"cache_{arch}.py"}
+                    "tokenizer_config.json", f"configuration_{arch}.py", f"modeling_{arch}.py"}
         assert expected <= names, (name, expected - names)
         assert not [n for n in os.listdir(folder.parent) if n.startswith(".")], "temporary folder left behind"
         card = (folder / "README.md").read_text()
@@ -530,21 +530,23 @@ import importlib.util, sys
 import transformers
 transformers.__version__ = "4.57.1"
 spec = importlib.util.spec_from_file_location("configuration_under_test", sys.argv[1])
+module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # as transformers loads a folder's code
 try:
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
     print("imported")
 except ImportError as error:
     print(f"ImportError: {error}")
 """
 
 
-@pytest.mark.parametrize("architecture, name", [("kvm", "KVM"), ("maglev", "Maglev")])
-def test_remote_code_names_the_transformers_it_needs(architecture, name):
-    from kvm_maglev.convert.export import MODELS_DIR
+@pytest.mark.parametrize("architecture", ["kvm", "maglev"])
+def test_remote_code_names_the_transformers_it_needs(architecture, tmp_path):
+    from kvm_maglev.models.hub_code import hub_code_files
 
-    path = MODELS_DIR / architecture / f"configuration_{architecture}.py"
+    path = tmp_path / f"configuration_{architecture}.py"
+    path.write_text(hub_code_files(architecture)[path.name])
     result = subprocess.run([sys.executable, "-c", OLD_TRANSFORMERS, str(path)], capture_output=True, text=True,
                             timeout=120)
     assert result.stdout.strip().splitlines() == [
-        f"ImportError: {name} models need transformers >= 5.17 (installed: 4.57.1); "
+        "ImportError: KVM and Maglev models need transformers >= 5.17 (installed: 4.57.1); "
         "upgrade with: pip install -U 'transformers>=5.17'"], result.stdout + result.stderr

@@ -53,7 +53,7 @@ def test_converted_folder_loads_and_generates_without_the_package(tmp_path, data
     case = data_dir / "kvm" / "kvm_saturate_swa" / "research_final"
     folder = convert(case, tmp_path / "converted")
     names = {p.name for p in folder.iterdir()}
-    assert {"config.json", "model.safetensors", "configuration_kvm.py", "modeling_kvm.py", "cache_kvm.py"} <= names
+    assert {"config.json", "model.safetensors", "configuration_kvm.py", "modeling_kvm.py"} <= names
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert set(auto_map) >= {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
 

@@ -60,7 +60,7 @@ def test_converted_folder_layout(converted):
         "AutoModelForCausalLM": "modeling_maglev.MaglevForCausalLM",
     }
     assert config["use_memory"] is False and config["window_pattern"] == "SL"
-    for name in ("model.safetensors", "configuration_maglev.py", "modeling_maglev.py", "cache_maglev.py"):
+    for name in ("model.safetensors", "configuration_maglev.py", "modeling_maglev.py"):
         assert (out / name).is_file(), name
     assert not list(out.parent.glob(".model.*")), "staging folder left behind"
 

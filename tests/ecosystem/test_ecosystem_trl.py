@@ -14,7 +14,6 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedTokenizerFast
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 

@@ -74,7 +74,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from kvm_maglev.cli import main as cli_main
-from kvm_maglev.hub import add_push_arguments, find_source_checkpoint, push_after_convert, push_folder
+from kvm_maglev.convert.common import add_push_arguments
+from kvm_maglev.hub import find_source_checkpoint, push_after_convert, push_folder
 
 work = Path(ARGS["work"])
 out = {}
@@ -519,16 +520,17 @@ def test_push_builds_the_hub_folder_of_a_folder_without_code(tmp_path):
     import shutil
 
     from kvm_maglev import demo
-    from kvm_maglev.convert.export import build_hub_folder, package_auto_map, package_code_files
+    from kvm_maglev.convert.export import build_hub_folder, package_code_files
+    from kvm_maglev.models.hub_code import hub_auto_map
     from kvm_maglev.hub import _with_package_code
 
     kept = shutil.copytree(demo.RECALL_MODELS_DIR / "kvm_fixed", tmp_path / "kvm_fixed")
     before = {p.name: p.read_bytes() for p in kept.iterdir()}
     with _with_package_code(kept) as upload:
         assert upload != kept
-        for source in package_code_files("kvm"):
-            assert (upload / source.name).read_bytes() == source.read_bytes()
-        assert json.loads((upload / "config.json").read_text())["auto_map"] == package_auto_map("kvm")
+        for name, text in package_code_files("kvm").items():
+            assert (upload / name).read_text() == text
+        assert json.loads((upload / "config.json").read_text())["auto_map"] == hub_auto_map("kvm")
         assert (upload / "model.safetensors").read_bytes() == before["model.safetensors"]
     assert not upload.exists() and [p.name for p in tmp_path.iterdir()] == ["kvm_fixed"]
     assert {p.name: p.read_bytes() for p in kept.iterdir()} == before
@@ -600,7 +602,7 @@ def test_push_command_explains_missing_token_and_refusals(hub, tmp_path):
 def test_repo_id_is_checked_while_parsing_arguments(capsys):
     import argparse
 
-    from kvm_maglev.hub import add_push_arguments
+    from kvm_maglev.convert.common import add_push_arguments
 
     parser = argparse.ArgumentParser()
     add_push_arguments(parser)

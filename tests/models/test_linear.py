@@ -4,8 +4,8 @@ oneDNN only with their `onednn` flag on."""
 import pytest
 import torch
 
-from kvm_maglev.models.kvm import onednn_linear
-from kvm_maglev.models.maglev import onednn_linear as maglev_onednn_linear
+from kvm_maglev.models.common import onednn_linear
+from kvm_maglev.models.common import onednn_linear as maglev_onednn_linear
 
 # each model folder carries its own copy of the module (models/common/onednn_linear.py)
 OneDNNLinear, MaglevOneDNNLinear = onednn_linear.OneDNNLinear, maglev_onednn_linear.OneDNNLinear
@@ -24,8 +24,8 @@ def switched_on(layer):
 @pytest.mark.parametrize("bias", [False, True])
 def test_inference_matches_linear(linear_class, shape, bias):
     torch.manual_seed(0)
-    layer = switched_on(linear_class(512, 601, bias=bias))  # above ONEDNN_MIN_WEIGHTS: the oneDNN path
-    x = torch.randn(*shape, 512)
+    layer = switched_on(linear_class(1024, 601, bias=bias))  # above ONEDNN_MIN_WEIGHTS: the oneDNN path
+    x = torch.randn(*shape, 1024)
     with torch.no_grad():
         out = layer(x)
         expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
@@ -35,8 +35,8 @@ def test_inference_matches_linear(linear_class, shape, bias):
 
 @pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 def test_non_contiguous_input(linear_class):
-    layer = switched_on(linear_class(512, 601, bias=False))
-    x = torch.randn(4, 1024)[:, ::2]
+    layer = switched_on(linear_class(1024, 601, bias=False))
+    x = torch.randn(4, 2048)[:, ::2]
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
@@ -44,14 +44,14 @@ def test_non_contiguous_input(linear_class):
 @pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
 def test_training_bfloat16_small_layers_and_no_onednn_take_nn_linear(linear_class, monkeypatch):
     torch.manual_seed(0)
-    layer = switched_on(linear_class(512, 601, bias=False))
-    x = torch.randn(3, 512, requires_grad=True)
+    layer = switched_on(linear_class(1024, 601, bias=False))
+    x = torch.randn(3, 1024, requires_grad=True)
     out = layer(x)
     assert torch.equal(out, torch.nn.functional.linear(x, layer.weight))
     grads = torch.autograd.grad(out.sum(), (x, layer.weight))
     assert all(g is not None for g in grads)
-    half = switched_on(linear_class(512, 601, bias=False).to(torch.bfloat16))
-    xb = torch.randn(4, 512, dtype=torch.bfloat16)
+    half = switched_on(linear_class(1024, 601, bias=False).to(torch.bfloat16))
+    xb = torch.randn(4, 1024, dtype=torch.bfloat16)
     small = switched_on(linear_class(16, 40, bias=False))
     xs = torch.randn(4, 16)
     with torch.no_grad():
@@ -68,8 +68,8 @@ def test_the_flag_chooses_the_product(linear_class, monkeypatch):
     """Flag off (the class default, outside `onednn_linears()`): nn.Linear's product bit for bit and no oneDNN
     call; flag on: the oneDNN call, equal up to rounding."""
     torch.manual_seed(0)
-    layer = linear_class(512, 601, bias=True)
-    x = torch.randn(3, 512)
+    layer = linear_class(1024, 601, bias=True)
+    x = torch.randn(3, 1024)
     module = packing_module(linear_class)
     if module.ONEDNN_LINEAR is None:
         pytest.skip("torch built without oneDNN")
@@ -79,7 +79,7 @@ def test_the_flag_chooses_the_product(linear_class, monkeypatch):
         plain = layer(x)
         assert not calls and torch.equal(plain, torch.nn.functional.linear(x, layer.weight, layer.bias))
         fast = switched_on(layer)(x)
-    assert calls == [(3, 512)]
+    assert calls == [(3, 1024)]
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
 
 
@@ -119,8 +119,8 @@ def test_blocked_copy_matches_linear(linear_class, rows):
     if packing_module(linear_class).ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")
     torch.manual_seed(0)
-    layer = switched_on(linear_class(512, 601, bias=True))
-    x = torch.randn(rows, 512)
+    layer = switched_on(linear_class(1024, 601, bias=True))
+    x = torch.randn(rows, 1024)
     with torch.inference_mode():
         out = layer(x)
     assert (layer.packed is not None) == (1 < rows <= 64)
@@ -132,8 +132,8 @@ def test_blocked_copy_follows_in_place_writes(linear_class):
     if packing_module(linear_class).ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")
     torch.manual_seed(0)
-    layer = switched_on(linear_class(512, 601, bias=False))
-    x = torch.randn(8, 512)
+    layer = switched_on(linear_class(1024, 601, bias=False))
+    x = torch.randn(8, 1024)
     with torch.no_grad():
         layer(x)
         layer.weight.mul_(-2.0)
@@ -142,14 +142,14 @@ def test_blocked_copy_follows_in_place_writes(linear_class):
 
 
 def big_head_models():
-    """A tiny KVM and a tiny Maglev whose vocabulary heads are large enough (2^18 weights) to be packed."""
+    """A tiny KVM and a tiny Maglev whose vocabulary heads are large enough (2^19 weights) to be packed."""
     from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
     from kvm_maglev.models.maglev import MaglevConfig, MaglevForCausalLM
 
     torch.manual_seed(0)
-    kvm = KVMForCausalLM(KVMConfig(vocab_size=8192, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    kvm = KVMForCausalLM(KVMConfig(vocab_size=16384, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                    rotary_dim=8, chunk_size=4, window_chunks=2, state_budget_min=4))
-    maglev = MaglevForCausalLM(MaglevConfig(vocab_size=4096, hidden_size=64, num_hidden_layers=2,
+    maglev = MaglevForCausalLM(MaglevConfig(vocab_size=8192, hidden_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
                                             window_pattern="SL", prefiller_window_pattern="SL"))
     for model in (kvm, maglev):
@@ -166,7 +166,7 @@ def test_batched_generate_reads_blocked_copies_and_agrees(name, monkeypatch):
     module = onednn_linear if name == "kvm" else maglev_onednn_linear
     if module.ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")
-    ids = torch.randint(1, 4096, (3, 11), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, 8192, (3, 11), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
     settings = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_scores=True,
@@ -198,8 +198,8 @@ def test_nested_packing_blocks_free_the_copy_at_the_outermost_end():
 def test_torch_compile_leaves_the_product_to_inductor(linear_class):
     """Inductor cannot lower a oneDNN call on a weight it does not own; compiled, the layer is nn.Linear."""
     torch.manual_seed(0)
-    layer = switched_on(linear_class(512, 601))
-    x = torch.randn(3, 512)
+    layer = switched_on(linear_class(1024, 601))
+    x = torch.randn(3, 1024)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(layer)(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
                                    rtol=1e-5, atol=1e-5)

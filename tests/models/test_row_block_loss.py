@@ -8,8 +8,8 @@ import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from kvm_maglev.models.common import row_block_loss
-from kvm_maglev.models.kvm import row_block_loss as kvm_row_block_loss
-from kvm_maglev.models.maglev import row_block_loss as maglev_row_block_loss
+from kvm_maglev.models.common import row_block_loss as kvm_row_block_loss
+from kvm_maglev.models.common import row_block_loss as maglev_row_block_loss
 from kvm_maglev.models.common.row_block_loss import row_block_causal_lm_loss
 from tests.generation.testers import TESTERS
 

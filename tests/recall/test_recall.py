@@ -145,31 +145,33 @@ def test_kept_folders_hold_weights_config_and_task_only():
 
 
 def test_demo_loads_the_package_code_as_it_is_now(tmp_path, monkeypatch):
-    """The demo's Hub folder carries the package's model files byte for byte, is reused while they
-    are unchanged, and is rebuilt as soon as one changes."""
+    """The demo's Hub folder carries the code files generated from the package's modules as they are now, is
+    reused while they are unchanged, and is rebuilt as soon as one changes."""
     from kvm_maglev.convert import export
+    from kvm_maglev.models import hub_code
 
     kept = demo.RECALL_MODELS_DIR / "maglev"
     built = demo.build_demo_folder(kept, tmp_path / "cache")
-    sources = export.package_code_files("maglev")
-    for source in sources:
-        assert (built / source.name).read_bytes() == source.read_bytes(), source.name
+    files = export.package_code_files("maglev")
+    assert sorted(p.name for p in built.glob("*.py")) == sorted(files)
+    for name, text in files.items():
+        assert (built / name).read_text() == text, name
     config = json.loads((built / "config.json").read_text())
-    assert config["auto_map"] == export.package_auto_map("maglev")
+    assert config["auto_map"] == hub_code.hub_auto_map("maglev")
     assert "custom_code" in (built / "README.md").read_text()
     model = demo.load_demo_model(kept, tmp_path / "cache")
     loaded_from = Path(inspect.getfile(type(model)))
-    assert loaded_from.read_bytes() == (export.MODELS_DIR / "maglev" / loaded_from.name).read_bytes()
+    assert loaded_from.read_text() == files[loaded_from.name]
     assert demo.build_demo_folder(kept, tmp_path / "cache") == built  # unchanged code: the same folder
 
     changed = tmp_path / "models"
-    shutil.copytree(export.MODELS_DIR / "maglev", changed / "maglev")
-    with open(changed / "maglev" / "modeling_maglev.py", "a") as handle:
-        handle.write("\n# a change to the package's model code\n")
-    monkeypatch.setattr(export, "MODELS_DIR", changed)
+    shutil.copytree(hub_code.MODELS_DIR, changed, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(changed / "common" / "step_plan.py", "a") as handle:
+        handle.write("\n# a change to a module the model imports\n")
+    monkeypatch.setattr(hub_code, "MODELS_DIR", changed)
     rebuilt = demo.build_demo_folder(kept, tmp_path / "cache")
     assert rebuilt != built
-    assert (rebuilt / "modeling_maglev.py").read_bytes() == (changed / "maglev" / "modeling_maglev.py").read_bytes()
+    assert "# a change to a module the model imports" in (rebuilt / "modeling_maglev.py").read_text()
 
 
 def test_saved_demo_model_round_trips_through_the_build(tmp_path):

@@ -271,7 +271,6 @@ def run_vllm(job: dict) -> dict:
                            "allocated": allocated_page_bytes(llm),
                            "config_cache_bytes": config.cache_bytes(job["vllm"]["max_model_len"],
                                                                     dtype=getattr(torch, job["dtype"]))}
-    del llm
     return report
 
 

@@ -20,7 +20,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from kvm_maglev import hub
 from kvm_maglev.convert.cards import Provenance, file_sha256, render_model_card
 from kvm_maglev.convert.export import DTYPES, WRITE_STAGES, Stages, build_hub_folder
 
@@ -158,7 +157,7 @@ def add_output_arguments(parser: argparse.ArgumentParser, tokenizer_help: str) -
                         help="model card base_model (repeat or comma-separate for several)")
     parser.add_argument("--datasets", action="append", default=None, metavar="REPO",
                         help="model card datasets (repeat or comma-separate for several)")
-    hub.add_push_arguments(parser)
+    add_push_arguments(parser)
 
 
 # ----- writing ----------------------------------------------------------------------------------
@@ -200,7 +199,8 @@ def export_model(model, out: str | Path, *, architecture: str, tokenizer, genera
 
 
 def run_conversion(args: argparse.Namespace, convert: Callable[[], Path]) -> int:
-    """Run a converter for the command line: one error line and exit 2 on bad input, then the optional push."""
+    """Run a converter for the command line: one error line and exit 2 on bad input. The optional push
+    (`--push-to-hub`) follows in the `kvm-maglev` command (kvm_maglev.cli), which publishes what was written."""
     try:
         out = convert()
     except CONVERSION_ERRORS as error:
@@ -211,12 +211,35 @@ def run_conversion(args: argparse.Namespace, convert: Callable[[], Path]) -> int
             print(f"dry run: would push {out} to {args.push_to_hub}")
         return 0
     print(f"wrote {out}")
-    from huggingface_hub.errors import HfHubHTTPError
-
-    try:
-        hub.push_after_convert(args, out)
-    except (ValueError, HfHubHTTPError) as error:
-        print(f"error: {out} was written, but pushing it to {args.push_to_hub} failed: {str(error).strip()}",
-              file=sys.stderr)
-        return 1
     return 0
+
+
+# ----- Hub options ------------------------------------------------------------------------------
+def check_repo_id(repo_id: str) -> None:
+    """Refuse a Hub repository id that is not ORG/NAME."""
+    if not isinstance(repo_id, str) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", repo_id):
+        raise ValueError(f"repo id must look like ORG/NAME (letters, digits, '-', '_', '.'), got {repo_id!r}")
+    if ".." in repo_id or repo_id.endswith((".git", ".")) or len(repo_id.split("/")[1]) > 96:
+        raise ValueError(f"invalid repo name: {repo_id!r}")
+
+
+def add_push_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds `--push-to-hub ORG/NAME [--private] [--push-revision BRANCH]` to a converter's parser
+    (a converter's own `--revision` is the revision of a Hub SOURCE)."""
+    parser.add_argument(
+        "--push-to-hub", metavar="ORG/NAME", type=repo_id_argument, default=None, help="publish OUT to this Hub repo"
+    )
+    parser.add_argument("--private", action="store_true", help="make the repo private (also an existing public one)")
+    parser.add_argument("--push-revision", metavar="BRANCH", default=None,
+                        help="branch to push to (created from main)")
+
+
+def repo_id_argument(value: str) -> str:
+    """Checks the repo id while parsing, so a typo fails before a long conversion starts."""
+    try:
+        check_repo_id(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return value
+
+

@@ -1,8 +1,8 @@
 """Build a complete Hub model folder, checked first and moved into place only when whole.
 
 `build_hub_folder` is the one place a Hub folder is made (converters, `kvm-maglev push`, the demo):
-weights and config come from a model or a saved folder, and our architectures' code files are
-copied from the package's own model folders with `auto_map` set, so a folder always carries the
+weights and config come from a model or a saved folder, and our architectures' two code files are
+generated from the package's model modules with `auto_map` set, so a folder always carries the
 package's current code. Everything is written to a temporary folder beside OUT and renamed at the
 end, so a failure at any stage (a bad tensor, a full disk, an interrupt) never leaves a
 half-written OUT behind.
@@ -20,13 +20,12 @@ from pathlib import Path
 
 import torch
 
+from kvm_maglev.models.hub_code import CLASS_PREFIXES, hub_code_files, hub_code_names, write_hub_code
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 WRITE_STAGES = ["cast", "check logits", "weights", "tokenizer", "card", "verify", "move into place"]
 FOLDER_STAGES = ["copy files", "tokenizer", "card", "verify", "move into place"]
-# The package's model folders: their modules are the remote code every Hub folder gets.
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
-_CLASS_PREFIXES = {"kvm": "KVM", "maglev": "Maglev"}
 # Large files are hard-linked into the staging folder when possible; small ones are copied, so
 # editing them there (config.json's auto_map) never touches the source folder.
 _LINKED_SUFFIXES = (".safetensors", ".bin")
@@ -104,28 +103,16 @@ class Stages:
 
 def is_package_architecture(model_type: str | None) -> bool:
     """True for the architectures whose code this package ships (their folders get our code files)."""
-    return model_type in _CLASS_PREFIXES
+    return model_type in CLASS_PREFIXES
 
 
-def package_code_files(model_type: str) -> list[Path]:
-    """The modules of the package's model folder for `model_type`: the remote code a Hub folder carries."""
+def package_code_files(model_type: str) -> dict[str, str]:
+    """The code files a Hub folder of one of our architectures carries (name -> text): its configuration and
+    modeling files, generated from the package's modules (`kvm_maglev.models.hub_code`)."""
     if not is_package_architecture(model_type):
         raise ValueError(f"no model code in this package for model_type {model_type!r}; expected one of "
-                         f"{sorted(_CLASS_PREFIXES)}")
-    files = sorted(path for path in (MODELS_DIR / model_type).glob("*.py") if path.name != "__init__.py")
-    if not files:
-        raise ValueError(f"the package's model folder {MODELS_DIR / model_type} holds no code files")
-    return files
-
-
-def package_auto_map(model_type: str) -> dict[str, str]:
-    """config.json's auto_map for one of our architectures: Auto classes -> `module.Class` in the code files."""
-    prefix = _CLASS_PREFIXES[model_type]
-    return {
-        "AutoConfig": f"configuration_{model_type}.{prefix}Config",
-        "AutoModel": f"modeling_{model_type}.{prefix}Model",
-        "AutoModelForCausalLM": f"modeling_{model_type}.{prefix}ForCausalLM",
-    }
+                         f"{sorted(CLASS_PREFIXES)}")
+    return hub_code_files(model_type)
 
 
 def lacks_package_code(folder: str | os.PathLike) -> bool:
@@ -133,7 +120,7 @@ def lacks_package_code(folder: str | os.PathLike) -> bool:
     model_type = _read_config(Path(folder)).get("model_type")
     if not is_package_architecture(model_type):
         return False
-    return any(not (Path(folder) / source.name).is_file() for source in package_code_files(model_type))
+    return any(not (Path(folder) / name).is_file() for name in hub_code_names(model_type))
 
 
 def _read_config(folder: Path) -> dict:
@@ -145,13 +132,11 @@ def _read_config(folder: Path) -> dict:
 
 
 def _add_package_code(folder: Path, model_type: str) -> None:
-    """Copy the package's code files into `folder`, point config.json's auto_map at them and make the folder
-    decode with its cache (`_decode_with_cache`)."""
-    for source in package_code_files(model_type):
-        shutil.copyfile(source, folder / source.name)
+    """Write the package's code files into `folder` with config.json's auto_map pointing at them, and make the
+    folder decode with its cache (`_decode_with_cache`)."""
+    write_hub_code(folder, model_type)
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text(encoding="utf-8"))
-    config["auto_map"] = {**(config.get("auto_map") or {}), **package_auto_map(model_type)}
     config["use_cache"] = True
     _write_json(config_file, config)
     _decode_with_cache(folder, config)
@@ -252,7 +237,7 @@ def _planned_folder_files(source: Path, tokenizer, card_text, extra_files) -> li
     model_type = _read_config(source).get("model_type")
     files = [f"{path.name} (from {source})" for path in sorted(source.iterdir()) if path.is_file()]
     if is_package_architecture(model_type):
-        files.append(f"{', '.join(path.name for path in package_code_files(model_type))} (the package's code)")
+        files.append(f"{', '.join(hub_code_names(model_type))} (the package's code)")
     return files + _planned_extras(tokenizer, card_text, extra_files)
 
 

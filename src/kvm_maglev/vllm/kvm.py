@@ -24,7 +24,7 @@ from vllm.config import VllmConfig
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_dtype_for
 from kvm_maglev.models.kvm.modeling_kvm import KVMForCausalLM, KVMModel
-from kvm_maglev.models.kvm.onednn_linear import OneDNNLinear
+from kvm_maglev.models.common.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.pages import PagedStateModel, ScheduledStep, page_layers
 
 

@@ -22,7 +22,7 @@ from vllm.config import VllmConfig
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM, MaglevModel
-from kvm_maglev.models.maglev.onednn_linear import OneDNNLinear
+from kvm_maglev.models.common.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.pages import PagedStateModel, ScheduledStep, page_layers
 
 MEMORY, EMBEDDING = 0, 1  # rows of the carry state

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM, modeling_kvm, onednn_linear, state_kvm
-from kvm_maglev.models.kvm.modeling_kvm import KVMAttention
+from kvm_maglev.models.common import onednn_linear
+from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM, modeling_kvm, state_kvm
 
 
 def random_model(**overrides) -> KVMForCausalLM:
@@ -42,13 +42,14 @@ def random_key_sets(pieces: int, slots: int, window: int, generator) -> list:
 
 @torch.no_grad()
 @pytest.mark.parametrize("pieces,slots,window", [(1, 5, 7), (3, 40, 16), (2, 1, 1)])
-def test_one_query_logits_match_the_plain_joint_softmax(pieces, slots, window):
+@pytest.mark.parametrize("queries", [1, 3])
+def test_fused_kernel_equals_the_explicit_joint_softmax(pieces, slots, window, queries):
+    """The fused path (torch's kernel over the key sets concatenated, temperatures on the keys per query head)
+    and the explicit products (temperatures on the queries) give one softmax over the same logits."""
     generator = torch.Generator().manual_seed(1)
-    q = torch.randn(pieces, 1, 4, 16, generator=generator)
+    q = torch.randn(pieces, queries, 4, 16, generator=generator)
     key_sets = random_key_sets(pieces, slots, window, generator)
     plain = modeling_kvm.joint_attention(q, key_sets, 2, 1 / math.sqrt(16))
-    fast = modeling_kvm.joint_attention(q, key_sets, 2, 1 / math.sqrt(16), one_query=True)
-    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)
     fused = modeling_kvm.fused_attention(q, key_sets, 2)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
 
@@ -57,7 +58,7 @@ def test_one_query_logits_match_the_plain_joint_softmax(pieces, slots, window):
 def test_stepping_inside_runtime_speedups_matches_the_plain_model():
     """A loop that steps the model itself may open the block: the same logits up to float rounding, the
     same state (folds are computed ahead either way), and the model plain again after it."""
-    model = random_model(hidden_size=512, num_attention_heads=4)  # above the oneDNN threshold: linears switch too
+    model = random_model(hidden_size=768, num_attention_heads=4)  # above the oneDNN threshold: linears switch too
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(2))
 
     def decode():
@@ -76,8 +77,6 @@ def test_stepping_inside_runtime_speedups_matches_the_plain_model():
         for x, y in zip(fast_cache.row_tensors(row), plain_cache.row_tensors(row)):
             torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)  # sums of many tokens
     assert all(not m.onednn for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert all(type(m) is KVMAttention and not m.one_query_kernel
-               for m in model.modules() if isinstance(m, KVMAttention))
     assert plain_cache.layers[0].pending is not None  # outside the block folds are paced too
 
 
@@ -86,11 +85,10 @@ def test_generate_runs_inside_runtime_speedups_and_agrees_with_stepping():
     model = random_model()
     ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(3))
     seen = []
-    hook = model.model.layers[0].self_attn.register_forward_hook(lambda module, *_: seen.append(module.one_query_kernel))
+    hook = model.lm_head.register_forward_hook(lambda module, *_: seen.append(module.onednn))
     out = model.generate(ids, max_new_tokens=20, do_sample=False, output_scores=True, return_dict_in_generate=True)
     hook.remove()
-    assert seen and all(seen)
-    assert type(model.model.layers[0].self_attn) is KVMAttention and not model.model.layers[0].self_attn.one_query_kernel
+    assert seen and all(seen) and not model.lm_head.onednn
     cache = KVMCache(model.config)
     scores = [model(ids, cache=cache).logits[:, -1]]
     for step in range(19):
@@ -101,29 +99,12 @@ def test_generate_runs_inside_runtime_speedups_and_agrees_with_stepping():
 
 def test_nested_blocks_leave_the_switch_to_the_outermost():
     model = random_model()
-    attention = model.model.layers[0].self_attn
     with model.runtime_speedups():
-        assert attention.one_query_kernel
+        assert model.lm_head.onednn
         with model.runtime_speedups():
-            assert attention.one_query_kernel
-        assert attention.one_query_kernel
-    assert not attention.one_query_kernel and type(attention) is KVMAttention
-
-
-@torch.no_grad()
-def test_the_one_query_kernel_is_chosen_at_its_call_site(monkeypatch):
-    """With the flag on, a step of one query per row on CPU in float32 computes its logits with `one_query_logits`;
-    a prompt (pieces of several queries) does not."""
-    model = random_model()
-    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(5))
-    calls, kernel = [], modeling_kvm.one_query_logits
-    monkeypatch.setattr(modeling_kvm, "one_query_logits", lambda *args: calls.append(args[0].shape) or kernel(*args))
-    with model.runtime_speedups():
-        cache = KVMCache(model.config)
-        model(ids[:, :12], cache=cache)
-        assert not calls
-        model(ids[:, 12:13], cache=cache)
-    assert len(calls) == 2 * 3  # both KVM layers: the state, the cached window and the step's own key
+            assert model.lm_head.onednn
+        assert model.lm_head.onednn
+    assert not model.lm_head.onednn
 
 
 def test_training_inside_the_block_takes_the_plain_path():

@@ -4,6 +4,8 @@ computed ahead (runtime_kvm) against the plain fold, bit for bit."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -288,7 +290,8 @@ def test_fold_computed_ahead_equals_the_plain_fold_bit_for_bit(slots, budget, va
     attention, layer = attention_and_cache(slots, budget, value_norms, gated)
     appends = min(max(min(budget, 32), slots) - slots, 16)
     capacity = slots + appends
-    fold = runtime_kvm.PacedFold(attention, layer, 1, slots, appends, capacity)
+    fold = runtime_kvm.PacedFold(attention.ring_fold(layer, 1, slots, appends, capacity),
+                                 partial(attention.readable, dtype=torch.float32), 1, 16)
     assert fold.stride == max(1, 14 // (len(fold.stages) + 1))
     steps = 0
     while not fold.done:

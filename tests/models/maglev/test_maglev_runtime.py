@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from kvm_maglev.models.maglev import MaglevConfig, MaglevForCausalLM
-from kvm_maglev.models.maglev.model_inputs import CACHE_NAME
+from kvm_maglev.models.common.model_inputs import CACHE_NAME
 from kvm_maglev.models.maglev.modeling_maglev import MaglevAttention
-from kvm_maglev.models.maglev.onednn_linear import OneDNNLinear
+from kvm_maglev.models.common.onednn_linear import OneDNNLinear
 
 
 def tiny(**overrides) -> MaglevForCausalLM:

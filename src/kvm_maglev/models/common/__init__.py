@@ -1,2 +1,2 @@
-"""The one source of what every model folder needs; `python -m kvm_maglev.models.sync_shared` copies each
-module flat into the model folders that use it (a Hub folder holds one flat level of modules)."""
+"""Code both models share, imported by each model folder as a package; a Hub folder gets it inlined into its
+modeling file (`kvm_maglev.models.hub_code`)."""

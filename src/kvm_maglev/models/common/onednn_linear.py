@@ -20,8 +20,8 @@ from torch import nn
 ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 # torch's reordering of a linear weight into oneDNN's blocked layout for a given row count
 ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if ONEDNN_LINEAR is not None else None
-# below 2^18 float32 weights oneDNN's fixed cost per call outweighs what it saves
-ONEDNN_MIN_WEIGHTS = 1 << 18
+# below 2^19 float32 weights oneDNN's fixed cost per call outweighs what it saves (docs/kvm_runtime_notes.md)
+ONEDNN_MIN_WEIGHTS = 1 << 19
 # rows per product up to which the blocked copy pays (a decoding batch); prefill sizes gain little
 PACKED_MAX_ROWS = 64
 

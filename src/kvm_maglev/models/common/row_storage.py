@@ -15,7 +15,17 @@ class RowStorage:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.index: torch.Tensor | None = None
+        self.run: slice | None = None  # `index` as a slice when it is a run of consecutive storage rows
         self.replaced: list | None = None  # while recording: (name, where, the values a write replaced)
+
+    def bind(self, tensors: dict[str, torch.Tensor], index: torch.Tensor) -> None:
+        """Read and write `tensors` (an engine's pages, [pages, ...] each), the forward's rows being storage rows
+        `index`. When those are consecutive (requests admitted together often hold consecutive pages), reading
+        all rows is a view of the pages, not a copy."""
+        self.tensors, self.index = tensors, index
+        pages = index.tolist()
+        consecutive = bool(pages) and pages == list(range(pages[0], pages[0] + len(pages)))
+        self.run = slice(pages[0], pages[0] + len(pages)) if consecutive else None
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -26,9 +36,13 @@ class RowStorage:
             return rows
         return self.index if rows is None else self.index[rows]
 
-    def read(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[rows, ...] of tensor `name` (all rows: `rows` None)."""
+    def read(self, name: str, rows: torch.Tensor | None = None, slots: int | None = None) -> torch.Tensor:
+        """[rows, ...] of tensor `name` (all rows: `rows` None); only its first `slots` slots (dim 2) when given."""
         tensor, index = self.tensors[name], self.rows(rows)
+        if rows is None and self.run is not None:
+            index, tensor = None, tensor[self.run]
+        if slots is not None and slots < tensor.shape[2]:
+            return tensor[:, :, :slots] if index is None else tensor[index, :, :slots]
         return tensor if index is None else tensor[index]
 
     def write(self, name: str, rows: torch.Tensor | None, values: torch.Tensor,

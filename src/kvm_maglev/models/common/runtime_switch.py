@@ -16,12 +16,12 @@ from .onednn_linear import onednn_linears
 
 
 @contextlib.contextmanager
-def runtime_speedups(model: nn.Module, attention_class: type) -> Iterator[nn.Module]:
-    """A block in which `model`'s `attention_class` modules have their `one_query_kernel` flag on and its
-    linear layers compute on oneDNN; on leaving it the model is plain again. Nested blocks leave the switch
-    to the outermost one."""
-    switched = [module for module in model.modules()
-                if isinstance(module, attention_class) and not module.one_query_kernel]
+def runtime_speedups(model: nn.Module, attention_class: type | None) -> Iterator[nn.Module]:
+    """A block in which `model`'s `attention_class` modules (None: none) have their `one_query_kernel` flag on
+    and its linear layers compute on oneDNN; on leaving it the model is plain again. Nested blocks leave the
+    switch to the outermost one."""
+    switched = [module for module in model.modules() if attention_class is not None
+                and isinstance(module, attention_class) and not module.one_query_kernel]
     for attention in switched:
         attention.one_query_kernel = True
     try:

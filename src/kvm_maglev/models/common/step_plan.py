@@ -56,8 +56,7 @@ class StepPlan:
     """One forward's view of its tokens: per-row positions, which tokens are real, masks built once.
 
     `start` [B] is each row's count of real tokens read before. Query positions of padding are those the next
-    real token would get (only they read them); padding keys get position -1, which no query sees. `records`
-    is where a recording cache keeps what each column overwrote (None when not recording).
+    real token would get (only they read them); padding keys get position -1, which no query sees.
     """
 
     def __init__(self, start: torch.Tensor, valid: torch.Tensor | None, length: int):
@@ -72,7 +71,6 @@ class StepPlan:
             self.before = valid.long().cumsum(dim=1) - valid.long()
             self.query_positions = start[:, None] + self.before
             self.key_positions = torch.where(valid, self.query_positions, -1)
-        self.records: list | None = None
         self.rows: torch.Tensor | None = None  # the cache rows these rows are (None: every row, in order)
         self._masks: dict = {}
 
@@ -151,6 +149,11 @@ class RowTokens:
             return cls(starts, [length] * batch, device, None, length)
         counts = valid.sum(dim=1).tolist()
         return cls(starts, counts, device, valid.reshape(-1).nonzero().squeeze(1), length)
+
+    @property
+    def one_each(self) -> bool:
+        """Every row reads exactly one token (a decoding step): flat token i is row i's."""
+        return self.padded is None and self.width == 1 or self.total == self.batch and min(self.counts) == 1
 
     @property
     def fresh_rectangle(self) -> bool:

@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
-from .configuration_kvm import CACHE_CONFIG_FIELDS, KVMConfig
-from .row_storage import RowStorage
-from .saved_cache import SavedCache, tensors_under
-from .state_kvm import state_slots_after, window_start
-from .step_plan import RowTokens
+from .configuration_kvm import CACHE_CONFIG_FIELDS, KVMConfig, state_slots_after, window_start
+from ..common.row_storage import RowStorage
+from ..common.saved_cache import SavedCache, tensors_under
+from ..common.step_plan import RowTokens
 
 CACHE_FORMAT = "kvm-cache"
 CACHE_FORMAT_VERSION = 2  # 2: per-row positions and window rings (no row groups)
@@ -43,6 +42,7 @@ class LayerJournal:
     the state and its read form, and how many of the row's tokens it follows), and the token-shift inputs."""
 
     inputs: tuple | None = None
+    first_chunk: tuple | None = None  # (rows, slots, state + read form slot values) of the first-chunk tokens
     states: list = field(default_factory=list)  # (rows, the token count from which each holds, state + read form)
     shifts: dict = field(default_factory=dict)  # stream -> [tokens, width] inputs
 
@@ -139,7 +139,7 @@ class KVMCache(SavedCache, Cache):
         each row's position."""
         cache = cls(config)
         for layer, tensors, pages_of_rows in zip(cache.layers, pages, index):
-            layer.tensors, layer.index = tensors, pages_of_rows
+            layer.bind(tensors, pages_of_rows)
         cache.seen, cache.rows, cache.paged = list(seen), len(seen), True
         return cache
 
@@ -379,6 +379,11 @@ class KVMCache(SavedCache, Cache):
                         layer.write(name, index.expand(len(flat)), inputs[flat], slots)
                 for stream, inputs in journal.shifts.items():
                     layer.write(f"carry.{stream}", index, inputs[offset + count - 1][None])
+                if journal.first_chunk is not None:  # the kept first-chunk tokens' slots
+                    rows, first_slots, values = journal.first_chunk
+                    entered = ((rows == row) & (first_slots < stop)).nonzero().squeeze(1)
+                    for name, tensor in zip(STATE + READ, values):
+                        layer.write(name, rows[entered], tensor[entered], first_slots[entered])
                 state = None if layer.is_sliding else latest_state(journal.states, row, stop)
                 if state is not None:
                     for name, tensor in zip(STATE + READ, state):

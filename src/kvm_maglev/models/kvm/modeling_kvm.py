@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -24,21 +25,22 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import can_return_tuple, logging
 
 from .cache_kvm import READ, STATE, WINDOW, KVMCache
-from .carried_card import CarriedCardMixin
+from ..common.carried_card import CarriedCardMixin
+from ..common.hub_save import HubCodeSaveMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
-from .conventions import (SdpaOrEagerMixin, check_position_ids, config_default,
+from ..common.conventions import (SdpaOrEagerMixin, check_position_ids, config_default,
                           refuse_attention_weights)
-from .generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
-from .model_inputs import CACHE_NAME, check_cache, check_token_ids, take_cache
-from .onednn_linear import OneDNNLinear, sharing_parameters
-from .row_block_loss import RowBlockLossMixin
-from .runtime_kvm import one_query_logits, prepare_next_fold, take_fold_ahead
-from .runtime_switch import runtime_speedups
+from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
+from ..common.model_inputs import CACHE_NAME, check_cache, check_token_ids, take_cache
+from ..common.onednn_linear import OneDNNLinear, sharing_parameters
+from ..common.row_block_loss import RowBlockLossMixin
+from .runtime_kvm import prepare_next_fold, take_fold_ahead
+from ..common.runtime_switch import runtime_speedups
 from .state_kvm import Fold, Overflow, readable_state, run_fold, slot_norms, state_keys
-from .step_plan import (RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket, length_buckets,
+from ..common.step_plan import (RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket, length_buckets,
                         packed_documents, real_tokens, refuse_packed_cache, scatter_outputs)
 from .step_plan_kvm import Pieces, StateSchedule, chunk_pieces, ring_positions, sliding_pieces, state_schedule
-from .tensor_parallel import full_tensor, local_tensor
+from ..common.tensor_parallel import full_tensor, local_tensor
 
 logger = logging.get_logger(__name__)
 
@@ -95,6 +97,11 @@ def token_shift(tokens: RowTokens, x: torch.Tensor, mix: torch.Tensor, cache_lay
     carry = f"carry.{name}"
     if cache_layer is not None:
         cache_layer.ensure(carry, tokens.batch, flat.shape[1:], flat.dtype, flat.device)
+    if cache_layer is not None and tokens.one_each and all(tokens.starts) and cache_layer.journal is None:
+        # a decoding step: each row's carry is its token's predecessor (read before it is overwritten)
+        shifted = x + mix * (cache_layer.read(carry).to(flat.dtype)[None] - x)
+        cache_layer.write(carry, None, flat.detach())
+        return shifted
     carried = cache_layer.read(carry).to(flat.dtype) if cache_layer is not None and any(tokens.starts) \
         else flat.new_zeros(tokens.batch, flat.shape[1])
     source = torch.cat([carried, flat.new_zeros(1, flat.shape[1]), flat])
@@ -132,36 +139,30 @@ def grouped_queries(q: torch.Tensor, groups: int, temperature: torch.Tensor | No
     return q.reshape(pieces, heads // groups, groups * width, dim)
 
 
-def visible_over(groups: int, visible: torch.Tensor) -> torch.Tensor:
-    """[P, 1, groups * Q, K] from per-query visibility [P, Q or 1, K] (the same for every head of a group)."""
-    pieces, width, keys = visible.shape
-    return visible[:, None].expand(pieces, groups, width, keys).reshape(pieces, 1, groups * width, keys)
-
-
 # Attention runs in at least float32: half-precision queries, keys and values are widened, so that the explicit
 # products and the fused kernel, and so cached steps and whole prompts, round alike.
 def widened(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def joint_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int, scale: float,
-                    one_query: bool = False) -> torch.Tensor:
+def joint_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int, scale: float) -> torch.Tensor:
     """One softmax per query over every key set, as explicit products: queries [P, Q, H, D], output
-    [P, Q, H, Dv] (in the values' dtype). `one_query`: runtime_kvm's matrix-vector form of the logits (one query
-    per piece)."""
+    [P, Q, H, Dv] (in the values' dtype)."""
     pieces, width, heads, _ = q.shape
-    logits = []
+    kv_heads = heads // groups
+    scaled, logits = {}, []
     for keys, _, visible, temperature in key_sets:
-        queries = grouped_queries(widened(q), groups, temperature)
-        keys = widened(keys)
-        scores = one_query_logits(queries, keys) if one_query else torch.matmul(queries, keys.transpose(-1, -2))
-        logits.append(scores.masked_fill(~visible_over(groups, visible.expand(-1, width, -1)), float("-inf")))
+        if id(temperature) not in scaled:  # the window's key sets share their queries
+            scaled[id(temperature)] = grouped_queries(widened(q), groups, temperature)
+        scores = torch.matmul(scaled[id(temperature)], widened(keys).transpose(-1, -2))
+        scores = scores.view(pieces, kv_heads, groups, width, -1).masked_fill(~visible[:, None, None], float("-inf"))
+        logits.append(scores.view(pieces, kv_heads, groups * width, -1))
     probs = torch.softmax(torch.cat(logits, dim=-1) * scale, dim=-1)
     out, begin = None, 0
     for keys, values, _, _ in key_sets:
         part = torch.matmul(probs[..., begin:begin + keys.shape[2]], widened(values))
         out, begin = part if out is None else out + part, begin + keys.shape[2]
-    out = out.to(key_sets[-1].values.dtype).view(pieces, heads // groups, groups, width, -1)
+    out = out.to(key_sets[-1].values.dtype).view(pieces, kv_heads, groups, width, -1)
     return out.permute(0, 3, 1, 2, 4).reshape(pieces, width, heads, -1)
 
 
@@ -184,13 +185,12 @@ def fused_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int) -> tor
     return out.transpose(1, 2).to(key_sets[-1].values.dtype)
 
 
-def attend_pieces(q: torch.Tensor, key_sets: list[KeySet], groups: int, eager: bool,
-                  one_query: bool = False) -> torch.Tensor:
+def attend_pieces(q: torch.Tensor, key_sets: list[KeySet], groups: int, eager: bool) -> torch.Tensor:
     """Every piece's queries [P, Q, H, D] over its key sets, in blocks of pieces (memory stays bounded for long
-    prompts): the explicit products (`eager`, one query per piece, or its `one_query` form) or the fused kernel."""
+    prompts): the explicit products (`eager`, or one query per piece) or the fused kernel."""
     def attend(q, key_sets):
         if eager or q.shape[1] == 1:
-            return joint_attention(q, key_sets, groups, 1.0 / math.sqrt(q.shape[-1]), one_query and q.shape[1] == 1)
+            return joint_attention(q, key_sets, groups, 1.0 / math.sqrt(q.shape[-1]))
         return fused_attention(q, key_sets, groups)
 
     pieces = q.shape[0]
@@ -205,11 +205,21 @@ def attend_pieces(q: torch.Tensor, key_sets: list[KeySet], groups: int, eager: b
                       for begin in range(0, pieces, block)])
 
 
-def cached_ring(cache_layer, names: tuple[str, ...], pieces: Pieces) -> list[torch.Tensor]:
-    """The layer's cached window tensors `names` for each piece's row [P, Hkv, ring, d] (the storage itself when
-    the pieces are the rows)."""
+def gathered(y: torch.Tensor | None, out: torch.Tensor, pieces: Pieces) -> torch.Tensor:
+    """The flat tokens' outputs [N, H, Dv] with the pieces' outputs [P, Q, H, Dv] in place: the pieces' own
+    when they are all the tokens (`y` None), else written into `y` at their tokens."""
+    out = out.flatten(0, 1)[pieces.order]
+    if y is None:
+        return out
+    y[pieces.tokens] = out
+    return y
+
+
+def cached_ring(cache_layer, names: tuple[str, ...], pieces: Pieces, slots: int) -> list[torch.Tensor]:
+    """The layer's cached window tensors `names` for each piece's row, their first `slots` slots [P, Hkv, slots, d]
+    (views of the storage itself when the pieces are the rows)."""
     rows = None if pieces.identity_rows else pieces.row
-    return [cache_layer.read(name, rows) for name in names]
+    return [cache_layer.read(name, rows, slots) for name in names]
 
 
 def write_ring(cache_layer, tokens: RowTokens, names: tuple[str, ...], tensors: list[torch.Tensor]) -> None:
@@ -239,8 +249,12 @@ def window_key_sets(k, v, tokens: RowTokens, pieces: Pieces, cache_layer, names,
     key_sets = []
     low, high = pieces.query_low[:, :, None], pieces.query_pos[:, :, None]
     if pieces.reads_ring:
-        keys, values = cached_ring(cache_layer, names[:2], pieces)
-        held = ring_positions(tokens.start[pieces.row], keys.shape[2])[:, None, :]
+        # position p sits in slot p % size: while every row has read fewer tokens than the ring holds, only the
+        # slots below the longest row's count were written
+        size = cache_layer.ring_size
+        slots = min(size, max(tokens.starts[row] for row in set(pieces.rows)))
+        keys, values = cached_ring(cache_layer, names[:2], pieces, slots)
+        held = ring_positions(tokens.start[pieces.row], size)[:, None, :slots]
         key_sets.append(KeySet(keys.to(k.dtype), values.to(v.dtype), (held >= 0) & (held >= low), temperature))
     position = pieces.new_pos[:, None, :]
     key_sets.append(KeySet(k[pieces.new_index].transpose(1, 2), v[pieces.new_index].transpose(1, 2),
@@ -265,6 +279,7 @@ class KVMAttentionBase(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.kv_heads = config.kv_heads
+        self.groups = config.kv_group_size  # query heads per key/value head
         self.head_dim = config.qk_head_dim
         self.value_head_dim = config.v_head_dim
         qk, kk, vv = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim,
@@ -333,9 +348,6 @@ class KVMAttentionBase(nn.Module):
         """o_proj of the heads' outputs [N, H, Dv], as [1, N, hidden]."""
         return self.o_proj(y.flatten(1)[None])
 
-    @property
-    def groups(self) -> int:
-        return self.config.kv_group_size
 
     @property
     def eager(self) -> bool:
@@ -354,11 +366,14 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         q, k, v = self.project(x, v_first, tokens, cache_layer)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         pieces = tokens.once(("sliding pieces", self.window), lambda: sliding_pieces(self.window, tokens))
-        key_sets = window_key_sets(k, v, tokens, pieces, cache_layer, WINDOW, None)
-        y = attend_pieces(q[pieces.query_index], key_sets, self.groups, self.eager)
+        groups = pieces.by_width(tokens)
+        y = q.new_empty(q.shape[0], q.shape[1], v.shape[-1]) if len(groups) > 1 else None
+        for _, group in groups:
+            key_sets = window_key_sets(k, v, tokens, group, cache_layer, WINDOW, None)
+            y = gathered(y, attend_pieces(q[group.query_index], key_sets, self.groups, self.eager), group)
         if cache_layer is not None:
             write_ring(cache_layer, tokens, WINDOW[:2], [k, v])
-        return self.output(y.flatten(0, 1)[pieces.order])
+        return self.output(y)
 
 
 class KVMStateKeyNorm(nn.LayerNorm):
@@ -387,16 +402,13 @@ class KVMAttention(KVMAttentionBase):
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
 
-    # Inside `runtime_speedups`: a step of one query per row on CPU in float32 reads state and window as
-    # runtime_kvm's matrix-vector products; False keeps the plain products, the reference they equal.
-    one_query_kernel = False
     # Without autograd a decoding forward on a dense cache computes the next fold ahead (runtime_kvm.PacedFold);
     # False folds at the chunk boundary instead (the same tensors).
     paced_folds = True
 
     def temperature(self, name: str) -> torch.Tensor | None:
         """Per-head temperature `name` [H] (None when off)."""
-        return local_tensor(getattr(self, name)) if self.config.head_temperatures else None
+        return local_tensor(getattr(self, name)) if hasattr(self, name) else None
 
     def forward(self, x, v_first, rotary, tokens: RowTokens, cache_layer) -> torch.Tensor:
         q, k, v = self.project(x, v_first, tokens, cache_layer)
@@ -415,62 +427,71 @@ class KVMAttention(KVMAttentionBase):
         softmax; the rows' states brought up to date on the way (first-chunk slots, folds) and stored with the
         window's newest tokens."""
         names = WINDOW if self.gated else WINDOW[:2]
-        key_sets = window_key_sets(k, v, tokens, pieces, cache_layer, names, self.temperature("window_temperature"))
         reads = self.state_reads(k, v, gate, tokens, pieces, schedule, cache_layer)
-        if reads is not None:
-            visible = torch.arange(reads[0].shape[2], device=q.device) < schedule.piece_slots[:, None]
-            key_sets.insert(0, KeySet(*reads, visible[:, None, :], self.temperature("state_temperature")))
-        one_query = self.one_query_kernel and q.device.type == "cpu" and q.dtype == torch.float32
-        y = attend_pieces(q[pieces.query_index], key_sets, self.groups, self.eager, one_query)
+        groups = pieces.by_width(tokens)
+        y = q.new_empty(q.shape[0], q.shape[1], v.shape[-1]) if len(groups) > 1 else None
+        for index, group in groups:
+            key_sets = window_key_sets(k, v, tokens, group, cache_layer, names, self.temperature("window_temperature"))
+            if reads is not None:
+                keys, values, slots = (t if index is None else t[index] for t in (*reads, schedule.piece_slots))
+                visible = torch.arange(keys.shape[2], device=q.device) < slots[:, None]
+                key_sets.insert(0, KeySet(keys, values, visible[:, None, :], self.temperature("state_temperature")))
+            y = gathered(y, attend_pieces(q[group.query_index], key_sets, self.groups, self.eager), group)
         if cache_layer is not None:
             write_ring(cache_layer, tokens, names, [k, v] + ([gate] if self.gated else []))
             if self.paced_folds and cache_layer.index is None and not torch.is_grad_enabled():
-                prepare_next_fold(self, cache_layer, tokens)
-        return y.flatten(0, 1)[pieces.order]
+                prepare_next_fold(cache_layer, tokens, self.config, partial(self.ring_fold, cache_layer),
+                                  partial(self.readable, dtype=k.dtype))
+        return y
 
     # -- the state (state_kvm has the math) --
     def state_reads(self, k, v, gate, tokens: RowTokens, pieces: Pieces, schedule: StateSchedule,
                     cache_layer) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The state each piece reads, as attention reads it ([P, Hkv, slots, d] keys and values, padded), or None
-        when no piece reads state; the rows whose state changes in this forward are brought up to date (first-chunk
-        tokens, folds) and stored."""
+        when no piece reads state; the rows' states are brought up to date on the way. On a cache, first-chunk
+        tokens enter their slots in place, one slot each, and a row's whole state is rewritten only when a block
+        folds into it (once a chunk); without one, the states are built here from empty."""
         state_dtype = state_dtype_for(k.dtype)
-        reads = []  # (piece indices, [r, Hkv, slots, d] keys and values of those pieces' rows)
-        versions = {}  # version -> pieces reading it
+        versions: dict[int, list[int]] = {}  # version -> pieces reading it
         for index, (version, slots) in enumerate(zip(schedule.piece_version, schedule.piece_slots.tolist())):
             if slots:
                 versions.setdefault(version, []).append(index)
-        stored = [p for p in versions.get(0, []) if pieces.rows[p] not in schedule.entered]
-        if stored:
-            rows = None if pieces.identity_rows and len(stored) == pieces.count else pieces.row[stored]
-            reads.append((stored, [cache_layer.read(name, rows) for name in READ]))
-        if schedule.rows:
+        reads = []  # (piece indices, [r, Hkv, slots, d] keys and values of those pieces' rows)
+        in_place = cache_layer is not None and not torch.is_grad_enabled()  # else the states keep their gradients
+        if in_place:
+            if schedule.first_chunk_rows.numel():
+                self.enter_first_chunk(k, v, gate, tokens, schedule, cache_layer, state_dtype)
+            working = self.stored_state(cache_layer, schedule) if schedule.folds else None
+            if versions.get(0):
+                readers = versions[0]
+                rows = None if pieces.identity_rows and len(readers) == pieces.count else pieces.row[readers]
+                reads.append((readers, [cache_layer.read(name, rows) for name in READ]))
+        else:
             working = self.working_state(k, v, gate, schedule, cache_layer, state_dtype)
-            entered = [p for p in versions.get(0, []) if pieces.rows[p] in schedule.entered]
-            local = torch.tensor([schedule.local[pieces.rows[p]] for p in entered], dtype=torch.long, device=k.device)
-            if entered:
-                reads.append((entered, self.readable(tuple(t[local] for t in working), k.dtype)))
-            self.journal_state(cache_layer, schedule, list(schedule.entered), tokens, working, k.dtype)
-            for round_index, fold in enumerate(schedule.folds, start=1):
-                ahead = None if cache_layer is None else take_fold_ahead(cache_layer, fold, schedule.capacity)
-                if ahead is None:
-                    block = self.block_tokens(k, v, gate, fold, cache_layer)
-                    folded = run_fold(self.fold_of(tuple(t[fold.rows] for t in working), fold.slots, block,
-                                                   fold.appends, state_dtype))
-                    read = None
-                else:
-                    folded, read = ahead
-                working = tuple(t.index_copy(0, fold.rows, new) for t, new in zip(working, folded))
-                readers = versions.get(round_index, [])
-                if readers:
-                    position = {local: i for i, local in enumerate(fold.rows.tolist())}
-                    picks = torch.tensor([position[schedule.local[pieces.rows[p]]] for p in readers], device=k.device)
-                    read = self.readable(folded, k.dtype) if read is None else read
-                    reads.append((readers, tuple(t[picks] for t in read)))
-                rows = [schedule.rows[i] for i in fold.rows.tolist()]
-                self.journal_folds(cache_layer, rows, fold, tokens, working, k.dtype)
-            if cache_layer is not None:
-                self.store_state(cache_layer, tokens.batch, schedule, working, k.dtype)
+            if versions.get(0):
+                local = torch.tensor([schedule.local[pieces.rows[p]] for p in versions[0]], device=k.device)
+                reads.append((versions[0], self.readable(tuple(t[local] for t in working), k.dtype)))
+        folded_rows: set[int] = set(range(len(schedule.rows))) if cache_layer is not None and not in_place else set()
+        for round_index, fold in enumerate(schedule.folds, start=1):
+            ahead = None if cache_layer is None else take_fold_ahead(cache_layer, fold, schedule.capacity)
+            if ahead is None:
+                block = self.block_tokens(k, v, gate, fold, cache_layer)
+                folded = run_fold(self.fold_of(tuple(t[fold.rows] for t in working), fold.slots, block,
+                                               fold.appends, state_dtype))
+                read = None
+            else:
+                folded, read = ahead
+            working = tuple(t.index_copy(0, fold.rows, new) for t, new in zip(working, folded))
+            folded_rows.update(fold.rows.tolist())
+            readers = versions.get(round_index, [])
+            if readers:
+                position = {local: i for i, local in enumerate(fold.rows.tolist())}
+                picks = torch.tensor([position[schedule.local[pieces.rows[p]]] for p in readers], device=k.device)
+                read = self.readable(folded, k.dtype) if read is None else read
+                reads.append((readers, tuple(t[picks] for t in read)))
+            self.journal_folds(cache_layer, [schedule.rows[i] for i in fold.rows.tolist()], fold, working, k.dtype)
+        if cache_layer is not None and folded_rows:
+            self.store_state(cache_layer, tokens.batch, schedule, sorted(folded_rows), working, k.dtype)
         if not reads:
             return None
         if len(reads) == 1 and len(reads[0][0]) == pieces.count:
@@ -483,32 +504,56 @@ class KVMAttention(KVMAttentionBase):
         first = reads[0][1][part]
         out = first.new_zeros(count, first.shape[1], slots, first.shape[3])
         for indices, tensors in reads:
-            out = out.index_copy(0, torch.tensor(indices, device=out.device), fit_slots(tensors[part], slots))
+            out.index_copy_(0, torch.tensor(indices, device=out.device), fit_slots(tensors[part], slots))
         return out
 
+    def first_chunk_slots(self, k, v, gate, index: torch.Tensor, state_dtype: torch.dtype) -> tuple:
+        """The state slots (key, value, norm) first-chunk tokens `index` enter the state as, one each; the norms of
+        the ungated values, the merge gate applied where the config says."""
+        keys = state_keys(k[index].to(state_dtype), self.config.rotary_dim, self.state_key_norm)
+        values = v[index].to(state_dtype)
+        norms = slot_norms(values, self.config.state_value_norms)
+        if self.config.merge_gate_initial_state and gate is not None:
+            gates = gate[index].to(state_dtype)
+            keys, values = keys * gates, values * gates
+        return keys, values, norms
+
+    def enter_first_chunk(self, k, v, gate, tokens: RowTokens, schedule: StateSchedule, cache_layer,
+                          state_dtype: torch.dtype) -> None:
+        """First-chunk tokens into their rows' stored states, one slot each, with the slots' read form (both are
+        per slot, so the rest of the state is untouched); kept in the journal while recording."""
+        rows, slots = schedule.first_chunk_rows, schedule.first_chunk_slots
+        state = self.first_chunk_slots(k, v, gate, schedule.first_chunk_tokens, state_dtype)
+        read = readable_state(state, self.state_key_norm(state[0]), self.config.state_value_norms, k.dtype)
+        like = {name: (t.shape[1], t.shape[2], t.dtype, t.device) for name, t in zip(STATE + READ, state + read)}
+        cache_layer.ensure_state(tokens.batch, schedule.first_chunk_capacity, like)
+        for name, tensor in zip(STATE + READ, state + read):
+            cache_layer.write(name, rows, tensor.detach(), slots)
+        if cache_layer.journal is not None:
+            cache_layer.journal.first_chunk = (rows, slots, tuple(t.detach() for t in state + read))
+
+    def stored_state(self, cache_layer, schedule: StateSchedule) -> tuple:
+        """[r, Hkv, capacity, d] stored states of the rows whose state changes in this forward."""
+        rows = torch.tensor(schedule.rows, dtype=torch.long, device=schedule.fresh.device)
+        return tuple(fit_slots(cache_layer.read(name, rows), schedule.capacity) for name in STATE)
+
     def working_state(self, k, v, gate, schedule: StateSchedule, cache_layer, state_dtype: torch.dtype) -> tuple:
-        """[r, Hkv, capacity, d] states of the rows whose state changes in this forward: the stored ones (empty
-        for rows starting fresh) with this forward's first-chunk tokens entered, one slot each."""
+        """[r, Hkv, capacity, d] states of the rows whose state changes in this forward, as tensors autograd
+        follows: the stored ones (empty for rows starting fresh, or without a cache) with this forward's first-chunk
+        tokens entered, one slot each."""
         heads, capacity = k.shape[1], schedule.capacity
-        rows = torch.tensor(schedule.rows, dtype=torch.long, device=k.device)
         shapes = ((k.shape[2], state_dtype), (v.shape[2], state_dtype), (1, torch.float32))
         if cache_layer is not None and not bool(schedule.fresh.all()):
-            stored = [fit_slots(cache_layer.read(name, rows), capacity) for name in STATE]
-            working = [torch.where(schedule.fresh[:, None, None, None], 0, t) for t in stored]
+            working = [torch.where(schedule.fresh[:, None, None, None], 0, t)
+                       for t in self.stored_state(cache_layer, schedule)]
         else:
             working = [k.new_zeros(len(schedule.rows), heads, capacity, dim, dtype=dtype) for dim, dtype in shapes]
         if schedule.initial_rows.numel():
-            index = schedule.initial_index
-            keys = state_keys(k[index].to(state_dtype), self.config.rotary_dim, self.state_key_norm).transpose(1, 2)
-            values = v[index].to(state_dtype).transpose(1, 2)
-            norms = slot_norms(values, self.config.state_value_norms)
-            if self.config.merge_gate_initial_state and gate is not None:
-                gates = gate[index].to(state_dtype).transpose(1, 2)
-                keys, values = keys * gates, values * gates
+            entered = self.first_chunk_slots(k, v, gate, schedule.initial_index, state_dtype)
             slot = schedule.initial_slot[:, None, :, None].expand(-1, heads, -1, 1)
-            entered = [scatter_into(t[schedule.initial_rows], slot, new)
-                       for t, new in zip(working, (keys, values, norms))]
-            working = [t.index_copy(0, schedule.initial_rows, new) for t, new in zip(working, entered)]
+            working = [t.index_copy(0, schedule.initial_rows,
+                                    scatter_into(t[schedule.initial_rows], slot, new.transpose(1, 2)))
+                       for t, new in zip(working, entered)]
         return tuple(working)
 
     def block_tokens(self, k, v, gate, fold, cache_layer) -> list[torch.Tensor]:
@@ -565,27 +610,20 @@ class KVMAttention(KVMAttentionBase):
         """`state_kvm.readable_state` of a (padded) state."""
         return readable_state(state, self.state_key_norm(state[0]), self.config.state_value_norms, dtype)
 
-    def store_state(self, cache_layer, batch: int, schedule: StateSchedule, working: tuple,
+    def store_state(self, cache_layer, batch: int, schedule: StateSchedule, local: list[int], working: tuple,
                     dtype: torch.dtype) -> None:
-        """The changed rows' states and their read forms into the layer's storage (room made in dense storage)."""
-        rows = torch.tensor(schedule.rows, dtype=torch.long, device=working[0].device)
-        read = self.readable(working, dtype)
-        like = {name: (t.shape[1], t.shape[3], t.dtype, t.device) for name, t in zip(STATE + READ, working + read)}
+        """The folded rows' states (`local`: indices into the schedule's rows) and their read forms into the layer's
+        storage (room made in dense storage)."""
+        index = torch.tensor(local, dtype=torch.long, device=working[0].device)
+        rows = torch.tensor([schedule.rows[i] for i in local], dtype=torch.long, device=working[0].device)
+        state = tuple(t[index] for t in working)
+        read = self.readable(state, dtype)
+        like = {name: (t.shape[1], t.shape[3], t.dtype, t.device) for name, t in zip(STATE + READ, state + read)}
         cache_layer.ensure_state(batch, schedule.capacity, like)
-        for name, tensor in zip(STATE + READ, working + read):
+        for name, tensor in zip(STATE + READ, state + read):
             cache_layer.write(name, rows, tensor.detach())
 
-    def journal_state(self, cache_layer, schedule: StateSchedule, rows: list[int], tokens: RowTokens, working,
-                      dtype) -> None:
-        """While recording: the state rows hold once their first-chunk tokens entered (from their first token on)."""
-        if cache_layer is None or cache_layer.journal is None or not rows:
-            return
-        local = torch.tensor([schedule.local[row] for row in rows], device=working[0].device)
-        state = tuple(t[local] for t in working)
-        cache_layer.journal.states.append((rows, [tokens.starts[row] + 1 for row in rows],
-                                           state + self.readable(state, dtype)))
-
-    def journal_folds(self, cache_layer, rows: list[int], fold, tokens: RowTokens, working, dtype) -> None:
+    def journal_folds(self, cache_layer, rows: list[int], fold, working, dtype) -> None:
         """While recording: the state rows hold after a round of folds (from the token that started the fold on)."""
         if cache_layer is None or cache_layer.journal is None:
             return
@@ -674,8 +712,8 @@ def value_anchor_layers(config: KVMConfig) -> dict[int, tuple[str, ...]]:
 
 
 # ---- models --------------------------------------------------------------------------------
-class KVMPreTrainedModel(CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin, RowBlockLossMixin,
-                        PreTrainedModel):
+class KVMPreTrainedModel(HubCodeSaveMixin, CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin,
+                         RowBlockLossMixin, PreTrainedModel):
     attention_model_name = "KVM"
     attention_refusal = KVM_NO_KERNELS
     config_class = KVMConfig
@@ -685,10 +723,10 @@ class KVMPreTrainedModel(CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerM
     _supports_sdpa = True
 
     def runtime_speedups(self) -> contextlib.AbstractContextManager:
-        """A block in which inference takes runtime_kvm's speed-ups (oneDNN linears, one-query CPU attention)
-        and outside which the model is plain; same results up to float rounding. generate() opens one; a loop
-        that steps the model itself can too."""
-        return runtime_speedups(self, KVMAttention)
+        """A block in which inference takes its speed-ups (oneDNN linears, blocked weight copies) and outside
+        which the model is plain; same results up to float rounding. generate() opens one; a loop that steps the
+        model itself can too."""
+        return runtime_speedups(self, None)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

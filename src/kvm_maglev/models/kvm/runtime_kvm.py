@@ -5,59 +5,47 @@ one position computes ahead the fold of the block that leaves the window at the 
 state_kvm's fold stages every few decoding steps, so that the boundary step costs what any other step costs: the
 cache's layers carry the fold under way (`pending`), `KVMAttention.attend` advances it (`prepare_next_fold`) and
 its fold round swaps it in (`take_fold_ahead`). A serving engine's paged cache folds at the boundary, batched.
-Inside `model.runtime_speedups()` (runtime_switch), which `generate()` opens, also:
-- linear layers compute on oneDNN, batched steps on blocked weight copies (onednn_linear);
-- a step of one query per piece on CPU in float32 computes its logits as matrix-vector products
-  (`one_query_logits`, which `modeling_kvm.joint_attention` takes when `KVMAttention.one_query_kernel` is on,
-  beside the plain products it equals).
-Each computes what the plain path computes: the fold bit for bit, the others up to float rounding. Measurements behind them: docs/kvm_runtime_notes.md.
+Inside `model.runtime_speedups()` (runtime_switch), which `generate()` opens, linear layers also compute on
+oneDNN, batched steps on blocked weight copies (onednn_linear). Each computes what the plain path computes: the
+fold bit for bit, the linears up to float rounding. Measurements behind them: docs/kvm_runtime_notes.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 
-from .state_kvm import fold_stages, folded_blocks, slots_after_folds
-
-
-def one_query_logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """`queries @ keys^T` ([P, Hkv, G, D] queries, one per query head of a group) computed as keys @ queries: on
-    CPU that product reads each key about twice as fast when a group holds one or two queries (a contiguous column
-    of queries, transposed, takes the matrix-vector kernel)."""
-    return torch.matmul(keys, queries.contiguous().transpose(-1, -2)).transpose(-1, -2)
+from .configuration_kvm import folded_blocks, slots_after_folds
+from .state_kvm import Fold, fold_stages
 
 
 class PacedFold:
-    """The fold of window block `block` for every row of a dense cache (its rows at one position), computed ahead
-    of its chunk boundary from the state it will fold into: key/value head by head, state_kvm's `fold_stages`
-    and then the head's read form, one stage per `advance()`; its stride spreads the stages over 7/8 of a chunk
-    of decoding steps. The boundary step swaps the result in (`take_fold_ahead`): the same tensors, bit for bit."""
+    """A block's fold computed ahead of its chunk boundary, from the state it will fold into: key/value head by
+    head, state_kvm's `fold_stages` and then the head's read form (`read`), one stage per `advance()`; its stride
+    spreads the stages over 7/8 of a chunk of decoding steps. The boundary step swaps the result in
+    (`take_fold_ahead`): the same tensors, bit for bit."""
 
-    def __init__(self, attention, cache_layer, block: int, slots: int, appends: int, capacity: int) -> None:
-        self.block, self.capacity = block, capacity
-        whole = attention.ring_fold(cache_layer, block, slots, appends, capacity)
-        self.dtype = cache_layer.tensors["window_keys"].dtype  # the read form's: the model's
-        self.heads = whole.state[0].shape[1]
+    def __init__(self, fold: Fold, read: Callable[[tuple], tuple], block: int, chunk: int) -> None:
+        self.block, self.capacity = block, fold.capacity
+        self.heads = fold.state[0].shape[1]
         self.state: list[torch.Tensor] | None = None  # keys, values, norms after the fold
         self.read: list[torch.Tensor] | None = None  # their attention-ready form
         self.stages: list = []
         for head in range(self.heads):
-            fold = whole.heads(slice(head, head + 1))
-            self.stages += fold_stages(fold) + [partial(self.write_result, attention, fold, head)]
+            part = fold.heads(slice(head, head + 1))
+            self.stages += fold_stages(part) + [partial(self.write_result, read, part, head)]
         self.next_stage = 0
-        self.stride = max(1, (attention.config.chunk_size * 7 // 8) // (len(self.stages) + 1))  # one more: the start
+        self.stride = max(1, (chunk * 7 // 8) // (len(self.stages) + 1))  # one more: the start
 
-    def write_result(self, attention, fold, head: int) -> None:
+    def write_result(self, read: Callable[[tuple], tuple], fold: Fold, head: int) -> None:
         """Stage: one head's folded state and its read form written into the all-heads tensors."""
+        readable = read(fold.state)
         if self.state is None:
             self.state = [t.new_empty(t.shape[:1] + (self.heads,) + t.shape[2:]) for t in fold.state]
-            self.read = None
-        read = attention.readable(fold.state, self.dtype)
-        if self.read is None:
-            self.read = [t.new_empty(t.shape[:1] + (self.heads,) + t.shape[2:]) for t in read]
-        for whole, piece in zip(self.state + self.read, tuple(fold.state) + tuple(read)):
+            self.read = [t.new_empty(t.shape[:1] + (self.heads,) + t.shape[2:]) for t in readable]
+        for whole, piece in zip(self.state + self.read, tuple(fold.state) + tuple(readable)):
             whole[:, head:head + 1] = piece
 
     @property
@@ -73,12 +61,13 @@ class PacedFold:
             self.advance()
 
 
-def prepare_next_fold(attention, cache_layer, tokens) -> None:
+def prepare_next_fold(cache_layer, tokens, config, block_fold: Callable[[int, int, int, int], Fold],
+                      read: Callable[[tuple], tuple]) -> None:
     """After a decoding forward on a dense cache whose rows stand at one position: start or advance the fold of the
     block that leaves the window at the next chunk boundary, one stage every `stride` decoding steps, or all of it
-    after a multi-token forward (a prefill). With two or more window chunks the block and the state it folds into
-    are final a chunk ahead."""
-    config = attention.config
+    after a multi-token forward (a prefill). `block_fold(block, slots, appends, capacity)` is that block's fold into
+    the stored states, `read` the read form of a state. With two or more window chunks the block and the state it
+    folds into are final a chunk ahead."""
     chunk, window_chunks = config.chunk_size, config.window_chunks
     seen = tokens.starts[0] + tokens.counts[0]
     if window_chunks < 2 or not seen or len(set(tokens.starts)) > 1 or len(set(tokens.counts)) > 1:
@@ -89,8 +78,8 @@ def prepare_next_fold(attention, cache_layer, tokens) -> None:
     fold = cache_layer.pending
     if fold is None or fold.block != block:
         table = slots_after_folds(config, block)
-        fold = cache_layer.pending = PacedFold(attention, cache_layer, block, table[-2], table[-1] - table[-2],
-                                               table[-1])
+        whole = block_fold(block, table[-2], table[-1] - table[-2], table[-1])
+        fold = cache_layer.pending = PacedFold(whole, read, block, chunk)
     if tokens.counts[0] > 1:
         fold.finish()
     elif not fold.done and seen % fold.stride == 0:

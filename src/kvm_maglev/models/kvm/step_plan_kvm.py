@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .state_kvm import folded_blocks, slots_after_folds
-from .step_plan import RowTokens
+from .configuration_kvm import folded_blocks, slots_after_folds
+from ..common.step_plan import RowTokens
 
 
 @dataclass
@@ -39,10 +39,28 @@ class Pieces:
     reads_ring: bool  # some piece's row has read tokens before this forward
     order: torch.Tensor  # the real query slots of [P * width], in flat token order
     identity_rows: bool  # one piece per row of the batch, in row order: per-row tensors line up with the pieces
+    spans: list[tuple[int, int, int, int]]  # (row, first position, last position, lowest key position) per piece
+    sliding: int | None
 
     @property
     def count(self) -> int:
         return len(self.rows)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The flat token of each real query, in the order of `order`."""
+        return self.query_index.reshape(-1)[self.order]
+
+    def by_width(self, tokens: RowTokens) -> list[tuple[torch.Tensor | None, "Pieces"]]:
+        """The pieces in groups that attend in one call each - pieces of one query (decoding rows) apart from
+        longer ones (prompt chunks), so that no decoding row is padded to a prompt chunk's queries and keys - with
+        each group's piece indices (None: all the pieces, in order)."""
+        single = [index for index, span in enumerate(self.spans) if span[1] == span[2]]
+        if not single or len(single) == len(self.spans):
+            return [(None, self)]
+        longer = [index for index in range(len(self.spans)) if self.spans[index][1] != self.spans[index][2]]
+        return [(torch.tensor(indices, device=tokens.device),
+                 cut_pieces(tokens, [self.spans[i] for i in indices], self.sliding)) for indices in (single, longer)]
 
 
 def cut_pieces(tokens: RowTokens, spans: list[tuple[int, int, int, int]], sliding: int | None) -> Pieces:
@@ -72,7 +90,8 @@ def cut_pieces(tokens: RowTokens, spans: list[tuple[int, int, int, int]], slidin
     order = query_valid.reshape(-1).nonzero().squeeze(1)
     reads_ring = any(tokens.starts[r] > 0 for r in set(rows))
     return Pieces(rows, row, query_index, query_pos, query_valid, query_low.clamp(min=0), new_index,
-                  torch.where(new_valid, new_pos, -1), reads_ring, order, rows == list(range(tokens.batch)))
+                  torch.where(new_valid, new_pos, -1), reads_ring, order, rows == list(range(tokens.batch)), spans,
+                  sliding)
 
 
 def chunk_pieces(config, tokens: RowTokens) -> Pieces:
@@ -105,7 +124,7 @@ def ring_positions(starts: torch.Tensor, size: int) -> torch.Tensor:
 
 
 @dataclass
-class Fold:
+class FoldRound:
     """One round of folds: rows `rows` (indices into the schedule's `rows`; `members`: the forward's rows) each fold
     block `blocks[i]` into a state of `slots[i]` live slots, appending `appends[i]` of its tokens. `source_ring`
     [rows, chunk] says which of the block's tokens are in the cached window (slot `ring_slot`) and which are this
@@ -128,7 +147,7 @@ class StateSchedule:
     `rows` are the rows whose state changes (first-chunk tokens enter it, or blocks fold into it); `fresh` marks
     those that start from an empty state, `capacity` is the most slots any of them holds afterwards. First-chunk
     tokens: `initial_rows` (indices into `rows`), their flat tokens `initial_index` [r, n] entering slots
-    `initial_slot` (one past the end where none). `folds` run in rounds. A piece reads state version
+    `initial_slot` (one past the end where none), and as flat lists (`first_chunk_*`). `folds` run in rounds. A piece reads state version
     `piece_version[p]` of its row (0: the state before this forward's folds, k: after its k-th fold) with
     `piece_slots[p]` live slots (0: a piece in the front window reads no state)."""
 
@@ -139,7 +158,11 @@ class StateSchedule:
     initial_rows: torch.Tensor
     initial_index: torch.Tensor
     initial_slot: torch.Tensor
-    folds: list[Fold]
+    first_chunk_rows: torch.Tensor  # [M] each first-chunk token's row, token (flat) and slot, one per token
+    first_chunk_tokens: torch.Tensor
+    first_chunk_slots: torch.Tensor
+    first_chunk_capacity: int  # the most slots a row holds once they entered
+    folds: list[FoldRound]
     piece_version: list[int]
     piece_slots: torch.Tensor
     read_slots: int  # the most slots a piece reads
@@ -182,7 +205,7 @@ def state_schedule(config, tokens: RowTokens, pieces: Pieces) -> StateSchedule:
         positions = torch.tensor([[block * chunk + i for i in range(chunk)] for block in blocks], device=device)
         member = torch.tensor(members, dtype=torch.long, device=device)
         start = tokens.start[member][:, None]
-        folds.append(Fold(torch.tensor([local[row] for row in members], device=device), member, blocks,
+        folds.append(FoldRound(torch.tensor([local[row] for row in members], device=device), member, blocks,
                           torch.tensor(slots, device=device), torch.tensor(appends, device=device),
                           positions < start, positions % size,
                           (tokens.offset[member][:, None] + positions - start).clamp(min=0)))
@@ -201,7 +224,14 @@ def state_schedule(config, tokens: RowTokens, pieces: Pieces) -> StateSchedule:
         tensor = torch.tensor(values, dtype=torch.long, device=device)
         return tensor if columns is None else tensor.view(len(values), columns)
 
+    first_rows, first_tokens, first_slots = [], [], []
+    for row in initial:
+        start, stop = tokens.starts[row], min(ends[row], chunk)
+        first_rows += [row] * (stop - start)
+        first_tokens += range(tokens.offsets[row], tokens.offsets[row] + stop - start)
+        first_slots += range(start, stop)
     return StateSchedule(
         rows, local, as_tensor([tokens.starts[row] == 0 for row in rows]).bool(), capacity,
         as_tensor([local[row] for row in initial]), as_tensor(initial_index, width), as_tensor(initial_slot, width),
+        as_tensor(first_rows), as_tensor(first_tokens), as_tensor(first_slots), max(first_slots, default=-1) + 1,
         folds, versions, as_tensor(piece_slots), max(piece_slots, default=0), set(initial))

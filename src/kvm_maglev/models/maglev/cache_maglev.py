@@ -13,9 +13,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_capacity
-from .row_storage import RowStorage
-from .saved_cache import SavedCache, tensors_under
-from .step_plan import StepPlan, gather_columns
+from ..common.row_storage import RowStorage
+from ..common.saved_cache import SavedCache, tensors_under
+from ..common.step_plan import StepPlan, gather_columns
 
 CACHE_FORMAT = "maglev-cache"
 CACHE_FORMAT_VERSION = 3  # 2: nanochat window patterns keep growing rings, no longer every column;
@@ -39,6 +39,7 @@ class MaglevCacheLayer(RowStorage):
         self.grows = grows
         self.capacity = min(window, growing_capacity(0)) if grows else window
         self.batch = 0  # rows of a dense ring (set by the cache)
+        self.records: list | None = None  # while recording, per column of the forward: what the layers overwrote
 
     def reserve(self, columns: int) -> None:
         """Make room before a forward that ends at `columns` columns: a growing ring takes more slots (up to its
@@ -85,7 +86,7 @@ class MaglevCacheLayer(RowStorage):
     def write_tokens(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan") -> None:
         """Store the chunk's keys/values [B, H, T, D] of the plan's rows: each row's newest real tokens replace its
         oldest slots."""
-        if plan.records is None and plan.length > 1:
+        if self.records is None and plan.length > 1:
             self._write_chunk(k, v, plan)
             return
         for t in range(plan.length):
@@ -94,7 +95,7 @@ class MaglevCacheLayer(RowStorage):
                 slot = plan.mask(("slot", self.capacity), lambda: start % self.capacity)
             else:
                 slot = start % self.capacity
-            record = None if plan.records is None else plan.records[t]
+            record = None if self.records is None else self.records[t]
             self._write_column(k[:, :, t], v[:, :, t], slot, valid, record, plan)
 
     def _write_column(self, k, v, slot, valid, record, plan) -> None:
@@ -190,6 +191,7 @@ class MaglevCache(SavedCache, Cache):
         self.last_memory: torch.Tensor | None = None
         self.previous_embedding: torch.Tensor | None = None
         self.recording = False
+        self.records: list | None = None  # the current forward's column records, while recording
         self.history: deque[ColumnRecord] = deque(maxlen=max_rollback)
         self.prompt_length: int | None = None  # set by assisted decoding: its first forward also carries drafts
 
@@ -205,7 +207,8 @@ class MaglevCache(SavedCache, Cache):
         device = embedding.device
         fresh = torch.tensor([position == 0 for position in positions], device=device)
         for layer, tensors, rows in zip(cache.layers, pages, index):
-            layer.tensors, layer.index, layer.batch, layer.grows = tensors, rows, len(positions), False
+            layer.bind(tensors, rows)
+            layer.batch, layer.grows = len(positions), False
             layer.capacity = tensors["keys"].shape[2]
             if bool(fresh.any()):
                 layer.zero_rows(fresh.nonzero().squeeze(1))
@@ -246,10 +249,10 @@ class MaglevCache(SavedCache, Cache):
     def step_context(self, valid: torch.Tensor | None, length: int) -> StepPlan:
         """The plan of a forward over `length` new columns; growing rings make room for them first."""
         self.reserve(length)
-        plan = StepPlan(self.positions, valid, length)
-        if self.recording:
-            plan.records = [[] for _ in range(length)]
-        return plan
+        self.records = [[] for _ in range(length)] if self.recording else None
+        for layer in self.layers:
+            layer.records = self.records
+        return StepPlan(self.positions, valid, length)
 
     def rows_step(self, rows: torch.Tensor | None) -> StepPlan:
         """The plan of one token for each of rows `rows` alone (None: every row), a recurrent step of the rows with
@@ -269,9 +272,9 @@ class MaglevCache(SavedCache, Cache):
     def advance(self, plan: StepPlan, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
         """Record a processed chunk: per row its real-token count, last real (pre-smear) embedding and memory."""
         if plan.length == 1:
-            if plan.records is not None:
+            if self.records is not None:
                 self.history.append(ColumnRecord(self.positions, self.last_memory, self.previous_embedding,
-                                                 plan.records[0]))
+                                                 self.records[0]))
             if plan.valid is None:
                 self.positions = self.positions + 1
                 self.previous_embedding = embeddings
@@ -285,7 +288,7 @@ class MaglevCache(SavedCache, Cache):
                     self.last_memory = torch.where(keep, memories.to(self.last_memory.dtype), self.last_memory)
         else:
             previous, last = plan.predecessors()
-            if plan.records is not None:
+            if self.records is not None:
                 before_embeddings = gather_columns(self.previous_embedding, embeddings, previous)
                 before_memories = (None if memories is None
                                    else gather_columns(self.last_memory, memories, previous))
@@ -293,7 +296,7 @@ class MaglevCache(SavedCache, Cache):
                 for t in range(plan.length):
                     self.history.append(ColumnRecord(
                         before_positions[:, t], None if memories is None else before_memories[:, t:t + 1],
-                        before_embeddings[:, t:t + 1], plan.records[t]))
+                        before_embeddings[:, t:t + 1], self.records[t]))
             self.previous_embedding = gather_columns(self.previous_embedding, embeddings, last)
             if memories is not None:
                 self.last_memory = gather_columns(self.last_memory, memories, last)

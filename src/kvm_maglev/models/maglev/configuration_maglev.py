@@ -12,15 +12,9 @@ import math
 import torch
 from transformers import PretrainedConfig
 
-# ----- version guard: this file is the first of the folder's code transformers imports -----
-import transformers as _transformers
-
-if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.isdigit()) < (5, 17):
-    raise ImportError(f"Maglev models need transformers >= 5.17 (installed: {_transformers.__version__}); "
-                      "upgrade with: pip install -U 'transformers>=5.17'")
-# ----- end of version guard -----
-
-from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
+from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
+from ..common.config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
+from ..common.hub_save import HubCodeSaveMixin
 
 WINDOW_LETTERS = "SL"
 CONSISTENCY_LOSSES = ("mse", "cosine")
@@ -135,7 +129,7 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
 
 
 @declare_fields(MAGLEV_FIELDS)
-class MaglevConfig(PretrainedConfig):
+class MaglevConfig(HubCodeSaveMixin, PretrainedConfig):
     """Every nanochat GPT feature as a switch, plus the Maglev memory and prefiller fields.
 
     With `use_memory=False` and `sliding_window=None` the model is exactly nanochat's GPT,

@@ -12,12 +12,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from .step_plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -61,29 +60,25 @@ def current_schedule(model) -> Schedule:
     return schedule_at(model.config, 0)
 
 
-def lifted_passes(model, input_ids, valid, cache, context, hidden_states=None):
-    """Lifted parallel training on `model` (a MaglevModel): pass 0 feeds P the prefiller's shifted memories
-    m'; each of the `memory_self_feed_steps` self-fed passes (training mode only) feeds P the shifted
-    memories of the pass before. Only the last pass writes the cache and the hidden states (`context()` is
-    its step plan). Returns per pass the head inputs, the last pass's memories, m' and the consistency loss
-    averaged over passes."""
-    config = model.config
-    schedule = current_schedule(model)
-    targets = model.prefiller_memories(input_ids, valid)
+def lifted_passes(prefiller: Callable[[], torch.Tensor], decoder: Callable[[torch.Tensor, bool], tuple],
+                  shifted: Callable[[torch.Tensor], torch.Tensor], config, schedule: Schedule, passes: int,
+                  valid: torch.Tensor | None, noise_std: float) -> tuple:
+    """Lifted parallel training: pass 0 feeds P the prefiller's shifted memories m'; each later pass (the
+    self-fed passes of training) feeds P the shifted memories of the pass before, mixed with m' by the schedule's
+    chance and noised (`noise_std`). `prefiller()` gives Q's memories m' of the sequence, `decoder(mu, last)` P's
+    head inputs and memories in parallel fed `mu` (the `last` pass writes the cache and the hidden states),
+    `shifted(m)` a sequence of memories shifted one token on. Returns per pass the head inputs, the last pass's
+    memories, m' and the consistency loss averaged over passes."""
+    targets = prefiller()
     teacher = schedule.frozen_teacher
-    prefiller_mu = model.shifted_memories(targets.detach() if teacher else targets, None, valid)
-    passes = 1 + (config.memory_self_feed_steps if model.training else 0)
+    prefiller_mu = shifted(targets.detach() if teacher else targets)
     heads, losses, memories = [], [], None
     for i in range(passes):
-        last = i == passes - 1
         mu = prefiller_mu
         if memories is not None:
             own = memories.detach() if config.memory_self_feed_detach else memories
-            mu = mixed_memories(model.shifted_memories(own, None, valid), prefiller_mu, schedule.self_feed_mix)
-        plan = context() if last else StepPlan(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
-        std = config.memory_noise_std if model.training else 0.0
-        head, memories = model.decode_chunk(input_ids, noisy(mu, std), cache if last else None, plan,
-                                            hidden_states if last else None)
+            mu = mixed_memories(shifted(own), prefiller_mu, schedule.self_feed_mix)
+        head, memories = decoder(noisy(mu, noise_std), i == passes - 1)
         heads.append(head)
         losses.append(consistency(config, memories, targets, valid, detach=teacher))
     return heads, memories, targets, torch.stack(losses).mean()

@@ -20,21 +20,22 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import can_return_tuple
 
 from .cache_maglev import MaglevCache, MaglevCacheLayer
-from .carried_card import CarriedCardMixin
+from ..common.carried_card import CarriedCardMixin
+from ..common.hub_save import HubCodeSaveMixin
 from .configuration_maglev import MaglevConfig
-from .conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
+from ..common.conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
                           refuse_attention_weights)
 from .curriculum_maglev import Schedule, current_schedule, lifted_passes, schedule_at
-from .generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
-from .model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
-from .onednn_linear import OneDNNLinear
-from .row_block_loss import RowBlockLossMixin, row_block_head_loss
+from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
+from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
+from ..common.onednn_linear import OneDNNLinear
+from ..common.row_block_loss import RowBlockLossMixin, row_block_head_loss
 from .runtime_maglev import one_query_attention
-from .runtime_switch import runtime_speedups
-from .step_plan import (RowTokens, StepPlan, boundary_kwargs, bucket_index, bucket_mask, gather_bucket, gather_columns,
+from ..common.runtime_switch import runtime_speedups
+from ..common.step_plan import (RowTokens, StepPlan, boundary_kwargs, bucket_index, bucket_mask, gather_bucket, gather_columns,
                         length_buckets, packed_documents, previous_real_index, real_tokens, refuse_packed_cache,
                         scatter_outputs)
-from .tensor_parallel import local_columns, local_tensor
+from ..common.tensor_parallel import local_columns, local_tensor
 
 # why the models refuse what transformers offers for plain attention
 MAGLEV_NO_KERNELS = ("decoding attends over a ring of cached window keys with per-row positions under masks of "
@@ -271,8 +272,8 @@ class MaglevBlock(GradientCheckpointingLayer):
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
-class MaglevPreTrainedModel(CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin, RowBlockLossMixin,
-                        PreTrainedModel):
+class MaglevPreTrainedModel(HubCodeSaveMixin, CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin,
+                            RowBlockLossMixin, PreTrainedModel):
     attention_model_name = "Maglev"
     attention_refusal = MAGLEV_NO_KERNELS
     config_class = MaglevConfig
@@ -725,8 +726,15 @@ class MaglevModel(MaglevPreTrainedModel):
             head, memories = self.decode_chunk(input_ids, memory_inputs.to(self.dtype), cache, context(),
                                                hidden_states)
         elif mode == "lifted":
+            def decoder(mu, last):  # P in parallel; only the last pass writes the cache and the hidden states
+                plan = context() if last else StepPlan(input_ids.new_zeros(batch), valid, length)
+                return self.decode_chunk(input_ids, mu, cache if last else None, plan,
+                                         hidden_states if last else None)
+            passes = 1 + (config.memory_self_feed_steps if self.training else 0)
             pass_heads, memories, prefiller_memories, consistency_loss = lifted_passes(
-                self, input_ids, valid, cache, context, hidden_states)
+                partial(self.prefiller_memories, input_ids, valid), decoder,
+                partial(self.shifted_memories, first=None, valid=valid), config, current_schedule(self), passes,
+                valid, config.memory_noise_std if self.training else 0.0)
             head = pass_heads[-1]
         elif mode == "prefill":
             prompt = length if cache is None else cache.take_prompt_length(length)

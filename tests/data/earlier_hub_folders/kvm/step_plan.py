@@ -74,7 +74,6 @@ class StepPlan:
             self.query_positions = start[:, None] + self.before
             self.key_positions = torch.where(valid, self.query_positions, -1)
         self.records: list | None = None
-        self.rows: torch.Tensor | None = None  # the cache rows these rows are (None: every row, in order)
         self._masks: dict = {}
 
     def column(self, t: int):
@@ -118,77 +117,135 @@ class StepPlan:
         return self.mask(("blocks", left, block), build)
 
 
-# ---- a forward's real tokens, flat --------------------------------------------------------------------------
-class RowTokens:
-    """A forward's real tokens laid out flat, row after row: row r has read `starts[r]` tokens before and reads
-    `counts[r]` now, at flat indices [offsets[r], offsets[r] + counts[r]) with positions starts[r], starts[r] + 1,
-    ... Built from a padded batch (`from_batch`: padding never becomes a token) or from requests given flat, one
-    after the other (a serving engine's step). Projections and feed-forwards run over the flat tokens; the
-    per-row geometry (positions, predecessors) is computed once here and shared by the layers."""
+# ---- row groups (KVM) -------------------------------------------------------------------------------------
+class RowGroup:
+    """Rows (batch indices, ascending) that have read the same number of real tokens, and their layer caches."""
 
-    def __init__(self, starts: list[int], counts: list[int], device, padded: torch.Tensor | None = None,
-                 width: int = 0) -> None:
-        self.starts, self.counts = list(starts), list(counts)
-        self.batch = len(self.starts)
-        self.offsets = [0] * self.batch
-        for row in range(1, self.batch):
-            self.offsets[row] = self.offsets[row - 1] + self.counts[row - 1]
-        self.total = sum(self.counts)
-        self.device = device
-        self.padded = padded  # [total]: each token's index in the flattened [batch * width] input; None: already flat
-        self.width = width
-        self.start = torch.tensor(self.starts, dtype=torch.long, device=device)
-        self.count = torch.tensor(self.counts, dtype=torch.long, device=device)
-        self.offset = torch.tensor(self.offsets, dtype=torch.long, device=device)
-        self.row = torch.repeat_interleave(torch.arange(self.batch, device=device), self.count, output_size=self.total)
-        self.local = torch.arange(self.total, device=device) - self.offset[self.row]  # index within the row's tokens
-        self.position = self.start[self.row] + self.local
-        self._cache: dict = {}
-
-    @classmethod
-    def from_batch(cls, starts: list[int], valid: torch.Tensor | None, batch: int, length: int, device) -> "RowTokens":
-        """The real tokens of a [batch, length] input (`valid`: which columns are real; None: all)."""
-        if valid is None:
-            return cls(starts, [length] * batch, device, None, length)
-        counts = valid.sum(dim=1).tolist()
-        return cls(starts, counts, device, valid.reshape(-1).nonzero().squeeze(1), length)
+    def __init__(self, rows: list[int], layers: list) -> None:
+        self.rows = rows
+        self.layers = layers
 
     @property
-    def fresh_rectangle(self) -> bool:
-        """Every row reads the same number of tokens from its first one, with no padding (training batches)."""
-        return self.padded is None and not any(self.starts)
+    def seen(self) -> int:
+        return self.layers[0].seen
 
-    def flatten(self, x: torch.Tensor) -> torch.Tensor:
-        """[total, ...] real tokens of a [batch, width, ...] tensor."""
-        flat = x.reshape(self.batch * self.width, *x.shape[2:])
-        return flat if self.padded is None else flat[self.padded]
+    def take(self, local: list[int], rows: list[int]) -> "RowGroup":
+        """A group of this group's rows at positions `local`, renumbered `rows`."""
+        if local == list(range(len(self.rows))):
+            return RowGroup(rows, self.layers)
+        index = torch.tensor(local, device=self.device) if self.device is not None else torch.tensor(local)
+        return RowGroup(rows, [layer.take_rows(index) for layer in self.layers])
 
-    def unflatten(self, y: torch.Tensor) -> torch.Tensor:
-        """[batch, width, ...] from [total, ...] real tokens, zeros at the padding."""
-        if self.padded is None:
-            return y.view(self.batch, self.width, *y.shape[1:])
-        out = y.new_zeros(self.batch * self.width, *y.shape[1:]).index_copy(0, self.padded, y)
-        return out.view(self.batch, self.width, *y.shape[1:])
+    @property
+    def device(self):
+        for layer in self.layers:
+            if layer.window.storage is not None:
+                return layer.window.storage[0].device
+        return None
 
-    def once(self, key, build: Callable[[], object]):
-        """`build()` once per forward under `key`, shared by the layers."""
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
 
-    def predecessors(self, first: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indices into [carries (batch rows), a zero row, tokens (total)]: each token's predecessor - the token
-        before it, the row's carry when the row has read tokens before, else (a row's very first token) itself
-        (`first="first"`) or zero (`"zero"`) - and each row's last token (its carry when it reads none now)."""
-        def build():
-            tokens = self.batch + 1 + torch.arange(self.total, device=self.device)
-            carried = self.start[self.row] > 0
-            first_own = tokens if first == "first" else torch.full_like(tokens, self.batch)
-            previous = torch.where(self.local > 0, tokens - 1, torch.where(carried, self.row, first_own))
-            rows = torch.arange(self.batch, device=self.device)
-            last = torch.where(self.count > 0, self.batch + self.offset + self.count, rows)
-            return previous, last
-        return self.once(("predecessors", first), build)
+def row_index(rows: list[int], batch: int, device) -> slice | torch.Tensor:
+    """Index of `rows` in a batch: a slice when they are consecutive (views, no copies)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows)) if len(rows) < batch else slice(None)
+    return torch.tensor(rows, device=device)
+
+
+class Segment:
+    """The tokens of one row group in one forward: which rows, which columns (None: all), how many."""
+
+    def __init__(self, group: RowGroup, batch: int, count: int, columns: torch.Tensor | None, device) -> None:
+        self.group = group
+        self.count = count
+        self.rows = row_index(group.rows, batch, device)
+        self.columns = columns  # [G, count] real columns of each row, ascending
+        if columns is not None and not isinstance(self.rows, torch.Tensor):
+            self.rows = torch.arange(batch, device=device)[self.rows]
+
+    @property
+    def whole_batch(self) -> bool:
+        return self.columns is None and self.rows == slice(None)
+
+    def take(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """This segment's tokens of a [B, H, T, D] tensor, as [G, H, count, D]."""
+        if t is None:
+            return None
+        if self.columns is None:
+            return t[self.rows]
+        return t.transpose(1, 2)[self.rows[:, None], self.columns].transpose(1, 2)
+
+    def put(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        """Write [G, H, count, D] results into their places of `out` [B, H, T, D]."""
+        if self.columns is None:
+            out[self.rows] = y
+        else:
+            out.transpose(1, 2)[self.rows[:, None], self.columns] = y.transpose(1, 2)
+
+
+def split_row_groups(groups: list[RowGroup], batch: int, valid: torch.Tensor | None, length: int,
+                     device) -> tuple[list[RowGroup], list[Segment]]:
+    """The groups split by this forward's per-row real-token counts (ordered by first row), and one segment per
+    group that reads tokens."""
+    counts = None if valid is None else valid.sum(dim=1).tolist()
+    split, segments = [], []
+    for group in groups:
+        by_count: dict[int, list[int]] = {}
+        for local, row in enumerate(group.rows):
+            by_count.setdefault(length if counts is None else counts[row], []).append(local)
+        for count, local in by_count.items():
+            sub = group.take(local, [group.rows[i] for i in local])
+            split.append(sub)
+            if count:
+                columns = None
+                if count < length:
+                    real = valid[torch.tensor(sub.rows, device=device)]
+                    columns = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices[:, :count]
+                segments.append(Segment(sub, batch, count, columns, device))
+    split.sort(key=lambda g: g.rows[0])
+    return split, segments
+
+
+class GroupedStepPlan:
+    """KVM's view of one forward's tokens: its row groups and segments, per-row positions, and where each
+    token's token-shift predecessor is. Built once per forward, shared by the layers.
+
+    `previous_index` / `last_index` index the sequence [carry, x_0, ..., x_{T-1}] (0 = the carry); both are
+    None in the common case of one group with every token real (plain shifts); `first_previous_index` makes a
+    row's very first token its own predecessor (the "first" shift mode).
+    """
+
+    def __init__(self, batch: int, length: int, valid: torch.Tensor | None, groups: list[RowGroup], device) -> None:
+        self.batch, self.length, self.valid = batch, length, valid
+        self.groups, self.segments = split_row_groups(groups, batch, valid, length, device)
+        self.uniform = len(self.groups) == 1 and valid is None
+        if self.uniform:
+            seen = self.groups[0].seen
+            self.positions = torch.arange(seen, seen + length, device=device)
+            self.previous_index = self.last_index = self.first_previous_index = None
+            self.has_prior = seen > 0
+            return
+        row_seen = torch.zeros(batch, dtype=torch.long)
+        for group in self.groups:
+            row_seen[group.rows] = group.seen
+        tokens = StepPlan(row_seen.to(device), valid, length)
+        self.positions = tokens.query_positions
+        self.previous_index, self.last_index = tokens.predecessors()
+        self.has_prior = tokens.start > 0
+        steps = torch.arange(1, length + 1, device=device)
+        self.first_previous_index = torch.where((self.previous_index == 0) & ~self.has_prior[:, None],
+                                                steps, self.previous_index)
+
+
+def chunk_pieces(seen: int, length: int, chunk: int, window_chunks: int) -> list[tuple[int, int]]:
+    """Absolute [pos, stop) of the pieces `length` new tokens after `seen` are processed in: the front window
+    (no state) as one piece, then one piece per chunk."""
+    pieces, pos, end = [], seen, seen + length
+    while pos < end:
+        front = pos // chunk < window_chunks
+        stop = min(end, window_chunks * chunk if front else (pos // chunk + 1) * chunk)
+        pieces.append((pos, stop))
+        pos = stop
+    return pieces
 
 
 # ---- packed rows ------------------------------------------------------------------------------------------

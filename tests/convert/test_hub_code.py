@@ -1,0 +1,80 @@
+"""What a Hub folder of our architectures ships: two code files generated from the package's modules, that import
+nothing but torch, transformers (and huggingface_hub and safetensors, which it installs), the standard library and each
+other, and that load with trust_remote_code where this package is not installed and give the package model's logits
+exactly."""
+
+import ast
+import sys
+
+import pytest
+import torch
+
+from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
+from kvm_maglev.convert.export import build_hub_folder
+from kvm_maglev.models import hub_code
+
+from .without_package import expected_outputs, run_without_package
+
+# what a folder may import: the standard library, torch, and transformers with what transformers itself installs
+ALLOWED = set(sys.stdlib_module_names) | {"torch", "transformers", "huggingface_hub", "safetensors"}
+
+
+def tiny(kind: str):
+    torch.manual_seed(0)
+    if kind == "kvm":
+        model = KVMForCausalLM(KVMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                         chunk_size=4, sliding_window_every=2, state_budget_mode="power_law",
+                                         state_max_chunks=8))
+    else:
+        model = MaglevForCausalLM(MaglevConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, sliding_window=4, max_position_embeddings=64))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.3 * torch.randn_like(param))
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["kvm", "maglev"])
+def test_two_files_importing_only_torch_transformers_and_each_other(kind):
+    files = hub_code.hub_code_files(kind)
+    assert sorted(files) == [f"configuration_{kind}.py", f"modeling_{kind}.py"]
+    for name, text in files.items():
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # the sibling file only
+                    assert node.level == 1 and node.module == f"configuration_{kind}", (name, node.module)
+                    continue
+                roots = {node.module.split(".")[0]}
+            else:
+                continue
+            assert roots <= ALLOWED, (name, roots)
+    modeling = files[f"modeling_{kind}.py"]
+    # the math first, the optional runtime speed-ups in their own section at the end
+    marker = modeling.index("# Optional runtime speed-ups")
+    assert modeling.index(f"class {'KVM' if kind == 'kvm' else 'Maglev'}ForCausalLM") < marker
+    assert modeling.index("class OneDNNLinear") > marker
+
+
+@pytest.mark.parametrize("kind", ["kvm", "maglev"])
+def test_a_hub_folder_loads_without_the_package_and_gives_its_logits(kind, tmp_path):
+    folder = build_hub_folder(tiny(kind), tmp_path / kind, progress=False)
+    assert sorted(p.name for p in folder.glob("*.py")) == sorted(hub_code.hub_code_names(kind))
+    model = (KVMForCausalLM if kind == "kvm" else MaglevForCausalLM).from_pretrained(folder).eval()  # as loaded there
+    expected_outputs(model, tmp_path / "expected.pt")
+    report = run_without_package(folder, tmp_path / "expected.pt", tmp_path)
+    assert report["module"].startswith("transformers_modules.") and report["logits"] and report["tokens"], report
+
+
+def test_a_name_two_modules_define_is_refused(tmp_path, monkeypatch):
+    """Inlined into one file, two modules' definitions of one name would collide: the generator refuses."""
+    (tmp_path / "common").mkdir()
+    (tmp_path / "kvm").mkdir()
+    (tmp_path / "common" / "first.py").write_text('"""One."""\n\ndef shared():\n    return 1\n')
+    (tmp_path / "kvm" / "second.py").write_text('"""Two."""\n\nfrom ..common.first import shared\n\n\n'
+                                                  'def shared_too():\n    return shared()\n\n\ndef shared():\n    return 2\n')
+    monkeypatch.setattr(hub_code, "MODELS_DIR", tmp_path)
+    with pytest.raises(ValueError, match="common.first and kvm.second both define 'shared'"):
+        hub_code.generate("kvm.second", set())

@@ -1,0 +1,408 @@
+"""KVM (Key-Value Means) model configuration.
+
+`KVM_FIELDS` declares every field once: type, default, meaning, its name in the research code's
+`MixerConfig` (github recursal/KVM-paper, `model/rwkv7_backbone.py`; the converter applies the mapping) and
+whether a saved cache depends on it. `KVMConfig.__init__` and its docstring, `CACHE_CONFIG_FIELDS` and the
+table in docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.utils import logging
+
+# ----- version guard: this file is the first of the folder's code transformers imports -----
+import transformers as _transformers
+
+if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.isdigit()) < (5, 17):
+    raise ImportError(f"KVM models need transformers >= 5.17 (installed: {_transformers.__version__}); "
+                      "upgrade with: pip install -U 'transformers>=5.17'")
+# ----- end of version guard -----
+
+from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
+from .state_kvm import append_count, state_budget
+
+logger = logging.get_logger(__name__)
+
+STATE_BUDGET_MODES = ("fixed", "power_law", "kvm_saturation")
+VALUE_RESIDUAL_MODES = ("linear", "rwkv", "rwkv_post_tokenshift")
+MERGE_ROUTING_DTYPES = ("float32", "model")
+# Fields that `from_pretrained(..., field=value)` may change: they set state size only, not weights.
+BUDGET_FIELDS = (
+    "state_budget_mode",
+    "state_budget_factor",
+    "state_budget_exponent",
+    "state_budget_saturation",
+    "state_budget_min",
+    "state_budget_round_to",
+    "state_max_chunks",
+    "sink_slots",
+)
+
+# In `__init__` order (positional arguments follow it). Switches are stored as bools: research YAML gives 0/1.
+KVM_FIELDS = (
+    ConfigField("vocab_size", int, 50304, "tokenizer size", "vocab_size", cache=True),
+    ConfigField("hidden_size", int, 768, "model width", "hidden_size", cache=True),
+    ConfigField("num_hidden_layers", int, 12, "decoder layers", "num_hidden_layers", cache=True),
+    ConfigField("num_attention_heads", int, 6, "attention heads", "num_attention_heads", cache=True),
+    ConfigField("num_key_value_heads", int | None, None, "key/value heads (grouped-query attention): the window, "
+                "the state, its merges and the merge gate are kept per key/value head, query head h reads key/value "
+                "head h // (num_attention_heads // num_key_value_heads) (None: one per query head)",
+                "num_key_value_heads", cache=True),
+    ConfigField("head_dim", int | None, None, "query/key channels per head "
+                "(None: hidden_size // num_attention_heads)", "d_qk_head / d_head", cache=True),
+    ConfigField("value_head_dim", int | None, None, "value channels per head "
+                "(None: hidden_size // num_attention_heads)", "d_v_head / d_head", cache=True),
+    ConfigField("intermediate_size", int | None, None, "MLP width; converted: int(ffn_expansion * hidden_size) // 32 * 32 "
+                "(None: 4 * hidden_size, rounded down to a multiple of 32)", "ffn_expansion", cache=True),
+    ConfigField("layer_norm_eps", float, 1e-5, "LayerNorm epsilon: PyTorch's default, as the research code uses",
+                cache=True),
+    ConfigField("rope_theta", float, 10000.0, "rotary base of the KVM layers", "rope_theta", cache=True),
+    ConfigField("rotary_dim", int | None, None, "rotated channels of a head in KVM layers, zeroed in state keys; the "
+                "whole head leaves state keys all zero (warned) (None: half the head; research: 64 of 128)",
+                "rope_partial_dim", cache=True),
+    ConfigField("chunk_size", int, 256, "tokens per chunk: the window slides and the state merges a chunk at a time",
+                "chunk_len", cache=True),
+    ConfigField("window_chunks", int, 2, "chunk-aligned blocks in the sliding window", "n_bswa_chunks", cache=True),
+    ConfigField("sink_slots", int, 1, "state slots never merged into", "sink_len", cache=True),
+    ConfigField("state_budget_mode", str, "fixed", 'how the state grows: "fixed", "power_law" or "kvm_saturation"',
+                "state_budget_mode", cache=True),
+    ConfigField("state_budget_min", int, 256, "fixed: the budget; others: the floor (-1: no appends after the "
+                "first chunk)", "state_min_len", cache=True),
+    ConfigField("state_budget_factor", float, 1.0, "power_law: budget = factor * N ** exponent",
+                "state_growth_factor", cache=True),
+    ConfigField("state_budget_exponent", float, 0.5, "power_law: the exponent, in [0, 1]", "state_growth_exponent",
+                cache=True),
+    ConfigField("state_budget_saturation", int | None, None, "kvm_saturation: budget = n * N / (n + N)",
+                "state_saturation_n", cache=True),
+    ConfigField("state_budget_round_to", int, 1, "budget rounded down to a multiple of this", "state_round_down",
+                cache=True),
+    ConfigField("state_max_chunks", int, 1, "state cap = chunk_size * state_max_chunks", "n_max_d_chunks", cache=True),
+    ConfigField("merge_gate_keys", bool, True, "scale merged keys by 1 + elu(W x)", "kvm_use_merge_gate_keys",
+                cache=True, coerce=bool),
+    ConfigField("merge_gate_values", bool, True, "scale merged values by the gate", "kvm_use_merge_gate_values",
+                cache=True, coerce=bool),
+    ConfigField("merge_gate_appends", bool, True, "appended slots gated too", "kvm_apply_merge_gate_to_appends",
+                cache=True, coerce=bool),
+    ConfigField("merge_gate_initial_state", bool, False, "first chunk gated too",
+                "kvm_apply_merge_gate_to_initial_state", cache=True, coerce=bool),
+    ConfigField("merge_routing_dtype", str, "float32", 'dtype the merge routing (each token\'s most similar slot) '
+                'is scored in: "float32" (or the state\'s finer dtype; research kvm_fp32_routing_reference, and this '
+                'model\'s state under half precision) or "model" (keys rounded to the model dtype, as the research '
+                'kvm_mixer scores them in bfloat16)', "token_mixer_class_path", cache=True),
+    ConfigField("head_temperatures", bool, True, "per-head window/state key scales", "kvm_use_head_temps",
+                cache=True, coerce=bool),
+    ConfigField("state_value_norms", bool, True, "True: renormalise merged values to the slot norm; False: divide "
+                "by counts (research: +1 on every slot per merged block; only with a one-chunk state)",
+                "kvm_use_vlens", cache=True, coerce=bool),
+    ConfigField("kvm_token_shift", bool, True, "token shift of q/k/v in KVM layers",
+                "use_tokenshift_att + kvm_token_shift_mode", cache=True, coerce=bool),
+    ConfigField("ffn_token_shift", bool, True, "token shift before the MLP", "use_tokenshift_ffn", cache=True,
+                coerce=bool),
+    ConfigField("value_residual", bool, True, "mix each layer's values with an anchor from the first layer",
+                "use_value_residual", cache=True, coerce=bool),
+    ConfigField("kvm_value_residual_mode", str, "rwkv", 'how, in KVM layers: "linear", "rwkv" or '
+                '"rwkv_post_tokenshift"', "kvm_value_residual_mode", cache=True),
+    ConfigField("sliding_window_every", int, 0, "layers with index % n == 0 are sliding-window layers; 0: none",
+                "alt_layer_every", cache=True),
+    ConfigField("sliding_window", int | None, None, "keys of a sliding-window layer (<= 0 or None: chunk_size)",
+                "swa_window_size", cache=True),
+    ConfigField("sliding_window_rope_theta", float, 10000.0, "rotary base of the sliding-window layers",
+                "alt_rope_theta", cache=True),
+    ConfigField("sliding_window_rotary_dim", int | None, None, "rotated channels of a head in sliding-window layers, "
+                "0: no rotary (None: the whole head)", "alt_rope_partial_dim", cache=True),
+    ConfigField("sliding_window_token_shift", bool, True, "token shift of q/k/v in sliding-window layers",
+                "use_tokenshift_att + swa_token_shift_mode", cache=True, coerce=bool),
+    ConfigField("sliding_window_value_residual_mode", str, "rwkv", "kvm_value_residual_mode of the sliding-window "
+                "layers", "swa_value_residual_mode", cache=True),
+    ConfigField("sliding_window_share_value_residual", bool, False, "KVM layers use the first sliding-window "
+                "layer's value anchor", "alt_share_v0", cache=True, coerce=bool),
+    ConfigField("block_lambdas", bool, False, "x <- a * x + b * x0 before attention", "use_block_lambdas",
+                cache=True, coerce=bool),
+    ConfigField("residual_scale", float, 1.0, "scale of each residual branch (research None: 1.0)", "residual_scale",
+                cache=True),
+    ConfigField("logit_softcap", float, 0.0, "tanh soft-capping of the logits; 0: off", "logit_softcap", cache=True),
+    ConfigField("max_position_embeddings", int, 1 << 30, "usable context: windows and a bounded state keep the "
+                "cost per token flat at any length"),
+    ConfigField("tie_word_embeddings", bool, False, "share the embedding and output weights"),
+    ConfigField("use_cache", bool, True, "forward returns a KVMCache"),
+    *token_id_fields("config.json `pad_token_id` / `bos_token_id` / `eos_token_id`"),
+)
+# Research `MixerConfig` fields with no KVMConfig field, and what the converter does with them.
+RESEARCH_ONLY_FIELDS = (
+    ("token_mixer", 'only "kvm" (rejected otherwise)'),
+    ("alt_token_mixer", 'only "swa" (rejected otherwise)'),
+    ("token_mixer_class_path / alt_token_mixer_class_path", "must be unset or the KVM/SWA mixers; the KVM ones "
+     "(model.kvm_mixer, model.kvm_fp32_routing_reference) both become merge_routing_dtype='float32'"),
+    ("use_skip_connections", "rejected when set (no published model uses it)"),
+    ("use_l2wrap", "rejected when set (training-only gradient trick)"),
+    ("param_dtype", "becomes `dtype`"),
+    ("mup_base_dim, use_overflow_v_key_weighting, use_state_deltarule, use_state_decay, gptalpha_*, ovq_*, kda_*, "
+     "gated_deltanet_*, lact_*", "not read by the KVM or SWA layers; ignored"),
+)
+# Config fields that decide what a cache holds and how a model reads it.
+CACHE_CONFIG_FIELDS = cache_fields(KVM_FIELDS)
+
+
+@declare_fields(KVM_FIELDS)
+class KVMConfig(PretrainedConfig):
+    """Configuration of a KVM language model: block sliding window plus key-value-means state."""
+
+    model_type = "kvm"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun): attention split by head, so
+    # that each rank keeps its own heads' window and key-value state, and the MLP by hidden unit. The per-head
+    # parameters outside the linear layers are sharded with them (1-D ones like a colwise bias, the [1, 1, n]
+    # gate bias on its last dim); the layers read their part with `tensor_parallel.local_tensor`. With grouped-query
+    # attention the same splits give each rank whole key/value heads (state, window, merge gate) with the query
+    # heads that read them, when the size divides num_key_value_heads (`check_tensor_parallel`, else refused).
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.value_gate_up": "colwise",
+        "layers.*.self_attn.merge_gate_proj": "colwise",
+        "layers.*.self_attn.q_shift": "colwise",
+        "layers.*.self_attn.k_shift": "colwise",
+        "layers.*.self_attn.v_shift": "colwise",
+        "layers.*.self_attn.window_temperature": "colwise",
+        "layers.*.self_attn.state_temperature": "colwise",
+        "layers.*.self_attn.value_gate_bias": "rowwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+
+    def __init__(self, *args, **kwargs):
+        kwargs = assign_fields(self, KVM_FIELDS, args, kwargs)
+        super().__init__(**kwargs)
+        if self.hidden_size and self.num_attention_heads:
+            # None: rotate half the head, as the published models do (64 of 128). State keys keep only
+            # the unrotated channels, so a whole-head rotary would leave the state unaddressable.
+            if self.rotary_dim is None:
+                self.rotary_dim = max(2, self.qk_head_dim // 4 * 2)
+            if self.sliding_window_rotary_dim is None:
+                self.sliding_window_rotary_dim = self.qk_head_dim
+            # None: one key/value head per query head, written out as transformers' models do (PEFT and
+            # other libraries multiply by it).
+            if self.num_key_value_heads is None:
+                self.num_key_value_heads = self.num_attention_heads
+        self.validate_kvm()
+
+    # transformers' name for the softcap, which TRL's fused log-prob head reads: None there means off, where
+    # `logit_softcap` (the research field, stored) uses 0; TRL would read a 0 as a cap of 1.
+    @property
+    def final_logit_softcapping(self) -> float | None:
+        """The logit softcap under transformers' name: `logit_softcap`, None when it is 0 (off)."""
+        return self.logit_softcap or None
+
+    @final_logit_softcapping.setter
+    def final_logit_softcapping(self, value: float | None) -> None:
+        self.logit_softcap = 0.0 if value is None else float(value)
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: the window and the state are kept per key/value head."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def kv_group_size(self) -> int:
+        """Query heads reading each key/value head."""
+        return self.num_attention_heads // self.kv_heads
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.value_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.intermediate_size or (4 * self.hidden_size) // 32 * 32
+
+    @property
+    def window_size(self) -> int:
+        """Widest block sliding window of a KVM layer, in tokens."""
+        return self.chunk_size * self.window_chunks
+
+    @property
+    def max_state_slots(self) -> int:
+        return self.chunk_size * self.state_max_chunks
+
+    @property
+    def sliding_window_size(self) -> int:
+        return self.sliding_window if self.sliding_window and self.sliding_window > 0 else self.chunk_size
+
+    @property
+    def state_stays_one_chunk(self) -> bool:
+        """Whether every block is merged (no appends after the first chunk)."""
+        fixed_small = self.state_budget_mode == "fixed" and self.state_budget_min <= self.chunk_size
+        return self.state_max_chunks == 1 or fixed_small
+
+    def is_sliding_window_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` is a plain sliding-window layer rather than a KVM layer."""
+        return self.sliding_window_every > 0 and layer_idx % self.sliding_window_every == 0
+
+    # ---- validation ----------------------------------------------------------------------
+    def validate_kvm(self) -> None:
+        """Raise ValueError naming the field and the allowed values for any unsupported setting."""
+
+        def fail(field: str, allowed: str) -> None:
+            raise ValueError(f"KVMConfig.{field}={getattr(self, field)!r} is invalid: expected {allowed}.")
+
+        def positive_int(field: str) -> None:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fail(field, "a positive integer")
+
+        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                      "chunk_size", "window_chunks", "state_max_chunks", "state_budget_round_to"):
+            positive_int(field)
+        for field in ("head_dim", "value_head_dim", "intermediate_size"):
+            if getattr(self, field) is not None:
+                positive_int(field)
+        if (self.head_dim is None or self.value_head_dim is None) and self.hidden_size % self.num_attention_heads:
+            fail("num_attention_heads", f"a divisor of hidden_size={self.hidden_size} (or set head_dim and value_head_dim)")
+        self.validate_kv_heads(fail)
+        head = self.qk_head_dim
+        if not isinstance(self.rotary_dim, int) or self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > head:
+            fail("rotary_dim", f"an even integer in [2, head_dim={head}]")
+        if self.rotary_dim == head:
+            logger.warning_once(
+                f"rotary_dim equals head_dim ({head}): state keys zero the rotary channels, so every state slot "
+                "gets the same score and the state acts as a plain average. Use a smaller rotary_dim (default: half)."
+            )
+        if (not isinstance(self.sliding_window_rotary_dim, int) or self.sliding_window_rotary_dim < 0
+                or self.sliding_window_rotary_dim % 2 or self.sliding_window_rotary_dim > head):
+            fail("sliding_window_rotary_dim", f"an even integer in [0, head_dim={head}]")
+        if not isinstance(self.sink_slots, int) or not 0 <= self.sink_slots < self.chunk_size:
+            fail("sink_slots", f"an integer in [0, chunk_size={self.chunk_size}) so that a mergeable slot remains")
+        if self.merge_routing_dtype not in MERGE_ROUTING_DTYPES:
+            fail("merge_routing_dtype", f"one of {MERGE_ROUTING_DTYPES}")
+        if self.state_budget_mode not in STATE_BUDGET_MODES:
+            fail("state_budget_mode", f"one of {STATE_BUDGET_MODES}")
+        if not isinstance(self.state_budget_min, int) or self.state_budget_min < -1:
+            fail("state_budget_min", "an integer >= -1 (-1: no appends beyond the first chunk)")
+        if self.state_budget_mode == "power_law":
+            if not self.state_budget_factor > 0:
+                fail("state_budget_factor", "a number > 0")
+            if not 0 <= self.state_budget_exponent <= 1:
+                fail("state_budget_exponent", "a number in [0, 1]")
+        if self.state_budget_mode == "kvm_saturation" and (
+            not isinstance(self.state_budget_saturation, int) or self.state_budget_saturation < 1
+        ):
+            fail("state_budget_saturation", "a positive integer when state_budget_mode='kvm_saturation'")
+        if not self.state_value_norms and not self.state_stays_one_chunk:
+            # the research count update only has defined shapes while merged blocks and state are equal in size
+            fail("state_value_norms", "True unless the state never grows past one chunk "
+                 "(state_max_chunks=1, or state_budget_mode='fixed' with state_budget_min <= chunk_size)")
+        for field in ("kvm_value_residual_mode", "sliding_window_value_residual_mode"):
+            if getattr(self, field) not in VALUE_RESIDUAL_MODES:
+                fail(field, f"one of {VALUE_RESIDUAL_MODES}")
+        if not isinstance(self.sliding_window_every, int) or self.sliding_window_every < 0 or self.sliding_window_every == 1:
+            fail("sliding_window_every", "0 (no sliding-window layers) or an integer >= 2")
+        if self.sliding_window is not None and not isinstance(self.sliding_window, int):
+            fail("sliding_window", "an integer (<= 0 or None: chunk_size)")
+        if self.sliding_window_every and self.num_hidden_layers < 2:
+            fail("num_hidden_layers", "at least 2 when sliding_window_every is set (layer 1 must be a KVM layer)")
+        if self.value_residual and "rwkv_post_tokenshift" in (
+            self.kvm_value_residual_mode, self.sliding_window_value_residual_mode
+        ) and self.hidden_size != self.num_attention_heads * self.v_head_dim:
+            fail("value_head_dim", "hidden_size // num_attention_heads with value residual mode 'rwkv_post_tokenshift'")
+        if not self.residual_scale or self.residual_scale <= 0:
+            fail("residual_scale", "a number > 0")
+        if self.logit_softcap < 0:
+            fail("logit_softcap", "a number >= 0 (0 disables it)")
+
+    def validate_kv_heads(self, fail) -> None:
+        """num_key_value_heads: a divisor of the query heads, only where the research code supports it."""
+        kv = self.num_key_value_heads
+        if kv is None:
+            return
+        if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.num_attention_heads % kv:
+            fail("num_key_value_heads", f"None or a positive divisor of num_attention_heads={self.num_attention_heads}")
+        if kv == self.num_attention_heads:
+            return
+        # the research sliding-window mixer keeps one key/value head per query head
+        if self.sliding_window_every:
+            fail("num_key_value_heads", "None (or num_attention_heads) when sliding_window_every is set: "
+                 "sliding-window layers have no grouped-query attention")
+        if self.value_residual and self.kvm_value_residual_mode == "rwkv_post_tokenshift":
+            fail("num_key_value_heads", "None (or num_attention_heads) with kvm_value_residual_mode "
+                 "'rwkv_post_tokenshift' (not supported with grouped-query attention)")
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise ValueError when a tensor-parallel size would split a key/value head from its query heads."""
+        if tp_size < 1 or self.kv_heads % tp_size:
+            raise ValueError(f"tensor parallel size {tp_size} does not divide num_key_value_heads={self.kv_heads}: "
+                             "each rank must hold whole key/value heads, each with its own state and window, "
+                             "and the query heads that read them; use a divisor of num_key_value_heads")
+
+    # ---- state budget ---------------------------------------------------------------------
+    def state_budget(self, context_len: int) -> int:
+        """Budget target of the state after `context_len` tokens, before the coverage cap (`state_kvm.state_budget`)."""
+        return state_budget(self, context_len)
+
+    def state_slots_after(self, num_tokens: int) -> int:
+        """Closed-form state length of a KVM layer after `num_tokens` tokens (one row): the first chunk's tokens,
+        then what `state_kvm.append_count` appends of each block that has left the window."""
+        chunk, window = self.chunk_size, self.window_chunks
+        slots = min(num_tokens, chunk)
+        # block j >= 1 enters the state when the first token of chunk j + window arrives
+        for block in range(1, (max(num_tokens, 1) - 1) // chunk - window + 1):
+            slots += append_count(self, block, slots)
+        return slots
+
+    def window_tokens_after(self, num_tokens: int) -> int:
+        """Tokens held in a KVM layer's block window after `num_tokens` tokens."""
+        chunk = self.chunk_size
+        end = -(-num_tokens // chunk) * chunk
+        return num_tokens - max(0, end - self.window_size)
+
+    def cache_bytes(self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes a KVMCache holds after `num_tokens` tokens (what `KVMCache.nbytes()` reports)."""
+        item = torch.empty((), dtype=dtype).element_size()
+        state_item = torch.empty((), dtype=state_dtype_for(dtype)).element_size()
+        heads, dk, dv = self.kv_heads, self.qk_head_dim, self.v_head_dim
+        q, k, vv, hidden = self.num_attention_heads * dk, heads * dk, heads * dv, self.hidden_size
+        total = 0
+        for layer_idx in range(self.num_hidden_layers):
+            shift = 0
+            if self.ffn_token_shift:
+                shift += hidden * item
+            sliding = self.is_sliding_window_layer(layer_idx)
+            if self.sliding_window_token_shift if sliding else self.kvm_token_shift:
+                shift += (q + k + vv) * item
+            mode = self.sliding_window_value_residual_mode if sliding else self.kvm_value_residual_mode
+            if self.value_residual and mode == "rwkv_post_tokenshift":
+                shift += hidden * item
+            if num_tokens <= 0:
+                continue
+            total += shift * batch_size
+            if sliding:
+                total += batch_size * heads * min(num_tokens, self.sliding_window_size) * (dk + dv) * item
+                continue
+            window = self.window_tokens_after(num_tokens)
+            gate = 1 if self.merge_gate_keys or self.merge_gate_values else 0
+            total += batch_size * heads * window * (dk + dv + gate) * item
+            slots = self.state_slots_after(num_tokens)
+            total += batch_size * heads * slots * ((dk + dv) * state_item + 4)
+        return total
+
+    def full_attention_cache_bytes(
+        self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16
+    ) -> int:
+        """Bytes of a plain full-attention key/value cache of the same shape after `num_tokens`."""
+        item = torch.empty((), dtype=dtype).element_size()
+        per_token = self.kv_heads * (self.qk_head_dim + self.v_head_dim) * item
+        return self.num_hidden_layers * batch_size * max(num_tokens, 0) * per_token
+
+
+def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """State sums accumulate many tokens: float16 would overflow and bfloat16's 8-bit mantissa drops
+    each new token once a sum is large, so both keep the state in float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

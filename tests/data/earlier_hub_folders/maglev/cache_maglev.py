@@ -1,0 +1,400 @@
+"""MaglevCache: bounded per-layer key/value rings plus the per-row recurrent state.
+
+Rows of a batch advance independently: each row has its own position (the number of real tokens
+it has read), and padding (attention_mask == 0) never enters a window, the memory or the smear
+carry. While recording is active (assisted decoding), every column remembers what it overwrote
+so that `crop` rolls the cache back exactly.
+"""
+
+from collections import deque
+from typing import Callable, NamedTuple
+
+import torch
+from transformers.cache_utils import Cache
+
+from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_capacity
+from .saved_cache import SavedCache, tensors_under
+from .step_plan import StepPlan, gather_columns
+
+CACHE_FORMAT = "maglev-cache"
+CACHE_FORMAT_VERSION = 3  # 2: nanochat window patterns keep growing rings, no longer every column;
+# 3: the config fingerprint records where the memory comes from (source layer, projection, residual injection)
+TENSORS_FILE = "maglev_cache.safetensors"
+META_FILE = "maglev_cache.json"
+
+
+def _tracks_grad(*tensors: torch.Tensor) -> bool:
+    """Writes go out of place when autograd tracks them: attention saved the old ring for its backward
+    pass (recurrent training through the cache); otherwise in place, with no copy of the window."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class RingKeyValues:
+    """The last `window` keys/values of one layer per row; position p lives in slot p % capacity.
+
+    A growing ring (nanochat's window pattern, whose windows span the training context) starts small and doubles
+    up to its window with the columns read, so a short sequence keeps a short cache; until it reaches its window
+    it holds every position read in the slot of that number (none has wrapped around).
+    """
+
+    def __init__(self, window: int, grows: bool = False):
+        self.window = window
+        self.grows = grows
+        self.capacity = min(window, growing_capacity(0)) if grows else window
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def reserve(self, columns: int) -> None:
+        """Make room before a forward that ends at `columns` columns: a growing ring takes more slots (up to its
+        window), its written slots kept in place."""
+        if not self.grows or self.capacity == self.window:
+            return
+        capacity = min(self.window, growing_capacity(columns))
+        if capacity > self.capacity and self.keys is not None:
+            extra = self.keys.new_zeros(*self.keys.shape[:2], capacity - self.capacity, self.keys.shape[3])
+            self.keys, self.values = torch.cat([self.keys, extra], dim=2), torch.cat([self.values, extra], dim=2)
+        self.capacity = max(capacity, self.capacity)
+
+    def shrink(self, columns: int) -> None:
+        """After a crop to `columns` columns: a growing ring gives back the slots only removed columns took (they
+        hold zeros again), so its state is that of a ring that never read them."""
+        capacity = min(self.window, growing_capacity(columns))
+        if not self.grows or capacity >= self.capacity:
+            return
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :capacity].clone(), self.values[:, :, :capacity].clone()
+        self.capacity = capacity
+
+    def read(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, H, capacity, D] before this chunk is written (zeros shaped like `like` at first)."""
+        if self.keys is None:
+            self.keys = like.new_zeros(like.shape[0], like.shape[1], self.capacity, like.shape[3])
+            self.values = torch.zeros_like(self.keys)
+        return self.keys, self.values
+
+    def slot_positions(self, plan: "StepPlan") -> torch.Tensor:
+        """[B, capacity]: the position each slot holds before this chunk (negative: never written)."""
+        slots = torch.arange(self.capacity, device=plan.start.device)
+        last = plan.start[:, None] - 1
+        return last - (last - slots) % self.capacity
+
+    def written(self, plan: "StepPlan") -> torch.Tensor:
+        """[B, 1, 1, capacity]: the slots a row has written, before a one-token step (shared by the layers)."""
+        return plan.mask(("written", self.capacity), lambda: (
+            torch.arange(self.capacity, device=plan.start.device) < plan.start[:, None])[:, None, None, :])
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan") -> None:
+        """Store the chunk's keys/values: each row's newest real tokens replace its oldest slots."""
+        if plan.records is None and plan.length > 1:
+            self._write_chunk(k, v, plan)
+            return
+        for t in range(plan.length):
+            start, valid = plan.column(t)
+            if plan.length == 1:  # one slot index per step, shared by the layers
+                slot = plan.mask(("slot", self.capacity), lambda: (start % self.capacity).view(-1, 1, 1, 1))
+            else:
+                slot = (start % self.capacity).view(-1, 1, 1, 1)
+            record = None if plan.records is None else plan.records[t]
+            self._write_column(k[:, :, t:t + 1], v[:, :, t:t + 1], slot, valid, record)
+
+    def _write_column(self, k, v, slot, valid, record) -> None:
+        """Write one column in place (padding rows keep their slot); remember the old slot when recording."""
+        slot = slot.expand_as(k)
+        if valid is not None or record is not None:
+            old_k, old_v = self.keys.gather(2, slot), self.values.gather(2, slot)
+            if valid is not None:
+                keep = valid.view(-1, 1, 1, 1)
+                k, v = torch.where(keep, k, old_k), torch.where(keep, v, old_v)
+            if record is not None:
+                record.append((slot, old_k, old_v))
+        if _tracks_grad(k, self.keys):
+            self.keys, self.values = self.keys.scatter(2, slot, k), self.values.scatter(2, slot, v)
+        else:
+            self.keys.scatter_(2, slot, k)
+            self.values.scatter_(2, slot, v)
+
+    def _write_chunk(self, k, v, plan) -> None:
+        """Each slot takes the newest real chunk token that maps to it, else keeps its content."""
+        length = plan.length
+        count = length if plan.valid is None else plan.valid.sum(dim=1, keepdim=True)
+        start = plan.start[:, None]
+        last = start + count - 1
+        newest = last - (last - torch.arange(self.capacity, device=k.device)) % self.capacity
+        from_chunk = (newest >= start)[:, None, :, None]
+        rank = (newest - start).clamp(min=0)
+        if plan.valid is None:
+            index = rank
+        else:
+            index = torch.searchsorted(plan.valid.long().cumsum(dim=1), rank + 1)
+        index = index.clamp(max=length - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        keys = torch.where(from_chunk, k.gather(2, index), self.keys)
+        values = torch.where(from_chunk, v.gather(2, index), self.values)
+        if _tracks_grad(k, self.keys):
+            self.keys, self.values = keys, values
+        else:
+            self.keys.copy_(keys)
+            self.values.copy_(values)
+
+    def undo(self, record) -> None:
+        slot, old_k, old_v = record
+        self.keys.scatter_(2, slot, old_k)
+        self.values.scatter_(2, slot, old_v)
+
+    def length(self) -> int:
+        return 0 if self.keys is None else self.capacity
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.keys, self.values) if t is not None]
+
+    def state(self) -> dict:
+        return {} if self.keys is None else {"keys": self.keys, "values": self.values}
+
+    def load_state(self, state: dict) -> None:
+        self.keys, self.values = state["keys"].contiguous(), state["values"].contiguous()
+        self.capacity = self.keys.shape[2]
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.keys is not None:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+
+class ColumnRecord(NamedTuple):
+    """What one column changed: the row states before it and, per layer, the slots it overwrote."""
+
+    positions: torch.Tensor
+    memory: torch.Tensor | None
+    embedding: torch.Tensor
+    layers: list
+
+
+class MaglevCache(SavedCache, Cache):
+    """Cache of a Maglev decoder: per layer the keys/values its window still needs (memory already
+    injected), per row its position, last memory vector and smear's previous-token embedding.
+
+    Its size is bounded by the windows: a sliding_window ring is whole from the first token; with nanochat's
+    window pattern (memory off) each ring grows with the columns read up to its window (`sequence_len` for
+    an "L" layer), then stays. `get_seq_length()` counts columns (padding included), as generate() slices its
+    inputs by it.
+    """
+
+    MODEL_NAME = "Maglev"
+    CACHE_FORMAT, CACHE_FORMAT_VERSION = CACHE_FORMAT, CACHE_FORMAT_VERSION
+    TENSORS_FILE, META_FILE = TENSORS_FILE, META_FILE
+    CACHE_CONFIG_FIELDS = CACHE_CONFIG_FIELDS
+
+    def __init__(self, config: MaglevConfig, max_rollback: int = 256):
+        super().__init__(layers=[])
+        self.config = config
+        self.fingerprint = self.config_fingerprint(config)
+        self.max_rollback = max_rollback
+        self.layer_stores = [RingKeyValues(window, grows=config.windows_grow) for window in config.decoder_windows]
+        self.seen_tokens = 0
+        self.positions: torch.Tensor | None = None
+        self.last_memory: torch.Tensor | None = None
+        self.previous_embedding: torch.Tensor | None = None
+        self.recording = False
+        self.history: deque[ColumnRecord] = deque(maxlen=max_rollback)
+        self.prompt_length: int | None = None  # set by assisted decoding: its first forward also carries drafts
+
+    # ----- what the model uses -----------------------------------------------------------
+    def prepare(self, batch_size: int, like: torch.Tensor, memory_init: torch.Tensor | None) -> None:
+        """Start empty rows on the first forward (smear predecessor 0 = no smear, memory = memory_init);
+        later forwards must keep the batch size."""
+        if self.positions is None:
+            hidden = self.config.hidden_size
+            self.positions = torch.zeros(batch_size, dtype=torch.long, device=like.device)
+            self.previous_embedding = like.new_zeros(batch_size, 1, hidden)
+            if memory_init is not None:
+                self.last_memory = memory_init.to(like.dtype).expand(batch_size, 1, hidden)
+        elif self.positions.shape[0] != batch_size:
+            raise ValueError(f"the cache holds {self.positions.shape[0]} rows but the inputs have {batch_size}; "
+                             "use reorder_cache/batch_select_indices/batch_repeat_interleave to change it")
+
+    def take_prompt_length(self, length: int) -> int:
+        """How many of a first forward's `length` tokens are the prompt: all, unless generate() marked fewer
+        (assisted decoding). The mark is used once."""
+        prompt, self.prompt_length = self.prompt_length, None
+        return length if prompt is None else min(prompt, length)
+
+    def step_context(self, valid: torch.Tensor | None, length: int) -> StepPlan:
+        """The plan of a forward over `length` new columns; growing rings make room for them first."""
+        for store in self.layer_stores:
+            store.reserve(self.seen_tokens + length)
+        plan = StepPlan(self.positions, valid, length)
+        if self.recording:
+            plan.records = [[] for _ in range(length)]
+        return plan
+
+    def advance(self, plan: StepPlan, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
+        """Record a processed chunk: per row its real-token count, last real (pre-smear) embedding and memory."""
+        if plan.length == 1:
+            if plan.records is not None:
+                self.history.append(ColumnRecord(self.positions, self.last_memory, self.previous_embedding,
+                                                 plan.records[0]))
+            if plan.valid is None:
+                self.positions = self.positions + 1
+                self.previous_embedding = embeddings
+                if memories is not None:
+                    self.last_memory = memories
+            else:
+                keep = plan.valid[:, :, None]
+                self.positions = self.positions + plan.valid[:, 0]
+                self.previous_embedding = torch.where(keep, embeddings, self.previous_embedding)
+                if memories is not None:
+                    self.last_memory = torch.where(keep, memories.to(self.last_memory.dtype), self.last_memory)
+        else:
+            previous, last = plan.predecessors()
+            if plan.records is not None:
+                before_embeddings = gather_columns(self.previous_embedding, embeddings, previous)
+                before_memories = (None if memories is None
+                                   else gather_columns(self.last_memory, memories, previous))
+                before_positions = plan.query_positions  # the plan starts at this cache's positions
+                for t in range(plan.length):
+                    self.history.append(ColumnRecord(
+                        before_positions[:, t], None if memories is None else before_memories[:, t:t + 1],
+                        before_embeddings[:, t:t + 1], plan.records[t]))
+            self.previous_embedding = gather_columns(self.previous_embedding, embeddings, last)
+            if memories is not None:
+                self.last_memory = gather_columns(self.last_memory, memories, last)
+            self.positions = self.positions + (plan.length if plan.valid is None else plan.valid.sum(dim=1))
+        self.seen_tokens += plan.length
+
+    # ----- Cache API --------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        """Crop can roll back only what was recorded (activate_past_recording)."""
+        return self.recording
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [True] * len(self.layer_stores)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.layer_stores)
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self.layer_stores)
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.positions is None else self.positions.shape[0]
+
+    def layer_lengths(self) -> list[int]:
+        """Key/value slots each layer holds (its ring's capacity; 0 before the first forward)."""
+        return [store.length() for store in self.layer_stores]
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache's state (rollback records, kept only while recording, not included)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def _tensors(self) -> list[torch.Tensor]:
+        tensors = [t for store in self.layer_stores for t in store.tensors()]
+        return tensors + [t for t in (self.positions, self.last_memory, self.previous_embedding) if t is not None]
+
+    def reset(self) -> None:
+        self.__init__(self.config, self.max_rollback)
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for store in self.layer_stores:
+            store.map_batch(fn)
+        self.positions, self.last_memory, self.previous_embedding = (
+            None if t is None else fn(t) for t in (self.positions, self.last_memory, self.previous_embedding))
+        records = list(self.history)
+        self.history.clear()
+        for record in records:
+            layers = [None if layer is None else tuple(fn(t) for t in layer) for layer in record.layers]
+            self.history.append(ColumnRecord(fn(record.positions), None if record.memory is None else fn(record.memory),
+                                             fn(record.embedding), layers))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """Remember, for the last `max_rollback` columns, what each overwrote, so `crop` can undo them.
+        transformers >= 5.25 passes how many drafted columns it may remove; a larger count widens `max_rollback`."""
+        self.recording = True
+        if recurrent_states_to_keep is not None and recurrent_states_to_keep > self.max_rollback:
+            self.max_rollback = int(recurrent_states_to_keep)
+            self.history = deque(self.history, maxlen=self.max_rollback)
+
+    def crop(self, max_length: int) -> None:
+        """Roll back to `max_length` columns (absolute, > 0) or remove `-max_length` columns (<= 0; 0 removes nothing).
+
+        Exact: every window slot, memory, smear carry and position returns to its earlier value. Needs
+        recording (activate_past_recording) since before those columns were read.
+        """
+        remove = -max_length if max_length <= 0 else self.seen_tokens - max_length
+        if remove <= 0:
+            return
+        if remove > len(self.history):
+            reason = ("recording is not active (call activate_past_recording before reading them)"
+                      if not self.recording else f"only the last {len(self.history)} columns are recorded")
+            raise ValueError(f"MaglevCache cannot remove {remove} columns: {reason}")
+        for _ in range(remove):
+            record = self.history.pop()
+            self.positions, self.last_memory = record.positions, record.memory
+            self.previous_embedding = record.embedding
+            for store, layer_record in zip(self.layer_stores, record.layers):
+                store.undo(layer_record)
+        self.seen_tokens -= remove
+        for store in self.layer_stores:
+            store.shrink(self.seen_tokens)
+
+    def update(self, *args, **kwargs):
+        raise NotImplementedError("MaglevCache is filled by the Maglev model itself, not through Cache.update")
+
+    # ----- saved caches ("prompt caching") ------------------------------------------------------
+    def saved_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The tensors and JSON fields `save` writes."""
+        if self.positions is None:
+            raise ValueError("the cache is empty: read some tokens before saving it")
+        tensors = {"positions": self.positions, "previous_embedding": self.previous_embedding}
+        if self.last_memory is not None:
+            tensors["last_memory"] = self.last_memory
+        for i, store in enumerate(self.layer_stores):
+            tensors.update({f"layers.{i}.{name}": t for name, t in store.state().items()})
+        fields = {"seen_tokens": self.seen_tokens, "batch_size": self.batch_size,
+                  "dtype": str(self.previous_embedding.dtype).removeprefix("torch.")}
+        return tensors, fields
+
+    @classmethod
+    def from_saved(cls, config: MaglevConfig, meta: dict, tensors: dict[str, torch.Tensor],
+                   dtype: torch.dtype) -> "MaglevCache":
+        """The cache `saved_state` described, in the model's dtype."""
+        cache = cls(config)
+        cache.seen_tokens = meta["seen_tokens"]
+        cache.positions = tensors["positions"]
+        cache.previous_embedding = tensors["previous_embedding"].to(dtype)
+        cache.last_memory = tensors["last_memory"].to(dtype) if "last_memory" in tensors else None
+        for i, store in enumerate(cache.layer_stores):
+            state = tensors_under(tensors, f"layers.{i}.")
+            if state:
+                store.load_state({k: v if k == "positions" else v.to(dtype) for k, v in state.items()})
+        return cache
+
+    def __len__(self) -> int:
+        return len(self.layer_stores)
+
+    def __repr__(self) -> str:
+        return f"MaglevCache(seen_tokens={self.seen_tokens}, layers={len(self.layer_stores)}, nbytes={self.nbytes()})"

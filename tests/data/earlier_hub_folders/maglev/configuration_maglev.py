@@ -1,0 +1,390 @@
+"""Configuration of Maglev (Sliding Recurrent Memory) on a nanochat GPT backbone.
+
+`MAGLEV_FIELDS` declares every field once: type, default, meaning, where a nanochat checkpoint's meta json
+gives it (`model_config.*` for nanochat's GPT, `maglev.*` for the Maglev fields) and whether a saved cache
+depends on it; the architecture's and inference's fields (`MAGLEV_MODEL_FIELDS`) first, the training-only
+ones (`MAGLEV_TRAINING_FIELDS`) after them. `MaglevConfig.__init__` and its docstring, `CACHE_CONFIG_FIELDS`
+and the tables in docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from it.
+"""
+
+import math
+
+import torch
+from transformers import PretrainedConfig
+
+# ----- version guard: this file is the first of the folder's code transformers imports -----
+import transformers as _transformers
+
+if tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.isdigit()) < (5, 17):
+    raise ImportError(f"Maglev models need transformers >= 5.17 (installed: {_transformers.__version__}); "
+                      "upgrade with: pip install -U 'transformers>=5.17'")
+# ----- end of version guard -----
+
+from .config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
+
+WINDOW_LETTERS = "SL"
+CONSISTENCY_LOSSES = ("mse", "cosine")
+MEMORY_PREFILL_MODES = ("recurrent", "prefiller")
+TRAINING_FORWARDS = ("lifted", "recurrent")
+WEIGHT_INITS = ("nanochat", "torch")
+
+# The architecture's and inference's fields, in `__init__` order (positional arguments follow it).
+MAGLEV_MODEL_FIELDS = (
+    ConfigField("vocab_size", int, 32768, "tokenizer size; logits are sliced to it", "model_config.vocab_size",
+                cache=True),
+    ConfigField("pad_vocab_size_to", int, 64, "embedding rows (lm_head's too when lm_head_padded) padded to a "
+                "multiple of this (resize_token_embeddings sets 1: it gives the rows asked for)", cache=True),
+    ConfigField("lm_head_padded", bool | None, None, "lm_head rows padded like the embeddings (None: true for "
+                "configs saved before this field, whose heads from_pretrained unpads; false for new ones): false "
+                "gives exactly vocab_size rows, so a library that reads the head's weight (TRL's fused log-prob "
+                "head) normalises over real ids only"),
+    ConfigField("hidden_size", int, 768, "model width; also the memory dimension", "model_config.n_embd", cache=True),
+    ConfigField("intermediate_size", int | None, None, "relu^2 MLP width (None: 4 * hidden_size)", cache=True),
+    ConfigField("num_hidden_layers", int, 12, "decoder layers", "model_config.n_layer", cache=True),
+    ConfigField("num_attention_heads", int, 6, "attention heads; head_dim = hidden_size / num_attention_heads",
+                "model_config.n_head", cache=True),
+    ConfigField("num_key_value_heads", int | None, None, "key/value heads (GQA), a divisor of num_attention_heads "
+                "(None: num_attention_heads)", "model_config.n_kv_head", cache=True),
+    ConfigField("max_position_embeddings", int, 2048, "usable context, which lm-eval and generate() read "
+                "(converted models: 2**30)", cache=True),
+    ConfigField("sequence_len", int | None, None, "nanochat's training length: the L window; S = a quarter, rounded "
+                "up to a multiple of 128 (None: max_position_embeddings)", "model_config.sequence_len", cache=True),
+    ConfigField("window_pattern", str, "L", "S/L letters per layer, repeated (the last layer is L), used when "
+                "sliding_window is None", "model_config.window_pattern", cache=True),
+    ConfigField("rope_theta", float, 100000.0, "rotary base", cache=True),
+    ConfigField("rms_norm_eps", float | None, None, "epsilon of the weightless RMSNorm (None: the dtype's epsilon, "
+                "as nanochat)", cache=True),
+    ConfigField("qk_norm_scale", float, 1.2, "q and k are multiplied by it after QK-norm", cache=True),
+    ConfigField("logit_softcap", float | None, 15.0, "tanh soft-capping of the logits (None: off)"),
+    ConfigField("use_value_embeddings", bool, True, "value embeddings on alternating layers, the last included",
+                cache=True),
+    ConfigField("value_embedding_gate_channels", int, 12, "input channels of the value-embedding gate "
+                "scale * sigmoid(W x[:channels]), one per KV head", cache=True),
+    ConfigField("value_embedding_gate_scale", float, 3.0, "scale of the value-embedding gate", cache=True),
+    ConfigField("use_smear", bool, True, "mix in the previous token's embedding (smear)", cache=True),
+    ConfigField("smear_gate_channels", int, 24, "input channels of the smear gate", cache=True),
+    ConfigField("use_backout", bool, True, "subtract backout_lambda x backout_layer's output before the final norm",
+                cache=True),
+    ConfigField("backout_layer", int | None, None, "the layer backout subtracts (None: num_hidden_layers // 2)",
+                cache=True),
+    ConfigField("use_layer_lambdas", bool, True, "per-layer resid_lambdas / x0_lambdas mixing", cache=True),
+    ConfigField("use_memory", bool, True, "Maglev memory injected into keys and values", cache=True),
+    ConfigField("sliding_window", int | None, 256, "keys per query including itself, in every layer of P (required "
+                "with the memory)", "maglev.sliding_window", cache=True),
+    ConfigField("memory_gate_channels", int, 12, "input channels of the per-KV-head memory gate",
+                "maglev.memory_gate_channels", cache=True),
+    ConfigField("memory_init_std", float, 0.02, "init std of the memory projections W_k, W_v"),
+    ConfigField("has_prefiller", bool, True, "the checkpoint carries the prefiller Q (converter: --keep-prefiller)"),
+    ConfigField("prefiller_window_pattern", str, "SSSL", "Q's windows, S/L letters as window_pattern",
+                "maglev.prefiller_window_pattern"),
+    ConfigField("prefiller_shares_blocks", bool, True, "Q runs P's blocks (else its own prefiller_layers)",
+                "maglev.prefiller_shares_blocks"),
+    ConfigField("memory_prefill", str, "recurrent", 'prompt processing: "recurrent" (token after token) or '
+                '"prefiller" (needs Q)'),
+    ConfigField("memory_source_layer", int | None, None, "block whose output the memory is read from (None: the "
+                "head input)", "maglev.memory_source_layer", cache=True),
+    ConfigField("memory_projection", bool, False, "memory m = rms_norm(W_m source), a learned projection",
+                "maglev.memory_projection", cache=True),
+    ConfigField("memory_residual_injection", bool, False, "the memory also enters P's block input, through a "
+                "zero-initialised projection", "maglev.memory_residual_injection", cache=True),
+    ConfigField("weight_init", str, "nanochat", 'fresh weights: "nanochat" (its per-layer inits) or "torch" '
+                "(PyTorch's layer defaults)"),
+    ConfigField("initializer_range", float, 0.02, "transformers' conventional init std; the model's own init does "
+                "not read it"),
+    ConfigField("use_cache", bool, True, "forward returns a MaglevCache"),
+    ConfigField("tie_word_embeddings", bool, False, "share the embedding and output weights"),
+    *token_id_fields("the tokenizer's special tokens"),
+)
+# Training-only fields (the lifted and self-fed passes, the consistency loss, their step schedules:
+# curriculum_maglev), after the others in `__init__`. Inference reads none of them.
+MAGLEV_TRAINING_FIELDS = (
+    ConfigField("consistency_weight", float, 1.0, "loss = lm_loss + consistency_weight * consistency_loss",
+                "maglev.consistency_weight"),
+    ConfigField("consistency_loss", str, "mse", '"mse" or "cosine"', "maglev.consistency_loss"),
+    ConfigField("consistency_detach_target", bool, False, "stop the consistency gradient into Q's memories",
+                "maglev.consistency_detach_target"),
+    ConfigField("training_forward", str, "lifted", 'forwards in training mode or with labels: "lifted" (lifted '
+                'parallel training: Q feeds P, when Q is kept) or "recurrent" (P alone fed its own memory, the '
+                "distribution generate() samples from: scoring samples, e.g. TRL's GRPO)"),
+    ConfigField("memory_self_feed_steps", int, 0, "training: passes that feed P its own shifted memories after the "
+                "prefiller-fed one", "maglev.memory_self_feed_steps"),
+    ConfigField("memory_self_feed_detach", bool, False, "training: no gradient through the fed-back memories",
+                "maglev.memory_self_feed_detach"),
+    ConfigField("memory_self_feed_mix", float, 1.0, "training: chance per position that a self-fed pass reads P's "
+                "own memory rather than the prefiller's, in [0, 1]", "maglev.memory_self_feed_mix"),
+    ConfigField("memory_self_feed_mix_ramp_steps", int, 0, "training: steps over which that chance ramps up from 0 "
+                "(0: no ramp)", "maglev.memory_self_feed_mix_ramp_steps"),
+    ConfigField("memory_noise_std", float, 0.0, "training: Gaussian noise on the memory inputs",
+                "maglev.memory_noise_std"),
+    ConfigField("consistency_weight_final", float | None, None, "training: the consistency weight a linear ramp "
+                "ends at (with consistency_weight_ramp_steps)", "maglev.consistency_weight_final"),
+    ConfigField("consistency_weight_ramp_steps", int, 0, "training: steps of that ramp (0: constant weight)",
+                "maglev.consistency_weight_ramp_steps"),
+    ConfigField("consistency_detach_target_after", int | None, None, "training: from this step on Q is a frozen "
+                "teacher (None: never)", "maglev.consistency_detach_target_after"),
+    ConfigField("consistency_weight_after_detach", float | None, None, "training: the consistency weight once Q "
+                "is frozen (None: unchanged)", "maglev.consistency_weight_after_detach"),
+)
+MAGLEV_FIELDS = MAGLEV_MODEL_FIELDS + MAGLEV_TRAINING_FIELDS
+# Config fields that decide what a cache holds and how a model reads it (training-only fields excluded).
+CACHE_CONFIG_FIELDS = cache_fields(MAGLEV_FIELDS)
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@declare_fields(MAGLEV_FIELDS)
+class MaglevConfig(PretrainedConfig):
+    """Every nanochat GPT feature as a switch, plus the Maglev memory and prefiller fields.
+
+    With `use_memory=False` and `sliding_window=None` the model is exactly nanochat's GPT,
+    its per-layer windows taken from `window_pattern`. `sequence_len` is nanochat's training
+    sequence length (its L window; default `max_position_embeddings`, as in configs saved before
+    the field); `max_position_embeddings` is the usable context, which lm-eval and generate() read.
+    """
+
+    model_type = "maglev"
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
+    # transformers' name for the softcap (TRL's log-prob head reads it); one stored value, `logit_softcap`
+    attribute_map = {"final_logit_softcapping": "logit_softcap"}
+
+    def __init__(self, *args, **kwargs):
+        kwargs = assign_fields(self, MAGLEV_FIELDS, args, kwargs)
+        # None: a size that follows from the others
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.hidden_size
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.sequence_len is None:
+            self.sequence_len = self.max_position_embeddings
+        if self.backout_layer is None:
+            self.backout_layer = self.num_hidden_layers // 2
+        if self.lm_head_padded is None:
+            # a saved config (it carries transformers_version) from before the field has a padded head
+            self.lm_head_padded = "transformers_version" in kwargs
+        super().__init__(**kwargs)
+        self.validate_maglev()
+
+    # ----- validation -------------------------------------------------------------------
+    def validate_maglev(self) -> None:
+        """Raise a ValueError naming the field of the first invalid setting."""
+        positive = ("vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size",
+                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "max_position_embeddings", "sequence_len")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})")
+        if self.head_dim % 2:
+            raise ValueError(f"hidden_size / num_attention_heads must be even for rotary, got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})")
+        _check_pattern("window_pattern", self.window_pattern)
+        _check_pattern("prefiller_window_pattern", self.prefiller_window_pattern)
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be positive or None, got {self.logit_softcap}")
+        for name, used in (("value_embedding_gate_channels", self.use_value_embeddings),
+                           ("smear_gate_channels", self.use_smear),
+                           ("memory_gate_channels", self.use_memory)):
+            channels = getattr(self, name)
+            if used and not 1 <= channels <= self.hidden_size:
+                raise ValueError(f"{name} must be in [1, hidden_size={self.hidden_size}], got {channels}")
+        if self.use_backout and not 0 <= self.backout_layer < self.num_hidden_layers:
+            raise ValueError(
+                f"backout_layer must be in [0, num_hidden_layers={self.num_hidden_layers}), got {self.backout_layer}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 2):
+            raise ValueError(f"sliding_window must be an integer >= 2 (keys including the current token) "
+                             f"or None, got {self.sliding_window!r}")
+        if self.use_memory and self.sliding_window is None:
+            raise ValueError("sliding_window must be set when use_memory is true")
+        if self.consistency_loss not in CONSISTENCY_LOSSES:
+            raise ValueError(f"consistency_loss must be one of {CONSISTENCY_LOSSES}, got {self.consistency_loss!r}")
+        if self.consistency_weight < 0:
+            raise ValueError(f"consistency_weight must be >= 0, got {self.consistency_weight}")
+        if self.memory_prefill not in MEMORY_PREFILL_MODES:
+            raise ValueError(f"memory_prefill must be one of {MEMORY_PREFILL_MODES}, got {self.memory_prefill!r}")
+        if self.training_forward not in TRAINING_FORWARDS:
+            raise ValueError(f"training_forward must be one of {TRAINING_FORWARDS}, got {self.training_forward!r}")
+        if self.memory_prefill == "prefiller" and not (self.use_memory and self.has_prefiller):
+            raise ValueError("memory_prefill='prefiller' needs use_memory=true and the prefiller's weights "
+                             "(has_prefiller=true); convert with --keep-prefiller")
+        self.validate_memory_training()
+
+    def validate_memory_training(self) -> None:
+        """Checks of the memory's shape switches and the training switches that close the exposure gap."""
+        layer = self.memory_source_layer
+        if layer is not None and (not _is_int(layer) or not 0 <= layer < self.num_hidden_layers):
+            raise ValueError(f"memory_source_layer must be None or in [0, num_hidden_layers="
+                             f"{self.num_hidden_layers}), got {layer!r}")
+        for name in ("memory_self_feed_steps", "memory_self_feed_mix_ramp_steps", "consistency_weight_ramp_steps"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not 0.0 <= self.memory_self_feed_mix <= 1.0:
+            raise ValueError(f"memory_self_feed_mix must be in [0, 1], got {self.memory_self_feed_mix}")
+        if self.memory_noise_std < 0:
+            raise ValueError(f"memory_noise_std must be >= 0, got {self.memory_noise_std}")
+        for name in ("consistency_weight_final", "consistency_weight_after_detach"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be None or >= 0, got {value}")
+        if (self.consistency_weight_final is None) != (self.consistency_weight_ramp_steps == 0):
+            raise ValueError("consistency_weight_final and consistency_weight_ramp_steps go together (a linear "
+                             f"ramp), got {self.consistency_weight_final!r} and {self.consistency_weight_ramp_steps!r}")
+        after = self.consistency_detach_target_after
+        if after is not None and (not _is_int(after) or after < 0):
+            raise ValueError(f"consistency_detach_target_after must be None or an integer >= 0, got {after!r}")
+        if self.weight_init not in WEIGHT_INITS:
+            raise ValueError(f"weight_init must be one of {WEIGHT_INITS}, got {self.weight_init!r}")
+        if not self.use_memory and (self.memory_projection or self.memory_residual_injection
+                                    or self.memory_self_feed_steps):
+            raise ValueError("memory_projection, memory_residual_injection and memory_self_feed_steps need "
+                             "use_memory=true")
+
+    @property
+    def step_dependent_training(self) -> bool:
+        """Whether a training switch changes with the optimizer step (then the model must be told the step)."""
+        return bool(self.memory_self_feed_mix_ramp_steps or self.consistency_weight_ramp_steps
+                    or self.consistency_detach_target_after is not None)
+
+    # ----- derived sizes ------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and lm_head tables (nanochat pads for efficiency)."""
+        return math.ceil(self.vocab_size / self.pad_vocab_size_to) * self.pad_vocab_size_to
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of lm_head: vocab_size, or the padded rows of a head saved before `lm_head_padded` existed."""
+        return self.padded_vocab_size if self.lm_head_padded else self.vocab_size
+
+    @property
+    def embedding_rows(self) -> int:
+        """Rows of embed_tokens: padded, except when tied to an unpadded head (one table)."""
+        return self.head_rows if self.tie_word_embeddings else self.padded_vocab_size
+
+    @property
+    def separate_prefiller(self) -> bool:
+        """Whether the prefiller Q has blocks of its own (`prefiller_layers`) rather than running P's."""
+        return self.use_memory and self.has_prefiller and not self.prefiller_shares_blocks
+
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun): attention split by head (K/V
+    # heads with their query groups), the memory projections and gates with the K/V heads they feed, the MLP
+    # by hidden unit; the value-embedding tables stay whole and each rank reads its heads' columns.
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """The plan for the modules this config builds only (transformers checks that every entry names some)."""
+        styles = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                  "self_attn.o_proj": "rowwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+        if self.use_value_embeddings:
+            styles["self_attn.value_gate"] = "colwise"
+        blocks = ("layers", "prefiller_layers") if self.separate_prefiller else ("layers",)
+        plan = {f"{block}.*.{name}": style for block in blocks for name, style in styles.items()}
+        if self.use_memory:
+            plan.update({f"layers.*.self_attn.{name}": "colwise"
+                         for name in ("memory_k_proj", "memory_v_proj", "memory_gate")})
+        if self.tie_word_embeddings:  # the vocabulary-sharded table the tied head shares (transformers' rule)
+            plan["embed_tokens"] = "embedding_rowwise"
+        return plan
+
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, plan: dict[str, str]) -> None:
+        # transformers < 5.24 writes the tied-embedding entry back into the config at init; the plan is derived
+        # from the other fields, so only that same plan can be stored.
+        if plan != self.base_model_tp_plan:
+            raise AttributeError("MaglevConfig.base_model_tp_plan is computed from the fields that choose which "
+                                 "modules exist; set those fields instead")
+
+    def has_value_embedding(self, layer_idx: int) -> bool:
+        """nanochat puts value embeddings on alternating layers, the last one always included."""
+        return self.use_value_embeddings and layer_idx % 2 == (self.num_hidden_layers - 1) % 2
+
+    def pattern_windows(self, pattern: str) -> list[int]:
+        """Per-layer `left` context (keys before the current one) for a nanochat window pattern.
+
+        L = sequence_len tokens back, S = a quarter of that rounded up to a multiple
+        of 128; the last layer is always L.
+        """
+        long_window = self.sequence_len
+        short_window = -(-long_window // 4 // 128) * 128
+        letters = pattern.upper()
+        windows = [long_window if letters[i % len(letters)] == "L" else short_window
+                   for i in range(self.num_hidden_layers)]
+        windows[-1] = long_window
+        return windows
+
+    @property
+    def decoder_windows(self) -> list[int]:
+        """Left context per layer of the decoder P: `sliding_window - 1` everywhere when set."""
+        if self.sliding_window is not None:
+            return [self.sliding_window - 1] * self.num_hidden_layers
+        return self.pattern_windows(self.window_pattern)
+
+    @property
+    def prefiller_windows(self) -> list[int]:
+        return self.pattern_windows(self.prefiller_window_pattern)
+
+    @property
+    def windows_grow(self) -> bool:
+        """Whether the cache's per-layer rings grow with the tokens read up to their windows: with nanochat's
+        window pattern, whose windows span the training context; a uniform `sliding_window` ring is whole at once."""
+        return self.sliding_window is None
+
+    # ----- cache sizes ----------------------------------------------------------------------
+    def cache_bytes(self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of a MaglevCache after reading `num_tokens` tokens (equals `MaglevCache.nbytes()`): constant from
+        the first token with a sliding window, and once `num_tokens` reaches the widest window otherwise."""
+        if num_tokens < 0 or batch_size < 1:
+            raise ValueError(f"num_tokens must be >= 0 and batch_size >= 1, got {num_tokens}, {batch_size}")
+        if num_tokens == 0:
+            return 0
+        element = _dtype_bytes(dtype)
+        per_token = 2 * self.kv_dim * element * batch_size
+        slots = growing_capacity(num_tokens)
+        total = sum(per_token * (min(left, slots) if self.windows_grow else left) for left in self.decoder_windows)
+        total += 8 * batch_size  # each row's int64 position (real tokens read)
+        total += batch_size * self.hidden_size * element  # smear's previous embedding
+        if self.use_memory:
+            total += batch_size * self.hidden_size * element  # last memory vector
+        return total
+
+    def full_attention_cache_bytes(
+        self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16
+    ) -> int:
+        """Bytes of a plain full-attention KV cache of the same shape holding `num_tokens` tokens."""
+        if num_tokens < 0 or batch_size < 1:
+            raise ValueError(f"num_tokens must be >= 0 and batch_size >= 1, got {num_tokens}, {batch_size}")
+        return 2 * self.num_hidden_layers * self.kv_dim * num_tokens * batch_size * _dtype_bytes(dtype)
+
+
+def growing_capacity(num_tokens: int) -> int:
+    """Capacity of a geometrically grown key/value buffer holding `num_tokens` tokens."""
+    capacity = 16
+    while capacity < num_tokens:
+        capacity *= 2
+    return capacity
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_pattern(name: str, pattern: str) -> None:
+    if not isinstance(pattern, str) or not pattern or any(c not in WINDOW_LETTERS for c in pattern.upper()):
+        raise ValueError(f"{name} must be a non-empty string of the letters S and L, got {pattern!r}")
