@@ -465,7 +465,8 @@ class KVMAttention(KVMAttentionBase):
             if versions.get(0):
                 readers = versions[0]
                 rows = None if pieces.identity_rows and len(readers) == pieces.count else pieces.row[readers]
-                reads.append((readers, [cache_layer.read(name, rows) for name in READ]))
+                # only the slots some piece reads: a page holds the most a request can reach
+                reads.append((readers, [cache_layer.read(name, rows, schedule.read_slots) for name in READ]))
         else:
             working = self.working_state(k, v, gate, schedule, cache_layer, state_dtype)
             if versions.get(0):
