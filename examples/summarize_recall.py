@@ -8,8 +8,8 @@ and reports per group the median over seeds of recall per distance (P's own memo
 seeds used, the mean recall past the window, and the targets of the Maglev memory issue checked on the medians and
 on each seed alone (``per_seed_targets``: what docs/maglev_memory.md's rule for the shipped recipe asks).
 Runs of the capacity task (``--task capacity``) are summarized apart: per model the mean, minimum and maximum
-over seeds of recall per evaluation length and per (length, facts), and the cache bytes per length
-(``--plot``: ``capacity.png``).
+over seeds (and the median) of recall per evaluation length and per (length, facts), and the cache bytes per
+length (``--plot``: ``capacity.png``, medians over seeds).
 """
 
 import argparse
@@ -47,13 +47,15 @@ def load_runs(folders: List[Path], aliases: Dict[str, str]) -> Dict[tuple, List[
 
 
 def _spread(values: List[float]) -> Dict[str, float]:
-    return {"mean": statistics.mean(values), "min": min(values), "max": max(values)}
+    return {"mean": statistics.mean(values), "median": statistics.median(values), "min": min(values),
+            "max": max(values)}
 
 
 def summarize_capacity(paths: List[Path]) -> List[dict]:
     """Per model of the capacity runs (grouped by the run's settings but the seed and output): seeds, recall by
-    length and by (length, facts) as mean / min / max over seeds, per-seed recall by length, cache bytes per
-    length (the same on every seed) and, for KVM, the state slots."""
+    length and by (length, facts) as mean / median / min / max over seeds, per-seed recall by length, cache bytes
+    per length (the same on every seed) and, for KVM, the state slots. A group trained for other steps than most
+    runs is labelled with its steps, so an extra arm never mixes with the equal-steps comparison."""
     groups: Dict[tuple, List[dict]] = defaultdict(list)
     for path in run_files(paths):
         run = json.loads(path.read_text())
@@ -65,11 +67,14 @@ def summarize_capacity(paths: List[Path]) -> List[dict]:
             key = (name, json.dumps(settings, sort_keys=True))
             groups[key].append({**row, "seed": int(run["settings"]["seed"]), "file": str(path),
                                 "train_length": run["task"]["seq_len"], "settings": settings})
+    usual_steps = statistics.mode([row["settings"].get("steps") for rows in groups.values() for row in rows] or [None])
     summary = []
     for (name, _), rows in sorted(groups.items()):
+        steps = rows[0]["settings"].get("steps")
         lengths = list(rows[0]["recall_by_length"])
         entry = {
-            "model": name, "seeds": sorted(row["seed"] for row in rows), "train_length": rows[0]["train_length"],
+            "model": name, "label": name if steps == usual_steps else f"{name} ({steps} steps)",
+            "seeds": sorted(row["seed"] for row in rows), "train_length": rows[0]["train_length"],
             "chance": rows[0]["chance"], "window": rows[0]["window"], "settings": rows[0]["settings"],
             "recall_by_length": {n: _spread([row["recall_by_length"][n] for row in rows]) for n in lengths},
             "recall": {n: {f: _spread([row["recall"][n][f] for row in rows]) for f in rows[0]["recall"][n]}
@@ -161,10 +166,10 @@ def main(argv: List[str] = None) -> None:
     aliases = dict(alias.split("=", 1) for alias in args.alias)
     capacity = summarize_capacity(args.folders)
     for entry in capacity:
-        cells = " ".join(f"{n}:{100 * r['mean']:4.0f}" for n, r in entry["recall_by_length"].items())
-        print(f"capacity {entry['model']:<16} seeds {entry['seeds']}  recall by length (mean) {cells}")
+        cells = " ".join(f"{n}:{100 * r['median']:4.0f}" for n, r in entry["recall_by_length"].items())
+        print(f"capacity {entry['label']:<16} seeds {entry['seeds']}  recall by length (median) {cells}")
         for n, row in entry["recall"].items():
-            print(f"    length {n:>6}: " + "  ".join(f"{f} facts {100 * r['mean']:4.0f}% ({100 * r['min']:.0f}-"
+            print(f"    length {n:>6}: " + "  ".join(f"{f} facts {100 * r['median']:4.0f}% ({100 * r['min']:.0f}-"
                                                     f"{100 * r['max']:.0f})" for f, r in row.items())
                   + f"  cache {entry['cache_bytes'][n]} B")
     summary = summarize(load_runs(args.folders, aliases))
@@ -183,9 +188,11 @@ def main(argv: List[str] = None) -> None:
             from kvm_maglev.capacity import plot_capacity
 
             args.plot.mkdir(parents=True, exist_ok=True)
-            means = {e["model"]: {n: {f: r["mean"] for f, r in row.items()} for n, row in e["recall"].items()}
-                     for e in capacity}
-            plot_capacity(means, capacity[0]["chance"], capacity[0]["train_length"], args.plot / "capacity.png")
+            # the median, not the mean: a seed that never leaves the loss plateau scores chance and would drag a
+            # mean of three halfway there
+            medians = {e["label"]: {n: {f: r["median"] for f, r in row.items()} for n, row in e["recall"].items()}
+                       for e in capacity}
+            plot_capacity(medians, capacity[0]["chance"], capacity[0]["train_length"], args.plot / "capacity.png")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         found = {"groups": summary} if summary else {}

@@ -173,6 +173,22 @@ def test_summary_of_capacity_runs_spreads_over_seeds(tmp_path):
                "settings": {"seed": str(seed), "out": f"o{seed}", "steps": "2000"}}
         (tmp_path / f"capacity_s{seed}.json").write_text(json.dumps(run))
     (entry,) = summarize.summarize_capacity([tmp_path / "capacity_s0.json", tmp_path / "capacity_s1.json"])
-    assert entry["seeds"] == [0, 1] and entry["recall_by_length"]["256"] == {"mean": 0.5, "min": 0.25, "max": 0.75}
+    assert entry["seeds"] == [0, 1] and entry["label"] == "kvm_sqrt"
+    assert entry["recall_by_length"]["256"] == {"mean": 0.5, "median": 0.5, "min": 0.25, "max": 0.75}
     assert entry["recall"]["256"]["8"]["mean"] == 0.5 and entry["state_slots"] == {"256": 62}
     assert not summarize.load_runs([tmp_path / "capacity_s0.json"], {})  # the recall summary leaves them alone
+
+
+def test_summary_keeps_a_longer_trained_arm_apart(tmp_path):
+    summarize = load_example("summarize_recall")
+    for name, seed, steps, recall in (("a", 0, "2000", 0.2), ("b", 1, "2000", 0.4), ("long", 0, "8000", 0.9)):
+        row = {"recall_by_length": {"256": recall}, "recall": {"256": {"8": recall}}, "cache_bytes": {"256": 99},
+               "window": 16, "chance": 1 / 64}
+        run = {"task": {"num_queries": 8, "seq_len": 256, "num_facts": 16}, "models": {"full_attention": row},
+               "settings": {"seed": str(seed), "out": name, "steps": steps}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    entries = summarize.summarize_capacity(sorted(tmp_path.glob("*.json")))
+    by_label = {entry["label"]: entry for entry in entries}
+    assert set(by_label) == {"full_attention", "full_attention (8000 steps)"}
+    assert by_label["full_attention"]["recall_by_length"]["256"]["median"] == pytest.approx(0.3)
+    assert by_label["full_attention (8000 steps)"]["seeds"] == [0]
