@@ -1,0 +1,175 @@
+"""One cached decode step under generate()'s cache, seen the way a compiler and a GPU see it: dynamo's graphs and
+graph breaks, the aten calls an eager step makes (each one a kernel launch on a GPU), and the median time of an
+eager and a `torch.compile`d step after a prompt.
+
+    python -m kvm_maglev.benchmarks.step_graphs --context 4096 --out docs/bench_step_graphs.json
+
+Models: the serving benchmark's shape (hidden 256, 4 layers, 4 query / 2 key-value heads, vocabulary 4096, float32,
+random weights): KVM with KVMConfig's defaults (chunks of 256, a 2-chunk window, a fixed 256-slot state), Maglev
+(window 128), and transformers' Llama and Mistral (window 128) with a DynamicCache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import GenerationMixin
+
+from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
+
+NEXT_LENGTH = "next_sequence_length" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+SHAPE = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+WINDOW = 128
+
+
+def build(name: str) -> torch.nn.Module:
+    """A random-weight model of the serving benchmark's shape."""
+    torch.manual_seed(0)
+    if name == "kvm":
+        from kvm_maglev import KVMConfig, KVMForCausalLM
+
+        return KVMForCausalLM(KVMConfig(**SHAPE)).eval()
+    if name == "maglev":
+        from kvm_maglev import MaglevConfig, MaglevForCausalLM
+
+        return MaglevForCausalLM(MaglevConfig(**SHAPE, sliding_window=WINDOW, has_prefiller=False,
+                                              max_position_embeddings=1 << 16)).eval()
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    common = dict(SHAPE, intermediate_size=4 * SHAPE["hidden_size"], max_position_embeddings=1 << 16,
+                  tie_word_embeddings=False, attn_implementation="sdpa")
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    if name == "mistral":
+        return MistralForCausalLM(MistralConfig(**common, sliding_window=WINDOW)).eval()
+    raise ValueError(f"unknown model {name!r}: one of kvm, maglev, llama, mistral")
+
+
+def new_cache(model: torch.nn.Module):
+    """The cache generate() would make for `model`."""
+    cache_class = getattr(model, "cache_class", None)
+    if cache_class is not None:
+        return cache_class(model.config)
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+class DecodeLoop:
+    """A model and its cache after a prompt, stepped one greedy token at a time through `step(forward)`, as
+    generate() steps it (prepare_inputs_for_generation, then the forward)."""
+
+    def __init__(self, model: torch.nn.Module, context: int, batch: int = 1) -> None:
+        self.model = model
+        generator = torch.Generator().manual_seed(1)
+        ids = torch.randint(1, model.config.vocab_size, (batch, context), generator=generator)
+        self.cache = new_cache(model)
+        with torch.no_grad():
+            logits = model(ids, **{GENERATE_CACHE_KWARG: self.cache}, use_cache=True).logits
+        self.ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+
+    def inputs(self) -> dict:
+        """The keywords generate() would give the forward for the next token."""
+        length = self.ids.shape[1]
+        # transformers 5.25 slices the inputs by `next_sequence_length`, older releases by `cache_position`
+        slicing = {"next_sequence_length": 1} if NEXT_LENGTH else {"cache_position": torch.arange(length - 1, length)}
+        inputs = self.model.prepare_inputs_for_generation(
+            self.ids, **{GENERATE_CACHE_KWARG: self.cache}, attention_mask=torch.ones_like(self.ids), use_cache=True,
+            **slicing)
+        inputs.pop("cache_position", None)
+        return inputs
+
+    @torch.no_grad()
+    def step(self, forward: Callable | None = None) -> torch.Tensor:
+        logits = (forward or self.model)(**self.inputs()).logits
+        self.ids = torch.cat([self.ids, logits[:, -1:].argmax(-1)], dim=1)
+        return logits
+
+
+class CountCalls(TorchDispatchMode):
+    """Counts the aten operations run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def aten_calls(loop: DecodeLoop) -> int:
+    """aten calls of one eager decode step (the forward and what generate() prepares for it)."""
+    with CountCalls() as counter:
+        loop.step()
+    return counter.calls
+
+
+def graph_breaks(loop: DecodeLoop) -> dict:
+    """dynamo's view of one decode step: graphs, breaks and their reasons. Explaining runs the step: the loop
+    continues with a repeated token."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(loop.model)(**loop.inputs())
+    loop.ids = torch.cat([loop.ids, loop.ids[:, -1:]], dim=1)
+    return {"graphs": explained.graph_count, "breaks": explained.graph_break_count,
+            "ops": explained.op_count,
+            "reasons": sorted({str(reason.reason).splitlines()[0][:160] for reason in explained.break_reasons})}
+
+
+def median_step_ms(loop: DecodeLoop, forward: Callable | None, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loop.step(forward)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def measure(name: str, context: int, steps: int, compiled: bool) -> dict:
+    model = build(name)
+    loop = DecodeLoop(model, context)
+    loop.step()  # the first decode step may allocate
+    result = {"model": name, "aten_calls_eager_step": aten_calls(loop), **graph_breaks(loop)}
+    torch._dynamo.reset()
+    result["eager_step_ms"] = median_step_ms(loop, None, steps)
+    if compiled:
+        forward = torch.compile(model)
+        for _ in range(3):  # compile and settle on the dynamic shapes
+            loop.step(forward)
+        result["compiled_step_ms"] = median_step_ms(loop, forward, steps)
+        result["compiled_over_eager"] = result["eager_step_ms"] / result["compiled_step_ms"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["kvm", "maglev", "llama", "mistral"])
+    parser.add_argument("--context", type=int, default=4096, help="prompt tokens before the measured steps")
+    parser.add_argument("--steps", type=int, default=30, help="decode steps timed per arm (median)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile arm")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    results = [measure(name, args.context, args.steps, not args.no_compile) for name in args.models]
+    for result in results:
+        print(json.dumps(result))
+    if args.out:
+        payload = {"command": "python -m kvm_maglev.benchmarks.step_graphs " + " ".join(argv or sys.argv[1:]),
+                   "torch": torch.__version__, "threads": args.threads, "context": args.context, "results": results}
+        with open(args.out, "w", encoding="utf-8") as handle:
+            json.dump(payload, handle, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
