@@ -76,6 +76,7 @@ class DecodeLoop:
             logits = model(ids, **{GENERATE_CACHE_KWARG: self.cache}, use_cache=True).logits
         self.ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
 
+    @torch.no_grad()  # as generate() prepares them
     def inputs(self) -> dict:
         """The keywords generate() would give the forward for the next token."""
         length = self.ids.shape[1]
@@ -89,7 +90,7 @@ class DecodeLoop:
 
     @torch.no_grad()
     def step(self, forward: Callable | None = None) -> torch.Tensor:
-        logits = (forward or self.model)(**self.inputs()).logits
+        logits = (self.model if forward is None else forward)(**self.inputs()).logits
         self.ids = torch.cat([self.ids, logits[:, -1:].argmax(-1)], dim=1)
         return logits
 

@@ -86,6 +86,7 @@ class VllmKVMForCausalLM(PagedStateModel):
         """One forward of the model's layers over every scheduled token, on a cache over the requests' pages."""
         tokens = step.row_tokens(input_ids.device)
         cache = KVMCache.over_pages(self.config, self.named_pages(), step.pages, step.starts)
+        cache.prepare(tokens)
         x0 = self.model.embed_norm(self.model.embed_tokens(input_ids))
         hidden, _ = self.model.run_layers(x0, tokens, cache)
         return hidden

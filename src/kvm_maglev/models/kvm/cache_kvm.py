@@ -130,6 +130,7 @@ class KVMCache(SavedCache, Cache):
         self.paged = False
         self.recording = False
         self.history: deque[ForwardRecord] = deque()
+        self.prepared_step = None  # a decoding step's geometry, prepared before its forward (modeling's DecodeStep)
 
     @classmethod
     def over_pages(cls, config: KVMConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
@@ -168,6 +169,16 @@ class KVMCache(SavedCache, Cache):
                     layer.zero_rows(index)
         if self.recording:
             self._record(tokens)
+
+    def take_prepared_step(self):
+        """The decoding step prepared for the next forward (None: none), which that forward takes."""
+        step, self.prepared_step = self.prepared_step, None
+        return step
+
+    def advance_decoding(self) -> None:
+        """Every row reads one more token (a decoding step, whose forward then needs no bookkeeping)."""
+        self.seen = [seen + 1 for seen in self.seen]
+        self.columns += 1
 
     def advance(self, tokens: RowTokens, columns: int) -> None:
         """After a forward: each row has read its tokens; the journals close."""

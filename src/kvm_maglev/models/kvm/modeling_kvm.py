@@ -28,10 +28,12 @@ from .cache_kvm import READ, STATE, WINDOW, KVMCache
 from ..common.carried_card import CarriedCardMixin
 from ..common.hub_save import HubCodeSaveMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
+from .decode_step_kvm import (DecodeStep, decode_kvm_attention, decode_sliding_attention, decode_step,
+                              decode_token_shift, fold_due_blocks, make_room_for_first_chunk)
 from ..common.conventions import (SdpaOrEagerMixin, check_position_ids, config_default,
                           refuse_attention_weights)
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
-from ..common.model_inputs import CACHE_NAME, check_cache, check_token_ids, take_cache
+from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
 from ..common.onednn_linear import OneDNNLinear, sharing_parameters
 from ..common.row_block_loss import RowBlockLossMixin
 from .runtime_kvm import prepare_next_fold, take_fold_ahead
@@ -88,6 +90,8 @@ def token_shift(tokens: RowTokens, x: torch.Tensor, mix: torch.Tensor, cache_lay
     """Token shift x + mix * (x[t-1] - x[t]) over each row's tokens (x: [1, N, D], the forward's flat tokens),
     updating the row's carry of stream `name` in `cache_layer`. A row's first token reads the carry when the row
     has read tokens before, else itself ("first") or zero ("zero")."""
+    if isinstance(tokens, DecodeStep):
+        return decode_token_shift(x, mix, cache_layer, name, tokens)
     flat = x[0]
     if cache_layer is None and tokens.fresh_rectangle:
         rows = flat.view(tokens.batch, tokens.width, -1)
@@ -365,6 +369,8 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
     def forward(self, x, v_first, rotary, tokens: RowTokens, cache_layer) -> torch.Tensor:
         q, k, v = self.project(x, v_first, tokens, cache_layer)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        if isinstance(tokens, DecodeStep):
+            return self.output(decode_sliding_attention(self, q, k, v, tokens, cache_layer))
         pieces = tokens.once(("sliding pieces", self.window), lambda: sliding_pieces(self.window, tokens))
         groups = pieces.by_width(tokens)
         y = q.new_empty(q.shape[0], q.shape[1], v.shape[-1]) if len(groups) > 1 else None
@@ -414,6 +420,8 @@ class KVMAttention(KVMAttentionBase):
         q, k, v = self.project(x, v_first, tokens, cache_layer)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         gate = (1.0 + F.elu(self.merge_gate_proj(x[0]))).unsqueeze(-1) if self.gated else None  # [N, Hkv, 1]
+        if isinstance(tokens, DecodeStep):
+            return self.output(decode_kvm_attention(self, q, k, v, gate, tokens, cache_layer))
         pieces, schedule = tokens.once("chunk pieces", lambda: self.plan(tokens))
         return self.output(self.attend(q, k, v, gate, tokens, pieces, schedule, cache_layer))
 
@@ -440,8 +448,8 @@ class KVMAttention(KVMAttentionBase):
         if cache_layer is not None:
             write_ring(cache_layer, tokens, names, [k, v] + ([gate] if self.gated else []))
             if self.paced_folds and cache_layer.index is None and not torch.is_grad_enabled():
-                prepare_next_fold(cache_layer, tokens, self.config, partial(self.ring_fold, cache_layer),
-                                  partial(self.readable, dtype=k.dtype))
+                prepare_next_fold(cache_layer, tokens.starts, tokens.counts, self.config,
+                                  partial(self.ring_fold, cache_layer), partial(self.readable, dtype=k.dtype))
         return y
 
     # -- the state (state_kvm has the math) --
@@ -474,7 +482,8 @@ class KVMAttention(KVMAttentionBase):
                 reads.append((versions[0], self.readable(tuple(t[local] for t in working), k.dtype)))
         folded_rows: set[int] = set(range(len(schedule.rows))) if cache_layer is not None and not in_place else set()
         for round_index, fold in enumerate(schedule.folds, start=1):
-            ahead = None if cache_layer is None else take_fold_ahead(cache_layer, fold, schedule.capacity)
+            ahead = None if cache_layer is None else take_fold_ahead(cache_layer, fold.blocks, fold.members.tolist(),
+                                                                     schedule.capacity)
             if ahead is None:
                 block = self.block_tokens(k, v, gate, fold, cache_layer)
                 folded = run_fold(self.fold_of(tuple(t[fold.rows] for t in working), fold.slots, block,
@@ -599,6 +608,22 @@ class KVMAttention(KVMAttentionBase):
         rows = state[0].shape[0]
         count = lambda value: torch.full((rows,), value, dtype=torch.long, device=state[0].device)  # noqa: E731
         return self.fold_of(state, count(slots), tokens, count(appends), state[0].dtype)
+
+    def ring_blocks_fold(self, cache_layer, rows: torch.Tensor, blocks: list[int], table: list[int]) -> Fold:
+        """The fold of window block `blocks[i]` of storage row `rows[i]`, its tokens all in the ring, into the
+        stored state (`table`: slots after 0, 1, ... folds): what a decoding step folds before its forward."""
+        chunk, size = self.config.chunk_size, cache_layer.ring_size
+        steps = torch.arange(chunk, device=rows.device)
+        ring_slots = (torch.tensor(blocks, device=rows.device)[:, None] * chunk + steps) % size
+        tokens = []
+        for name in WINDOW if self.gated else WINDOW[:2]:
+            ring = cache_layer.read(name, rows)
+            tokens.append(ring.gather(2, ring_slots[:, None, :, None].expand(-1, ring.shape[1], -1, ring.shape[3])))
+        capacity = max(table[block] for block in blocks)
+        state = tuple(fit_slots(cache_layer.read(name, rows), capacity) for name in STATE)
+        count = lambda values: torch.tensor(values, dtype=torch.long, device=rows.device)  # noqa: E731
+        return self.fold_of(state, count([table[block - 1] for block in blocks]), tokens,
+                            count([table[block] - table[block - 1] for block in blocks]), state[0].dtype)
 
     def merge_score_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """dtype the merge routing is scored in (config.merge_routing_dtype): float32 or the finer state dtype,
@@ -788,6 +813,10 @@ class KVMModel(KVMPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    # A forward reading one token per row on a cache runs as a `DecodeStep` (decode_step_kvm: one graph, the
+    # geometry and folds prepared before it); False sends it through the general path, its reference.
+    decode_steps = True
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
@@ -814,14 +843,21 @@ class KVMModel(KVMPreTrainedModel):
         real tokens before. A packed batch (position_ids restarting at 0, or `cu_seq_lens_q`/`seq_idx`) runs
         each document as if alone in its row (`packed_forward`)."""
         cache = take_cache(past_key_values, cache)
+        if cache is not None:
+            check_cache(cache, KVMCache, self.config)
+            step = cache.take_prepared_step() or self.prepare_decode_step(cache, input_ids, inputs_embeds,
+                                                                          attention_mask, position_ids)
+            if step is not None:
+                refuse_attention_weights(output_attentions, self.config, KVM_NO_WEIGHTS)
+                return self.decode(step, input_ids, inputs_embeds, position_ids, cache,
+                                   config_default(output_hidden_states, self.config, "output_hidden_states"),
+                                   config_default(use_cache, self.config, "use_cache"))
         source = input_ids if input_ids is not None else inputs_embeds
         documents = packed_documents(position_ids, attention_mask, kwargs, *source.shape[:2], "KVM") \
             if isinstance(source, torch.Tensor) and source.ndim >= 2 else None
         if documents is not None:
             refuse_packed_cache(use_cache, cache, "KVM")
             return self.packed_forward(documents, input_ids, inputs_embeds, output_attentions, output_hidden_states)
-        if cache is not None:
-            check_cache(cache, KVMCache, self.config)
         check_input_ids(input_ids, inputs_embeds, self.config.vocab_size, cache)
         refuse_attention_weights(output_attentions, self.config, KVM_NO_WEIGHTS)
         output_hidden_states = config_default(output_hidden_states, self.config, "output_hidden_states")
@@ -850,6 +886,8 @@ class KVMModel(KVMPreTrainedModel):
             own = StepPlan(tokens.start, valid, length).query_positions
             check_position_ids(position_ids, own, valid, batch, "KVM", "state and token shifts")
             positions = tokens.flatten(position_ids.to(x0.device).expand(batch, length)[..., None])[:, 0]
+        if cache is not None:
+            cache.prepare(tokens)
         hidden, all_hidden = self.run_layers(tokens.flatten(x0), tokens, cache, positions, output_hidden_states)
         if cache is not None:
             cache.advance(tokens, length)
@@ -859,14 +897,13 @@ class KVMModel(KVMPreTrainedModel):
             **{CACHE_NAME: cache if use_cache else None},
         )
 
-    def run_layers(self, x0: torch.Tensor, tokens: RowTokens, cache: KVMCache | None,
+    def run_layers(self, x0: torch.Tensor, tokens: RowTokens | DecodeStep, cache: KVMCache | None,
                    positions: torch.Tensor | None = None, output_hidden_states: bool = False):
         """The decoder layers over a forward's flat tokens (x0: [N, hidden], normed embeddings; `positions`:
         rotary positions, each token's own by default), and the final norm. Returns the head inputs [N, hidden]
         and, when asked, each layer's input and the head input in the batch's [B, T, hidden] layout. A serving
-        engine calls it with its requests' tokens and a cache over its pages."""
-        if cache is not None:
-            cache.prepare(tokens)
+        engine calls it with its requests' tokens and a cache over its pages (after `cache.prepare`); a decoding
+        step with its `DecodeStep` in place of the tokens."""
         positions = tokens.position if positions is None else positions
         head = self.config.qk_head_dim
         kvm_rotary = rotary_tables(positions, self.config.rotary_dim, head, self.config.rope_theta)
@@ -891,6 +928,45 @@ class KVMModel(KVMPreTrainedModel):
             all_hidden.append(tokens.unflatten(hidden_states))
             hidden_states = tokens.flatten(all_hidden[-1])
         return hidden_states, all_hidden
+
+    def prepare_decode_step(self, cache: KVMCache, input_ids, inputs_embeds, attention_mask,
+                            position_ids) -> DecodeStep | None:
+        """The `DecodeStep` of a forward that reads one real token in every row of `cache`, without autograd, with
+        the folds its tokens read done and the rows advanced; None for any other forward (the general path
+        runs it). Eager work, before the step: generate() runs it from `prepare_inputs_for_generation`, so that
+        a compiled forward has none left."""
+        source = input_ids if input_ids is not None else inputs_embeds
+        if (not self.decode_steps or not cache.rows or cache.paged or cache.recording or torch.is_grad_enabled() or not all(cache.seen)
+                or not isinstance(source, torch.Tensor) or tuple(source.shape[:2]) != (cache.rows, 1)):
+            return None
+        check_input_ids(input_ids, inputs_embeds, self.config.vocab_size, cache)
+        valid = real_tokens(attention_mask, cache.rows, 1, cache.columns, source.device)
+        if valid is not None and not bool(valid.all()):
+            return None
+        seen = list(cache.seen)
+        if position_ids is not None:
+            own = torch.tensor(seen, device=source.device)[:, None]
+            check_position_ids(position_ids, own, None, cache.rows, "KVM", "state and token shifts")
+        for layer, cache_layer in zip(self.layers, cache.layers):
+            if not layer.sliding:
+                fold_due_blocks(layer.self_attn, cache_layer, seen)
+                make_room_for_first_chunk(cache_layer, seen)
+        cache.advance_decoding()
+        return decode_step(self.config, seen, source.device)
+
+    def decode(self, step: DecodeStep, input_ids, inputs_embeds, position_ids, cache: KVMCache,
+               output_hidden_states: bool, use_cache: bool) -> BaseModelOutputWithPast:
+        """A decoding step on its prepared `DecodeStep`: from here on nothing waits on the host."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        x0 = self.embed_norm(inputs_embeds)
+        positions = None if position_ids is None else position_ids[:, -1].to(x0.device).expand(step.batch)
+        hidden, all_hidden = self.run_layers(step.flatten(x0), step, cache, positions, output_hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=all_hidden[-1] if output_hidden_states else step.unflatten(hidden),
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            **{CACHE_NAME: cache if use_cache else None},
+        )
 
     def packed_forward(self, documents, input_ids, inputs_embeds, output_attentions, output_hidden_states):
         """A packed batch: its documents in chunk-aligned length buckets, each bucket run as an unpacked
@@ -953,6 +1029,17 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
     def _get_resized_lm_head(self, *args, **kwargs) -> nn.Module:
         """transformers' resized head (an nn.Linear) as a OneDNNLinear: the model's layers choose their product."""
         return sharing_parameters(super()._get_resized_lm_head(*args, **kwargs))
+
+    def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
+        """transformers' inputs for the next forward, and for a decoding step the cache's `DecodeStep` (the
+        folds it reads included), so that the forward - compiled or not - has no host work left."""
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        cache = inputs.get(GENERATE_CACHE_KWARG)
+        if isinstance(cache, KVMCache) and cache.prepared_step is None:
+            cache.prepared_step = self.model.prepare_decode_step(
+                cache, inputs.get("input_ids"), inputs.get("inputs_embeds"), inputs.get("attention_mask"),
+                inputs.get("position_ids"))
+        return inputs
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head, then tanh soft-capping when the config sets a cap."""

@@ -61,16 +61,17 @@ class PacedFold:
             self.advance()
 
 
-def prepare_next_fold(cache_layer, tokens, config, block_fold: Callable[[int, int, int, int], Fold],
-                      read: Callable[[tuple], tuple]) -> None:
+def prepare_next_fold(cache_layer, starts: list[int], counts: list[int], config,
+                      block_fold: Callable[[int, int, int, int], Fold], read: Callable[[tuple], tuple]) -> None:
     """After a decoding forward on a dense cache whose rows stand at one position: start or advance the fold of the
     block that leaves the window at the next chunk boundary, one stage every `stride` decoding steps, or all of it
-    after a multi-token forward (a prefill). `block_fold(block, slots, appends, capacity)` is that block's fold into
+    after a multi-token forward (a prefill); the forward's rows stood at `starts` and read `counts` tokens.
+    `block_fold(block, slots, appends, capacity)` is that block's fold into
     the stored states, `read` the read form of a state. With two or more window chunks the block and the state it
     folds into are final a chunk ahead."""
     chunk, window_chunks = config.chunk_size, config.window_chunks
-    seen = tokens.starts[0] + tokens.counts[0]
-    if window_chunks < 2 or not seen or len(set(tokens.starts)) > 1 or len(set(tokens.counts)) > 1:
+    seen = starts[0] + counts[0]
+    if window_chunks < 2 or not seen or len(set(starts)) > 1 or len(set(counts)) > 1:
         return
     block = (seen - 1) // chunk + 1 - window_chunks
     if block < 1 or folded_blocks(config, seen) != block - 1:
@@ -80,18 +81,18 @@ def prepare_next_fold(cache_layer, tokens, config, block_fold: Callable[[int, in
         table = slots_after_folds(config, block)
         whole = block_fold(block, table[-2], table[-1] - table[-2], table[-1])
         fold = cache_layer.pending = PacedFold(whole, read, block, chunk)
-    if tokens.counts[0] > 1:
+    if counts[0] > 1:
         fold.finish()
     elif not fold.done and seen % fold.stride == 0:
         fold.advance()
 
 
-def take_fold_ahead(cache_layer, fold, capacity: int) -> tuple | None:
-    """The state and read form of a fold computed ahead when it is this round's (every row folding its block, at
-    this capacity), else None (the caller folds now). The fold is used once."""
+def take_fold_ahead(cache_layer, blocks: list[int], rows: list[int], capacity: int) -> tuple | None:
+    """The state and read form of a fold computed ahead when it is this round's (`rows` folding `blocks`: every
+    row its block, at this capacity), else None (the caller folds now). The fold is used once."""
     pending = getattr(cache_layer, "pending", None)
-    if pending is None or pending.capacity != capacity or set(fold.blocks) != {pending.block} \
-            or fold.members.tolist() != list(range(cache_layer.tensors["window_keys"].shape[0])):
+    if pending is None or pending.capacity != capacity or set(blocks) != {pending.block} \
+            or rows != list(range(cache_layer.tensors["window_keys"].shape[0])):
         return None
     pending.finish()
     cache_layer.pending = None
