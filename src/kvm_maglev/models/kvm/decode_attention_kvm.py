@@ -30,7 +30,7 @@ KERNEL_BLOCK_PRODUCTS = 8192
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def widened(x: Tensor) -> Tensor:
+def at_least_float32(x: Tensor) -> Tensor:
     """`x` in at least float32, as modeling_kvm widens attention inputs (so both paths round alike)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
@@ -39,7 +39,7 @@ def scaled_queries(q: Tensor, kv_heads: int, temperature: Tensor | None) -> Tens
     """Queries [B, H, D] widened as [B, Hkv, groups, D] (query head h under key/value head h // groups), each head
     multiplied by its `temperature` [H]."""
     batch, heads, dim = q.shape
-    q = widened(q).view(batch, kv_heads, heads // kv_heads, dim)
+    q = at_least_float32(q).view(batch, kv_heads, heads // kv_heads, dim)
     if temperature is not None:
         q = q * temperature.view(kv_heads, heads // kv_heads, 1).to(q.dtype)
     return q
@@ -57,11 +57,12 @@ def state_window_attention_torch(q: Tensor, page: Tensor, state_keys: Tensor, st
     logits = []
     for keys, visible, temperature in ((state_keys, live, state_temperature),
                                        (window_keys, window_visible, window_temperature)):
-        scores = torch.matmul(scaled_queries(q, kv_heads, temperature), widened(keys[page]).transpose(-1, -2))
+        keys = at_least_float32(keys[page]).transpose(-1, -2)
+        scores = torch.matmul(scaled_queries(q, kv_heads, temperature), keys)
         logits.append(scores.masked_fill(~visible[:, None, None], float("-inf")))
     probs = torch.softmax(torch.cat(logits, dim=-1) * scale, dim=-1)
-    out = (torch.matmul(probs[..., :capacity], widened(state_values[page]))
-           + torch.matmul(probs[..., capacity:], widened(window_values[page])))
+    out = (torch.matmul(probs[..., :capacity], at_least_float32(state_values[page]))
+           + torch.matmul(probs[..., capacity:], at_least_float32(window_values[page])))
     return out.to(window_values.dtype).view(batch, heads, -1)
 
 
