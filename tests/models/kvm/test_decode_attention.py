@@ -141,3 +141,40 @@ def test_triton_kernel_in_interpreter_equals_torch_path():
     assert run.returncode == 0, run.stdout + run.stderr
     assert "interpreted kernel equals the torch path" in run.stdout
     print(f"interpreter check: {time.monotonic() - began:.1f} s")
+
+
+# the kernel's pointer arguments by element type: the storage's, the indices', the mask's bytes, the temperatures'
+KERNEL_POINTERS = dict(q_ptr=None, state_keys_ptr=None, state_values_ptr=None, window_keys_ptr=None,
+                       window_values_ptr=None, out_ptr=None, page_ptr="i64", slots_ptr="i64", visible_ptr="u8",
+                       state_temperature_ptr="fp32", window_temperature_ptr="fp32")
+
+
+def kernel_argument_type(name: str, element: str, constexprs: dict) -> str:
+    """The type Triton's compiler takes for one kernel argument: a pointer, a compile-time constant, the float
+    scale, or an int32 (sizes and strides)."""
+    if name in KERNEL_POINTERS:
+        return "*" + (KERNEL_POINTERS[name] or element)
+    if name in constexprs:
+        return "constexpr"
+    return "fp32" if name == "scale_log2e" else "i32"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")
+@pytest.mark.parametrize("element, groups, dim", [("bf16", 4, 128), ("fp32", 3, 12)])
+def test_triton_kernel_compiles_for_a_gpu(element, groups, dim):
+    """Triton's compiler (not its interpreter, which checks less: types, layouts) lowers the kernel to an sm_90 binary
+    on this machine without a GPU, with the key block `state_window_attention_triton` would take."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvm_maglev.models.kvm.decode_attention_kvm import _state_window_kernel, key_block
+
+    if not isinstance(_state_window_kernel, triton.JITFunction):
+        pytest.skip("TRITON_INTERPRET is set in this process: the kernel is defined for the interpreter")
+    constexprs = dict(GROUPS=groups, DIM=dim, VALUE_DIM=dim, STATE_TEMPERATURE=True, WINDOW_TEMPERATURE=False,
+                      BLOCK_GROUPS=triton.next_power_of_2(groups), BLOCK_DIM=triton.next_power_of_2(dim),
+                      BLOCK_VALUE_DIM=triton.next_power_of_2(dim), BLOCK_KEYS=key_block(groups, dim, dim))
+    signature = {name: kernel_argument_type(name, element, constexprs) for name in _state_window_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_state_window_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
