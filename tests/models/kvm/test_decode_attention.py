@@ -89,7 +89,6 @@ def test_dispatch_takes_the_torch_path_off_cuda():
 
 def test_compiled_torch_path_equals_eager():
     """The torch path traces whole (no host sync, no data-dependent branch) and computes what eager does."""
-    torch._dynamo.reset()
     compiled = torch.compile(state_window_attention_torch, fullgraph=True)
     for temperatures in (False, True):
         inputs = decode_inputs(2, torch.float32, temperatures, seed=3)
