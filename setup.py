@@ -41,6 +41,10 @@ setup(
             "tqdm>=4",
             "parameterized>=0.9",  # transformers' own test_modeling_common.py, run by the suite
             "trl==1.16.0",  # tests/ecosystem/test_ecosystem_trl.py: SFT (packed), DPO and GRPO as a client
+            # tests/models/kvm/test_decode_attention.py runs the KVM decoding kernel on Triton's CPU interpreter.
+            # Unpinned: a CUDA torch pins its own Triton. Triton has no dependencies (no CUDA torch comes with it) and
+            # wheels for Linux only; elsewhere that test is skipped.
+            "triton; platform_system == 'Linux' and (platform_machine == 'x86_64' or platform_machine == 'aarch64')",
         ],
     },
     entry_points={
