@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
-from kvm_maglev.models.common.model_inputs import CACHE_NAME
+from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
 from tests.returned_cache import returned_cache
 
 CONFIG = dict(
@@ -71,7 +71,8 @@ def test_generate_uses_kvm_cache_and_continues_a_user_cache(model):
     assert isinstance(cache, KVMCache)
     assert cache.get_seq_length() == 14  # the last generated token is not fed back
     user_cache = KVMCache(model.config)
-    again = model.generate(inputs, max_new_tokens=10, do_sample=False, pad_token_id=0, **{CACHE_NAME: user_cache})
+    again = model.generate(inputs, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                           **{GENERATE_CACHE_KWARG: user_cache})
     assert torch.equal(again, out.sequences)
     assert user_cache.get_seq_length() == 14
 
