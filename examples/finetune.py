@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator, set_seed
 
+from kvm_maglev.models.common.activation_checkpointing import enable_activation_checkpointing
 from kvm_maglev.training import (
     MAGLEV_RECIPE,
     MAGLEV_RECIPES,
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=torch.float32)
     apply_maglev_recipe(model, args.maglev_recipe)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model)
     if args.lora:
         model = add_lora(model, args)
     if args.block_size is None:

@@ -31,17 +31,17 @@ def __getattr__(name: str) -> Any:
 
 def register_auto_classes() -> None:
     """Register both architectures, and Maglev's nanochat tokenizer, with the transformers Auto classes
-    (no remote code needed). KVM's GPT-2 tokenizer is a plain PreTrainedTokenizerFast."""
+    (no remote code needed). KVM's GPT-2 tokenizer is a plain PreTrainedTokenizerFast.
+
+    This is the only place the package registers them; importing it (or a model's subpackage) does not, because a
+    registered class is used even for a folder loaded with trust_remote_code=True. A second call changes nothing."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from kvm_maglev.tokenization.tokenization_nanochat import NanochatTokenizerFast
 
     for prefix, model_type in (("KVM", "kvm"), ("Maglev", "maglev")):
         config_cls = __getattr__(f"{prefix}Config")
-        try:
-            AutoConfig.register(model_type, config_cls)
-            AutoModel.register(config_cls, __getattr__(f"{prefix}Model"))
-            AutoModelForCausalLM.register(config_cls, __getattr__(f"{prefix}ForCausalLM"))
-        except ValueError:
-            pass  # already registered in this process
+        AutoConfig.register(model_type, config_cls, exist_ok=True)
+        AutoModel.register(config_cls, __getattr__(f"{prefix}Model"), exist_ok=True)
+        AutoModelForCausalLM.register(config_cls, __getattr__(f"{prefix}ForCausalLM"), exist_ok=True)
     AutoTokenizer.register(__getattr__("MaglevConfig"), tokenizer_class=NanochatTokenizerFast, exist_ok=True)

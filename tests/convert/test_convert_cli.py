@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -493,34 +496,64 @@ def test_out_is_created_with_the_users_umask(data_dir, tmp_path, umask):
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
 
 
-# Runs the command line and sends the process a signal while the folder is being written.
+# Runs the command line and stops it once the folder is written and checked, before it is moved into place: there
+# it tells the test (one byte on the pipe whose descriptor is argv[1]) and waits, in Python code so that the signal's
+# handler runs however the kernel delivers it, until the test's signal arrives.
 STOPPED = r"""
-import os, signal, sys
+import os, signal, sys, time
 from kvm_maglev.cli import main
 from kvm_maglev.convert import export
 
-written = export._check_written
-def check_then_signal(*args, **kwargs):
+# as in a terminal: a shell starts background jobs (a test run with &) with SIGINT ignored, and Python keeps that
+signal.signal(signal.SIGINT, signal.default_int_handler)
+ready, written = int(sys.argv[1]), export._check_written
+def check_then_wait_for_signal(*args, **kwargs):
     written(*args, **kwargs)
-    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
-export._check_written = check_then_signal
+    os.write(ready, b"1")
+    os.close(ready)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    raise SystemExit("the test's signal never arrived")
+export._check_written = check_then_wait_for_signal
 sys.exit(main(sys.argv[2:]))
 """
+
+
+def wait_for_byte(fd: int, timeout: float) -> bytes:
+    """One byte from the pipe fd; b"" when its writer closed it or nothing came within timeout seconds."""
+    readable, _, _ = select.select([fd], [], [], timeout)
+    return os.read(fd, 1) if readable else b""
 
 
 @pytest.mark.parametrize("signal_name, exit_code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_stopped_conversion_cleans_up_and_says_so_in_one_line(data_dir, tmp_path, signal_name, exit_code):
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-c", STOPPED, signal_name, "convert", "kvm",
-         str(data_dir / "kvm" / "kvm_fixed" / "research_final"), str(out)],
-        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == exit_code, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    ready_read, ready_write = os.pipe()
+    with tempfile.TemporaryFile("w+") as stderr:  # a file, not a pipe: progress bars cannot fill it and block
+        process = subprocess.Popen(
+            [sys.executable, "-c", STOPPED, str(ready_write), "convert", "kvm",
+             str(data_dir / "kvm" / "kvm_fixed" / "research_final"), str(out)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, pass_fds=(ready_write,),
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        os.close(ready_write)  # the child holds the only write end: its exit ends the wait below
+        try:
+            reached = wait_for_byte(ready_read, timeout=300)
+            if reached:
+                process.send_signal(getattr(signal, signal_name))
+            process.wait(timeout=300)
+        finally:
+            os.close(ready_read)
+            if process.poll() is None:
+                process.kill()
+        stderr.seek(0)
+        result = stderr.read()
+    assert reached, f"the conversion ended before it was written and checked:\n{result[-3000:]}"
+    assert process.returncode == exit_code, result[-3000:]
+    errors = [line for line in result.splitlines() if line.startswith("error:")]
     assert errors == [f"error: kvm-maglev convert stopped by {signal_name}; its temporary files were removed"]
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result
     assert os.listdir(tmp_path) == []  # neither OUT nor the hidden temporary folder
 
 

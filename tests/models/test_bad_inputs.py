@@ -13,6 +13,7 @@ import torch
 from tests.generation.test_determinism import MODELS, PAD, VOCAB, build
 from transformers import DynamicCache
 
+from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
@@ -99,7 +100,7 @@ CASES = {
         ValueError, r"attention_mask must have shape"),
     "generate_cache_of_the_other_model": (
         lambda m, n, ms: m.generate(IDS, max_new_tokens=2, pad_token_id=PAD,
-                                    past_key_values=CACHE_CLASSES[other(n)](ms[other(n)].config)),
+                                    **{GENERATE_CACHE_KWARG: CACHE_CLASSES[other(n)](ms[other(n)].config)}),
         TypeError, r"KVMCache.*MaglevCache|MaglevCache.*KVMCache"),
 }
 

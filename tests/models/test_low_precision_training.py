@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvm_maglev.models.common.activation_checkpointing import enable_activation_checkpointing
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from tests.models.maglev.test_maglev_model import VOCAB as MAGLEV_VOCAB
 from tests.models.maglev.test_maglev_model import tiny_model
@@ -51,7 +52,7 @@ def loss_and_gradients(kind: str, dtype: torch.dtype, left: int, right: int, che
     make, vocab, length = MODELS[kind]
     model = make().train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, {"use_reentrant": False})
     ids, mask, labels = batch(vocab, length, left, right)
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         loss = model(ids, attention_mask=mask, labels=labels).loss

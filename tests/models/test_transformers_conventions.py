@@ -1,9 +1,14 @@
 """Both models follow transformers' forward and generate conventions: output switches default to the config,
 return_dict=False gives transformers' tuple, attention weights and foreign attention kernels are refused with
 clear errors, "eager" and "sdpa" agree, position ids are honoured (KVM) or checked (Maglev) and packed
-sequences refused, and generate() names the model's own cache when asked for another."""
+sequences refused, generate() names the model's own cache when asked for another, and the Auto classes know the
+models only after `kvm_maglev.register_auto_classes()`."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -239,3 +244,32 @@ def test_foreign_cache_implementations_name_the_models_cache(kind, implementatio
     name = MODELS[kind][3].__name__
     with pytest.raises(ValueError, match=f"cache_implementation='{implementation}' is not supported.*{name}"):
         model.generate(ids(1, 6), max_new_tokens=2, do_sample=False, cache_implementation=implementation)
+
+
+# ---- Auto classes ------------------------------------------------------------------------------
+# In a fresh process: which model types transformers' Auto classes resolve after importing both models, and after
+# registering them (twice: the second call must be harmless).
+REGISTRATION = r"""
+import json
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+import kvm_maglev
+from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
+from kvm_maglev.models.maglev import MaglevConfig, MaglevForCausalLM
+models = {"kvm": (KVMConfig, KVMForCausalLM), "maglev": (MaglevConfig, MaglevForCausalLM)}
+def resolved():
+    return sorted(name for name, (config, model) in models.items()
+                  if name in CONFIG_MAPPING and CONFIG_MAPPING[name] is config
+                  and config in MODEL_FOR_CAUSAL_LM_MAPPING and MODEL_FOR_CAUSAL_LM_MAPPING[config] is model)
+seen = [resolved()]
+kvm_maglev.register_auto_classes()
+kvm_maglev.register_auto_classes()
+print(json.dumps(seen + [resolved()]))
+"""
+
+
+def test_importing_registers_nothing_and_register_auto_classes_registers_both():
+    result = subprocess.run([sys.executable, "-c", REGISTRATION], capture_output=True, text=True, timeout=180,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [[], ["kvm", "maglev"]]

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvm_maglev.models.common.activation_checkpointing import enable_activation_checkpointing
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from tests.returned_cache import returned_cache
 
@@ -67,12 +68,27 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         model = random_model().train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            enable_activation_checkpointing(model, {"use_reentrant": True})
         model(ids, labels=ids).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-5), name
+
+
+def test_activation_checkpointing_refuses_a_module_without_it():
+    with pytest.raises(TypeError, match="Linear has no activation checkpointing"):
+        enable_activation_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_activation_checkpointing_takes_the_old_name_where_only_it_exists():
+    class Transformers517Model(torch.nn.Module):  # transformers 5.17 has only `gradient_checkpointing_enable`
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            calls.append(gradient_checkpointing_kwargs)
+
+    calls = []
+    enable_activation_checkpointing(Transformers517Model(), {"use_reentrant": False})
+    assert calls == [{"use_reentrant": False}]
 
 
 def test_training_forward_with_cache_enabled_is_differentiable():

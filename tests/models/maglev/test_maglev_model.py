@@ -4,6 +4,7 @@ generate() against the uncached path, lifted training, config validation."""
 import pytest
 import torch
 
+from kvm_maglev.models.common.activation_checkpointing import enable_activation_checkpointing
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import CACHE_NAME, MaglevForCausalLM
@@ -293,8 +294,7 @@ def test_gradient_checkpointing_matches():
     for checkpointing in (False, True):
         model = tiny_model().train()
         if checkpointing:
-            # 5.24 renamed it activation_checkpointing_enable
-            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+            enable_activation_checkpointing(model)
             assert model.model.gradient_checkpointing
         model(ids, labels=ids).loss.backward()
         grads.append(model.model.layers[1].self_attn.memory_k_proj.weight.grad.clone())

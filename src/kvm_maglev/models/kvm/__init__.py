@@ -1,15 +1,10 @@
-"""KVM (Key-Value Means): configuration, cache and models for transformers."""
+"""KVM (Key-Value Means): configuration, cache and models for transformers.
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+Importing it registers nothing with transformers' Auto classes (a registered class wins over a folder's own code):
+`kvm_maglev.register_auto_classes()` registers both architectures when asked."""
 
 from .cache_kvm import KVMCache
 from .configuration_kvm import KVMConfig
 from .modeling_kvm import KVMForCausalLM, KVMModel, KVMPreTrainedModel
-
-# Lets `AutoModelForCausalLM.from_pretrained` load converted folders without remote code
-# when kvm_maglev is installed; exist_ok keeps re-imports harmless.
-AutoConfig.register(KVMConfig.model_type, KVMConfig, exist_ok=True)
-AutoModel.register(KVMConfig, KVMModel, exist_ok=True)
-AutoModelForCausalLM.register(KVMConfig, KVMForCausalLM, exist_ok=True)
 
 __all__ = ["KVMCache", "KVMConfig", "KVMForCausalLM", "KVMModel", "KVMPreTrainedModel"]

@@ -1,4 +1,7 @@
-"""Maglev: a sliding-window nanochat transformer whose tokens carry a memory into the next token's keys and values."""
+"""Maglev: a sliding-window nanochat transformer whose tokens carry a memory into the next token's keys and values.
+
+Importing it registers nothing with transformers' Auto classes (a registered class wins over a folder's own code):
+`kvm_maglev.register_auto_classes()` registers both architectures when asked."""
 
 from .cache_maglev import MaglevCache
 from .configuration_maglev import MaglevConfig
