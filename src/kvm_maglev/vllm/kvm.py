@@ -10,22 +10,30 @@ and frees it with it) holds what a `KVMCache` layer holds for one row, under the
 How much of each is live follows from the request's position, vLLM's token position (state_kvm's one rule).
 
 Each engine step runs `KVMModel.run_layers` once over every scheduled token of every request - decoding rows and
-prefill chunks together, whatever their positions - on a `KVMCache` whose layers are bound to the pages
-(`KVMCache.over_pages`): no copy into a cache and back. A request at position 0 (new, or preempted and recomputed)
-starts from an empty state; a chunked prompt continues from its pages. Folds run at the chunk boundary, batched
-over the requests that cross one in the step.
+prefill chunks together, whatever their positions. vLLM compiles it (its `support_torch_compile`, unless
+`enforce_eager`): the traced graph holds the projections, norms and feed-forwards, and splits at the operators of
+`engine_ops` (token shifts, attention), which run each layer's per-request work eagerly on a `KVMCache` whose layers
+are bound to the pages (`KVMCache.over_pages`, built once per step): no copy into a cache and back. A request at
+position 0 (new, or preempted and recomputed) starts from an empty state; a chunked prompt continues from its pages.
+Folds run at the chunk boundary, batched over the requests that cross one in the step.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
 
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_dtype_for
 from kvm_maglev.models.kvm.modeling_kvm import KVMForCausalLM, KVMModel
 from kvm_maglev.models.common.onednn_linear import OneDNNLinear
-from kvm_maglev.vllm.pages import PagedStateModel, ScheduledStep, page_layers
+from kvm_maglev.models.common.step_plan import RowTokens
+from kvm_maglev.vllm.engine_ops import PagedStep
+from kvm_maglev.vllm.pages import PagedStateModel, page_layers, scheduled_step
 
 
 def page_layout(config: KVMConfig, model: KVMModel, max_len: int, dtype: torch.dtype) -> list[list[tuple]]:
@@ -54,8 +62,10 @@ def page_layout(config: KVMConfig, model: KVMModel, max_len: int, dtype: torch.d
     return layout
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})
 class VllmKVMForCausalLM(PagedStateModel):
-    """`KVMForCausalLM` for vLLM: our model and head, a `StatePages` per decoder layer."""
+    """`KVMForCausalLM` for vLLM: our model and head, a `StatePages` per decoder layer; the forward compiled by
+    vLLM, split at the state operators."""
 
     MODEL_NAME = "KVM"
     PROMPT_EMBEDDINGS_REFUSED = "token shifts and the state are driven by the model's own embeddings of token ids"
@@ -68,6 +78,11 @@ class VllmKVMForCausalLM(PagedStateModel):
         self.state_layers = page_layers(prefix, [[shape for _, shape, _ in layer] for layer in self.layout],
                                         [[dtype for _, _, dtype in layer] for layer in self.layout])
         self.bound: list[dict[str, torch.Tensor]] | None = None  # page tensors by name, once vLLM has bound them
+        for index, pages in enumerate(self.state_layers):
+            # how the state operators find their layer (set on the instance's dict: not a submodule)
+            pages.__dict__.update(served=self, index=index)
+        self.pages_view = SimpleNamespace(layers=self.state_layers)  # the layers' handles on their pages
+        self.rows: tuple | None = None  # (attention metadata, tokens, cache) of the step under way
 
     def named_pages(self) -> list[dict[str, torch.Tensor]]:
         """Each layer's page tensors under a KVMCache layer's names; the carry vector's streams as column views."""
@@ -82,14 +97,34 @@ class VllmKVMForCausalLM(PagedStateModel):
                 self.bound.append(tensors)
         return self.bound
 
-    def run_step(self, input_ids: torch.Tensor, step: ScheduledStep) -> torch.Tensor:
-        """One forward of the model's layers over every scheduled token, on a cache over the requests' pages."""
-        tokens = step.row_tokens(input_ids.device)
-        cache = KVMCache.over_pages(self.config, self.named_pages(), step.pages, step.starts)
-        cache.prepare(tokens)
-        x0 = self.model.embed_norm(self.model.embed_tokens(input_ids))
-        hidden, _ = self.model.run_layers(x0, tokens, cache)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Head inputs [tokens, hidden] of the scheduled tokens (and zeros for vLLM's padding), each request
+        advanced from its state pages. Traced once by vLLM: nothing here depends on the step's schedule, which
+        only the state operators read."""
+        if inputs_embeds is not None:
+            raise ValueError(f"{self.MODEL_NAME} on vLLM: prompt embeddings are not supported "
+                             f"({self.PROMPT_EMBEDDINGS_REFUSED})")
+        if not torch.compiler.is_compiling():
+            self.hold_speedups()
+        with torch.no_grad():
+            x0 = self.model.embed_norm(self.model.embed_tokens(input_ids))
+            hidden, _ = self.model.run_layers(x0, PagedStep(positions), self.pages_view, positions)
         return hidden
+
+    def step_rows(self, positions: torch.Tensor) -> tuple[RowTokens, KVMCache] | None:
+        """The step's scheduled tokens and a cache over their pages, built by the first state operator of the step
+        and shared by the others; None in vLLM's profiling and warm-up runs (no request, no pages)."""
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:
+            return None
+        if self.rows is None or self.rows[0] is not metadata:
+            step = scheduled_step(self.state_layers, positions)
+            tokens = step.row_tokens(positions.device)
+            cache = KVMCache.over_pages(self.config, self.named_pages(), step.pages, step.starts)
+            cache.prepare(tokens)
+            self.rows = (metadata, tokens, cache)
+        return self.rows[1:]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Our head: lm_head, soft-capped when the config sets a cap (KVMForCausalLM.logits), in float32."""

@@ -31,6 +31,17 @@ class RecurrentStateServing(VerifyAndUpdateConfig):
             logger.warning("%s: prefix caching turned off: the recurrent state after a shared prefix is not kept "
                            "per block, so cached prefixes would give other tokens", architecture)
             cache_config.enable_prefix_caching = False
+        if architecture == "KVMForCausalLM":
+            split_at_state_operators(vllm_config.compilation_config)
         cache_config.mamba_cache_mode = "none"
         if cache_config.mamba_block_size is None:
             cache_config.mamba_block_size = model_config.max_model_len
+
+
+def split_at_state_operators(compilation_config) -> None:
+    """KVM's compiled graph splits at its state operators (engine_ops), as vLLM's own models split at attention:
+    they run per-request host work, which a captured CUDA graph could not replay."""
+    from kvm_maglev.vllm.engine_ops import SPLITTING_OPS
+
+    current = list(compilation_config.splitting_ops or [])
+    compilation_config.splitting_ops = current + [op for op in SPLITTING_OPS if op not in current]

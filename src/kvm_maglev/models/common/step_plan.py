@@ -193,6 +193,23 @@ class RowTokens:
         return self.once(("predecessors", first), build)
 
 
+class EngineStep:
+    """A forward whose per-request work - what reads or writes the requests' state: token shifts, attention with
+    its window and state - a serving engine runs itself, outside the traced forward (as its own attention runs in an
+    operator of its own). The layers hand it their tensors and their cache layer (the engine's handle for the
+    layer's pages) and keep the rest - projections, norms, feed-forwards - in the traced graph."""
+
+    def token_shift(self, x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str, first: str) -> torch.Tensor:
+        """`token_shift` of the flat tokens x [1, N, D] (see the models' token_shift)."""
+        raise NotImplementedError
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
+                  cache_layer) -> torch.Tensor:
+        """The layer's attention of the flat tokens' q [N, H, D], k and v [N, Hkv, d] (merge gates [N, Hkv, 1]
+        or None), as its `attend_tokens` computes it: [N, H, Dv]."""
+        raise NotImplementedError
+
+
 # ---- packed rows ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Document:

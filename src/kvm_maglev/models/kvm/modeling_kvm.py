@@ -39,7 +39,7 @@ from ..common.row_block_loss import RowBlockLossMixin
 from .runtime_kvm import prepare_next_fold, take_fold_ahead
 from ..common.runtime_switch import runtime_speedups
 from .state_kvm import Fold, Overflow, readable_state, run_fold, slot_norms, state_keys
-from ..common.step_plan import (RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket, length_buckets,
+from ..common.step_plan import (EngineStep, RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket, length_buckets,
                         packed_documents, real_tokens, refuse_packed_cache, scatter_outputs)
 from .step_plan_kvm import Pieces, StateSchedule, chunk_pieces, ring_positions, sliding_pieces, state_schedule
 from ..common.tensor_parallel import full_tensor, local_tensor
@@ -92,6 +92,8 @@ def token_shift(tokens: RowTokens, x: torch.Tensor, mix: torch.Tensor, cache_lay
     has read tokens before, else itself ("first") or zero ("zero")."""
     if isinstance(tokens, DecodeStep):
         return decode_token_shift(x, mix, cache_layer, name, tokens)
+    if isinstance(tokens, EngineStep):
+        return tokens.token_shift(x, mix, cache_layer, name, first)
     flat = x[0]
     if cache_layer is None and tokens.fresh_rectangle:
         rows = flat.view(tokens.batch, tokens.width, -1)
@@ -371,6 +373,13 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         if isinstance(tokens, DecodeStep):
             return self.output(decode_sliding_attention(self, q, k, v, tokens, cache_layer))
+        if isinstance(tokens, EngineStep):
+            return self.output(tokens.attention(q, k, v, None, cache_layer))
+        return self.output(self.attend_tokens(q, k, v, None, tokens, cache_layer))
+
+    def attend_tokens(self, q, k, v, gate: None, tokens: RowTokens, cache_layer) -> torch.Tensor:
+        """Each token's queries over the keys of its last `sliding_window` positions (no merge gates: `gate` is
+        None), the newest written into the ring."""
         pieces = tokens.once(("sliding pieces", self.window), lambda: sliding_pieces(self.window, tokens))
         groups = pieces.by_width(tokens)
         y = q.new_empty(q.shape[0], q.shape[1], v.shape[-1]) if len(groups) > 1 else None
@@ -379,7 +388,7 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
             y = gathered(y, attend_pieces(q[group.query_index], key_sets, self.groups, self.eager), group)
         if cache_layer is not None:
             write_ring(cache_layer, tokens, WINDOW[:2], [k, v])
-        return self.output(y)
+        return y
 
 
 class KVMStateKeyNorm(nn.LayerNorm):
@@ -422,8 +431,14 @@ class KVMAttention(KVMAttentionBase):
         gate = (1.0 + F.elu(self.merge_gate_proj(x[0]))).unsqueeze(-1) if self.gated else None  # [N, Hkv, 1]
         if isinstance(tokens, DecodeStep):
             return self.output(decode_kvm_attention(self, q, k, v, gate, tokens, cache_layer))
+        if isinstance(tokens, EngineStep):
+            return self.output(tokens.attention(q, k, v, gate, cache_layer))
+        return self.output(self.attend_tokens(q, k, v, gate, tokens, cache_layer))
+
+    def attend_tokens(self, q, k, v, gate, tokens: RowTokens, cache_layer) -> torch.Tensor:
+        """`attend` on the forward's plan (its pieces and state schedule, made once and shared by the layers)."""
         pieces, schedule = tokens.once("chunk pieces", lambda: self.plan(tokens))
-        return self.output(self.attend(q, k, v, gate, tokens, pieces, schedule, cache_layer))
+        return self.attend(q, k, v, gate, tokens, pieces, schedule, cache_layer)
 
     def plan(self, tokens: RowTokens) -> tuple[Pieces, StateSchedule]:
         pieces = chunk_pieces(self.config, tokens)
