@@ -7,7 +7,8 @@ same shape and against HF `generate()` in static batches, on three seeded worklo
 Workloads (every request submitted at once, fixed output lengths: `ignore_eos`, greedy):
 - mixed: 32 requests, prompts log-uniform 16-1024 tokens, outputs 16-96;
 - decode-heavy: 32 requests, prompts 16-64, outputs 128-256;
-- long: 16 requests, prompts 2048-4096, outputs 32-64.
+- long: 16 requests, prompts 2048-4096, outputs 32-64;
+- very-long: 8 requests, prompts 8192-16384, outputs 64-128.
 Lengths are uniform integers unless said otherwise; token ids uniform over the vocabulary; one seed (`--seed`).
 
 Engines (every model: hidden 256, 4 layers, 4 query / 2 key-value heads, vocabulary 4096, float32, random weights):
@@ -46,7 +47,7 @@ VLLM_ENGINES = ("kvm", "maglev", "llama", "mistral")
 HF_ENGINES = ("hf-kvm", "hf-maglev")
 ENGINES = VLLM_ENGINES + HF_ENGINES
 # ratios of output tokens/s (the same as of processed tokens/s: every engine serves the same requests)
-RATIOS = (("kvm", "llama"), ("kvm", "hf-kvm"), ("maglev", "mistral"), ("maglev", "llama"),
+RATIOS = (("kvm", "llama"), ("kvm", "mistral"), ("kvm", "hf-kvm"), ("maglev", "mistral"), ("maglev", "llama"),
           ("maglev", "hf-maglev"))
 FOLDER_OF = {"kvm": "kvm", "hf-kvm": "kvm", "maglev": "maglev", "hf-maglev": "maglev", "llama": "llama",
              "mistral": "mistral"}
@@ -68,6 +69,7 @@ WORKLOADS = {
     "mixed": Workload("mixed", 32, (16, 1024), (16, 96), "log-uniform"),
     "decode-heavy": Workload("decode-heavy", 32, (16, 64), (128, 256)),
     "long": Workload("long", 16, (2048, 4096), (32, 64)),
+    "very-long": Workload("very-long", 8, (8192, 16384), (64, 128)),
 }
 
 
@@ -337,8 +339,8 @@ def run_job(job: dict) -> dict:
 def vllm_settings(args) -> dict:
     """Engine keywords every vLLM engine gets: all requests of a workload run at once (max_num_seqs 32, a KV budget
     that holds every request of the largest workload in full for Llama), prefix caching off for every engine as our
-    models have it."""
-    return dict(enforce_eager=True, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    models have it, vLLM's default compilation unless `--enforce-eager`."""
+    return dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                 gpu_memory_utilization=0.3, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 enable_prefix_caching=False)
@@ -434,6 +436,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--power-law-factor", type=float, default=16.0)
     parser.add_argument("--power-law-exponent", type=float, default=0.5)
     parser.add_argument("--skip-hf-long", action="store_true", help="leave the HF engines out of the long workload")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="every vLLM engine eager (default: vLLM's default, the model compiled)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each workload (the median is reported)")
     parser.add_argument("--hidden", type=int, default=256)
@@ -515,9 +519,9 @@ def main(argv: list[str] | None = None) -> dict | None:
             versions[package] = __import__(package).__version__
         except Exception:  # noqa: BLE001 - a version is informative only
             versions[package] = None
-    settings = {key: getattr(args, key) for key in ("engines", "workloads", "kvm_budget", "seed", "repeats",
-                                                    "hidden", "layers", "heads", "kv_heads", "vocab", "window",
-                                                    "dtype", "max_model_len", "hf_batch_size", "threads")}
+    settings = {key: getattr(args, key) for key in ("engines", "workloads", "kvm_budget", "enforce_eager", "seed",
+                                                    "repeats", "hidden", "layers", "heads", "kv_heads", "vocab",
+                                                    "window", "dtype", "max_model_len", "hf_batch_size", "threads")}
     if args.kvm_budget == "power_law":
         settings["kvm_config"] = {k: v for k, v in kvm_config_kwargs(args).items() if k.startswith("state_")}
     settings["vllm"] = vllm_settings(args)
