@@ -32,6 +32,7 @@ from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_dtype_for
 from kvm_maglev.models.kvm.modeling_kvm import KVMForCausalLM, KVMModel
 from kvm_maglev.models.common.onednn_linear import OneDNNLinear
 from kvm_maglev.models.common.step_plan import RowTokens
+from kvm_maglev.models.kvm.decode_step_kvm import DecodeStep
 from kvm_maglev.vllm.engine_ops import PagedStep
 from kvm_maglev.vllm.pages import PagedStateModel, page_layers, scheduled_step
 
@@ -112,17 +113,21 @@ class VllmKVMForCausalLM(PagedStateModel):
             hidden, _ = self.model.run_layers(x0, PagedStep(positions), self.pages_view, positions)
         return hidden
 
-    def step_rows(self, positions: torch.Tensor) -> tuple[RowTokens, KVMCache] | None:
-        """The step's scheduled tokens and a cache over their pages, built by the first state operator of the step
-        and shared by the others; None in vLLM's profiling and warm-up runs (no request, no pages)."""
+    def step_rows(self, positions: torch.Tensor) -> tuple[RowTokens | DecodeStep, KVMCache] | None:
+        """The step's scheduled tokens (a `DecodeStep`, its folds done, when every request decodes) and a cache over
+        their pages, built by the first state operator of the step and shared by the others; None in vLLM's
+        profiling and warm-up runs (no request, no pages)."""
         metadata = get_forward_context().attn_metadata
         if metadata is None:
             return None
         if self.rows is None or self.rows[0] is not metadata:
             step = scheduled_step(self.state_layers, positions)
-            tokens = step.row_tokens(positions.device)
             cache = KVMCache.over_pages(self.config, self.named_pages(), step.pages, step.starts)
-            cache.prepare(tokens)
+            if all(count == 1 for count in step.counts) and all(step.starts):  # every request decodes
+                tokens = self.model.decoding_step(cache, step.starts, positions.device)
+            else:
+                tokens = step.row_tokens(positions.device)
+                cache.prepare(tokens)
             self.rows = (metadata, tokens, cache)
         return self.rows[1:]
 

@@ -47,6 +47,11 @@ class DecodeStep:
     def batch(self) -> int:
         return self.position.shape[0]
 
+    @property
+    def total(self) -> int:
+        """Tokens the step reads: one per row."""
+        return self.position.shape[0]
+
     def flatten(self, x: torch.Tensor) -> torch.Tensor:
         """[B, ...] tokens of a [B, 1, ...] tensor (one token per row: the flat layout is the rows')."""
         return x.reshape(x.shape[0], *x.shape[2:])
@@ -110,39 +115,40 @@ def fold_due_blocks(attention, cache_layer, seen: list[int]) -> None:
 
 
 def make_room_for_first_chunk(cache_layer, seen: list[int]) -> None:
-    """Dense storage: state room for the first-chunk slot a row at `seen` enters with its next token."""
+    """Dense storage: state room for the first-chunk slot a row at `seen` enters with its next token (an engine's
+    pages have room for a whole request)."""
     entering = [p + 1 for p in seen if p < cache_layer.config.chunk_size]
-    if entering:
+    if entering and cache_layer.index is None:
         like = {name: (cache_layer.tensors[name].shape[1], cache_layer.tensors[name].shape[3],
                        cache_layer.tensors[name].dtype, cache_layer.tensors[name].device) for name in STATE + READ}
         cache_layer.ensure_state(len(seen), max(entering), like)
 
 
 # ---- the traced step ----------------------------------------------------------------------------------------
-def rows_of(tensor: torch.Tensor, step: DecodeStep, dense: bool) -> torch.Tensor:
-    """The step's rows of a storage tensor: the tensor itself when storage row i is row i."""
-    return tensor if dense else tensor[step.rows]
+def storage_rows(cache_layer, step: DecodeStep) -> torch.Tensor:
+    """Each row's storage row in the layer: its own dense row, or the page an engine bound it to."""
+    return step.rows if cache_layer.index is None else cache_layer.index
 
 
 def decode_token_shift(x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str, step: DecodeStep) -> torch.Tensor:
     """Token shift of one token per row (x: [1, B, D]): its predecessor is the row's carry, which it replaces."""
     carry = cache_layer.tensors[f"carry.{name}"]
-    dense = cache_layer.index is None
-    shifted = x + mix * (rows_of(carry, step, dense).to(x.dtype)[None] - x)
-    if dense:
+    if cache_layer.index is None:  # dense: the carry tensor is the rows'
+        shifted = x + mix * (carry.to(x.dtype)[None] - x)
         carry.copy_(x[0])
-    else:
-        carry[step.rows] = x[0].to(carry.dtype)
+        return shifted
+    shifted = x + mix * (carry[cache_layer.index].to(x.dtype)[None] - x)
+    carry[cache_layer.index] = x[0].to(carry.dtype)
     return shifted
 
 
-def write_slot(tensor: torch.Tensor, step: DecodeStep, slot: torch.Tensor, values: torch.Tensor,
+def write_slot(tensor: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, values: torch.Tensor,
                keep: torch.Tensor | None = None) -> None:
-    """Each row's `values` [B, heads, d] into slot `slot` [B] of its storage row; where `keep` is true the slot
-    keeps what it holds (rows that write nothing this step)."""
+    """Each row's `values` [B, heads, d] into slot `slot` [B] of its storage row `rows` [B]; where `keep` is true
+    the slot keeps what it holds (rows that write nothing this step)."""
     if keep is not None:
-        values = torch.where(keep[:, None, None], tensor[step.rows, :, slot], values.to(tensor.dtype))
-    tensor[step.rows, :, slot] = values.to(tensor.dtype)
+        values = torch.where(keep[:, None, None], tensor[rows, :, slot], values.to(tensor.dtype))
+    tensor[rows, :, slot] = values.to(tensor.dtype)
 
 
 def enter_first_chunk(attention, k, v, gate, step: DecodeStep, cache_layer) -> None:
@@ -151,8 +157,9 @@ def enter_first_chunk(attention, k, v, gate, step: DecodeStep, cache_layer) -> N
     state = attention.first_chunk_slots(k, v, gate, slice(None), state_dtype)
     read = readable_state(state, attention.state_key_norm(state[0]), attention.config.state_value_norms, k.dtype)
     slot = torch.where(step.first_chunk, step.position, 0)
+    rows = storage_rows(cache_layer, step)
     for name, values in zip(STATE + READ, state + read):
-        write_slot(cache_layer.tensors[name], step, slot, values, ~step.first_chunk)
+        write_slot(cache_layer.tensors[name], rows, slot, values, ~step.first_chunk)
 
 
 def decode_kvm_attention(attention, q, k, v, gate, step: DecodeStep, cache_layer) -> torch.Tensor:
@@ -160,13 +167,13 @@ def decode_kvm_attention(attention, q, k, v, gate, step: DecodeStep, cache_layer
     or None): the token into its window ring (and its first-chunk state slot), then one softmax over the row's
     state slots and the ring slots it sees. Returns [B, H, Dv]."""
     names = WINDOW if attention.gated else WINDOW[:2]
+    rows, tensors = storage_rows(cache_layer, step), cache_layer.tensors
     for name, values in zip(names, (k, v, gate)):
-        write_slot(cache_layer.tensors[name], step, step.ring_slot, values)
+        write_slot(tensors[name], rows, step.ring_slot, values)
     if step.first_chunk is not None:
         enter_first_chunk(attention, k, v, gate, step, cache_layer)
-    tensors, dense = cache_layer.tensors, cache_layer.index is None
     return state_window_attention(
-        q, None if dense else step.rows, tensors["read_keys"], tensors["read_values"], step.state_slots,
+        q, cache_layer.index, tensors["read_keys"], tensors["read_values"], step.state_slots,
         tensors["window_keys"], tensors["window_values"], step.window_visible,
         attention.temperature("state_temperature"), attention.temperature("window_temperature"),
         q.shape[-1] ** -0.5)
@@ -175,10 +182,10 @@ def decode_kvm_attention(attention, q, k, v, gate, step: DecodeStep, cache_layer
 def decode_sliding_attention(attention, q, k, v, step: DecodeStep, cache_layer) -> torch.Tensor:
     """A sliding-window layer's attention for one token per row: the token into the ring, then a softmax over the
     ring slots it sees (no state). Returns [B, H, Dv]."""
-    for name, values in zip(WINDOW[:2], (k, v)):
-        write_slot(cache_layer.tensors[name], step, step.sliding_slot, values)
-    keys, values = cache_layer.tensors["window_keys"], cache_layer.tensors["window_values"]
-    no_state = keys[:, :, :0]
+    rows, keys, values = storage_rows(cache_layer, step), cache_layer.tensors["window_keys"], \
+        cache_layer.tensors["window_values"]
+    write_slot(keys, rows, step.sliding_slot, k)
+    write_slot(values, rows, step.sliding_slot, v)
     return state_window_attention(
-        q, None if cache_layer.index is None else step.rows, no_state, values[:, :, :0], step.state_slots.new_zeros(
-            step.batch), keys, values, step.sliding_visible, None, None, q.shape[-1] ** -0.5)
+        q, cache_layer.index, keys[:, :, :0], values[:, :, :0], step.state_slots.new_zeros(step.batch), keys, values,
+        step.sliding_visible, None, None, q.shape[-1] ** -0.5)

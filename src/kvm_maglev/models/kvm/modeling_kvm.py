@@ -371,15 +371,15 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
     def forward(self, x, v_first, rotary, tokens: RowTokens, cache_layer) -> torch.Tensor:
         q, k, v = self.project(x, v_first, tokens, cache_layer)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-        if isinstance(tokens, DecodeStep):
-            return self.output(decode_sliding_attention(self, q, k, v, tokens, cache_layer))
         if isinstance(tokens, EngineStep):
             return self.output(tokens.attention(q, k, v, None, cache_layer))
         return self.output(self.attend_tokens(q, k, v, None, tokens, cache_layer))
 
-    def attend_tokens(self, q, k, v, gate: None, tokens: RowTokens, cache_layer) -> torch.Tensor:
+    def attend_tokens(self, q, k, v, gate: None, tokens: RowTokens | DecodeStep, cache_layer) -> torch.Tensor:
         """Each token's queries over the keys of its last `sliding_window` positions (no merge gates: `gate` is
-        None), the newest written into the ring."""
+        None), the newest written into the ring; a decoding step's in one graph (decode_step_kvm)."""
+        if isinstance(tokens, DecodeStep):
+            return decode_sliding_attention(self, q, k, v, tokens, cache_layer)
         pieces = tokens.once(("sliding pieces", self.window), lambda: sliding_pieces(self.window, tokens))
         groups = pieces.by_width(tokens)
         y = q.new_empty(q.shape[0], q.shape[1], v.shape[-1]) if len(groups) > 1 else None
@@ -429,14 +429,15 @@ class KVMAttention(KVMAttentionBase):
         q, k, v = self.project(x, v_first, tokens, cache_layer)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         gate = (1.0 + F.elu(self.merge_gate_proj(x[0]))).unsqueeze(-1) if self.gated else None  # [N, Hkv, 1]
-        if isinstance(tokens, DecodeStep):
-            return self.output(decode_kvm_attention(self, q, k, v, gate, tokens, cache_layer))
         if isinstance(tokens, EngineStep):
             return self.output(tokens.attention(q, k, v, gate, cache_layer))
         return self.output(self.attend_tokens(q, k, v, gate, tokens, cache_layer))
 
-    def attend_tokens(self, q, k, v, gate, tokens: RowTokens, cache_layer) -> torch.Tensor:
-        """`attend` on the forward's plan (its pieces and state schedule, made once and shared by the layers)."""
+    def attend_tokens(self, q, k, v, gate, tokens: RowTokens | DecodeStep, cache_layer) -> torch.Tensor:
+        """`attend` on the forward's plan (its pieces and state schedule, made once and shared by the layers); a
+        decoding step's in one graph (decode_step_kvm)."""
+        if isinstance(tokens, DecodeStep):
+            return decode_kvm_attention(self, q, k, v, gate, tokens, cache_layer)
         pieces, schedule = tokens.once("chunk pieces", lambda: self.plan(tokens))
         return self.attend(q, k, v, gate, tokens, pieces, schedule, cache_layer)
 
@@ -962,12 +963,18 @@ class KVMModel(KVMPreTrainedModel):
         if position_ids is not None:
             own = torch.tensor(seen, device=source.device)[:, None]
             check_position_ids(position_ids, own, None, cache.rows, "KVM", "state and token shifts")
+        step = self.decoding_step(cache, seen, source.device)
+        cache.advance_decoding()
+        return step
+
+    def decoding_step(self, cache: KVMCache, seen: list[int], device) -> DecodeStep:
+        """The `DecodeStep` of rows at `seen` (> 0) reading one token each, with the folds their tokens read done
+        and dense storage made room in: the host work of a decoding step, before its forward."""
         for layer, cache_layer in zip(self.layers, cache.layers):
             if not layer.sliding:
                 fold_due_blocks(layer.self_attn, cache_layer, seen)
                 make_room_for_first_chunk(cache_layer, seen)
-        cache.advance_decoding()
-        return decode_step(self.config, seen, source.device)
+        return decode_step(self.config, seen, device)
 
     def decode(self, step: DecodeStep, input_ids, inputs_embeds, position_ids, cache: KVMCache,
                output_hidden_states: bool, use_cache: bool) -> BaseModelOutputWithPast:
