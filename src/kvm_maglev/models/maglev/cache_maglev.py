@@ -165,6 +165,13 @@ class ColumnRecord(NamedTuple):
     layers: list
 
 
+class PreparedStep(NamedTuple):
+    """A one-token step whose host side ran before its forward (`MaglevCache.begin_step`): which rows read a real
+    token ([B, 1] booleans; None: all)."""
+
+    valid: torch.Tensor | None
+
+
 class MaglevCache(SavedCache, Cache):
     """Cache of a Maglev decoder: per layer the keys/values its window still needs (memory already
     injected), per row its position, last memory vector and smear's previous-token embedding.
@@ -194,6 +201,7 @@ class MaglevCache(SavedCache, Cache):
         self.records: list | None = None  # the current forward's column records, while recording
         self.history: deque[ColumnRecord] = deque(maxlen=max_rollback)
         self.prompt_length: int | None = None  # set by assisted decoding: its first forward also carries drafts
+        self.prepared: PreparedStep | None = None  # a decode step counted before its forward, not yet run
 
     @classmethod
     def over_pages(cls, config: MaglevConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
@@ -254,6 +262,26 @@ class MaglevCache(SavedCache, Cache):
             layer.records = self.records
         return StepPlan(self.positions, valid, length)
 
+    def begin_step(self, valid: torch.Tensor | None) -> None:
+        """The host side of a one-token step for every row, done before its forward so that the forward reads only
+        tensors: growing rings make room, the column is counted, the rows' real tokens (`valid` [B, 1]) are kept for
+        `take_step`. Preparing again before the forward ran replaces the earlier preparation."""
+        if self.prepared is None:
+            self.reserve(1)
+            self.seen_tokens += 1
+        self.prepared = PreparedStep(valid)
+
+    def take_step(self) -> StepPlan:
+        """The plan of the prepared step (its column already counted); the preparation is used once."""
+        valid, self.prepared = self.prepared.valid, None
+        return StepPlan(self.positions, valid, 1)
+
+    def cancel_step(self) -> None:
+        """Forget a prepared step that did not run (its column uncounted), before the cache is cropped."""
+        if self.prepared is not None:
+            self.prepared = None
+            self.seen_tokens -= 1
+
     def rows_step(self, rows: torch.Tensor | None) -> StepPlan:
         """The plan of one token for each of rows `rows` alone (None: every row), a recurrent step of the rows with
         tokens left."""
@@ -275,17 +303,7 @@ class MaglevCache(SavedCache, Cache):
             if self.records is not None:
                 self.history.append(ColumnRecord(self.positions, self.last_memory, self.previous_embedding,
                                                  self.records[0]))
-            if plan.valid is None:
-                self.positions = self.positions + 1
-                self.previous_embedding = embeddings
-                if memories is not None:
-                    self.last_memory = memories
-            else:
-                keep = plan.valid[:, :, None]
-                self.positions = self.positions + plan.valid[:, 0]
-                self.previous_embedding = torch.where(keep, embeddings, self.previous_embedding)
-                if memories is not None:
-                    self.last_memory = torch.where(keep, memories.to(self.last_memory.dtype), self.last_memory)
+            self.carry(plan, embeddings, memories)
         else:
             previous, last = plan.predecessors()
             if self.records is not None:
@@ -302,6 +320,21 @@ class MaglevCache(SavedCache, Cache):
                 self.last_memory = gather_columns(self.last_memory, memories, last)
             self.positions = self.positions + (plan.length if plan.valid is None else plan.valid.sum(dim=1))
         self.seen_tokens += plan.length
+
+    def carry(self, plan: StepPlan, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
+        """The row states after a one-token step (tensors only; the column is counted by the caller): positions,
+        smear's previous embedding and the memory, kept where a row read padding."""
+        if plan.valid is None:
+            self.positions = self.positions + 1
+            self.previous_embedding = embeddings
+            if memories is not None:
+                self.last_memory = memories
+            return
+        keep = plan.valid[:, :, None]
+        self.positions = self.positions + plan.valid[:, 0]
+        self.previous_embedding = torch.where(keep, embeddings, self.previous_embedding)
+        if memories is not None:
+            self.last_memory = torch.where(keep, memories.to(self.last_memory.dtype), self.last_memory)
 
     # ----- Cache API --------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -358,6 +391,8 @@ class MaglevCache(SavedCache, Cache):
             store.map_rows(fn)
         self.positions, self.last_memory, self.previous_embedding = (
             None if t is None else fn(t) for t in (self.positions, self.last_memory, self.previous_embedding))
+        if self.prepared is not None and self.prepared.valid is not None:
+            self.prepared = PreparedStep(fn(self.prepared.valid))
         records = list(self.history)
         self.history.clear()
         for record in records:
@@ -388,6 +423,7 @@ class MaglevCache(SavedCache, Cache):
         Exact: every window slot, memory, smear carry and position returns to its earlier value. Needs
         recording (activate_past_recording) since before those columns were read.
         """
+        self.cancel_step()
         remove = -max_length if max_length <= 0 else self.seen_tokens - max_length
         if remove <= 0:
             return

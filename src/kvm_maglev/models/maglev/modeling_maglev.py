@@ -624,6 +624,49 @@ class MaglevModel(MaglevPreTrainedModel):
             hidden_states.extend(torch.cat(pair, dim=1) for pair in zip(prompt_states, draft_states))
         return torch.cat([head, draft_head], dim=1), torch.cat([memories, draft_memories], dim=1), prefiller_memories
 
+    @torch.compiler.disable
+    def prepare_decode_step(self, input_ids, cache, attention_mask=None, position_ids=None) -> bool:
+        """Whether a forward of `input_ids` on `cache` is a decode step - one token per row on a cache that has read
+        tokens, in eval mode, not recording for rollback - and if so its host side, done now: the input checks,
+        the rows' real tokens and the column count go to the cache (`MaglevCache.begin_step`), so that the forward
+        reads tensors only and traces as one graph (`decode_step`). generate() runs it before each forward
+        (`MaglevForCausalLM.prepare_inputs_for_generation`); a forward given an unprepared step runs it itself."""
+        if self.training or not isinstance(cache, MaglevCache) or cache.recording or cache.seen_tokens == 0 \
+                or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] != 1:
+            return False
+        check_input_ids(input_ids, None, self.config.vocab_size, cache)
+        check_cache(cache, MaglevCache, self.config)
+        batch = input_ids.shape[0]
+        cache.prepare(batch, memories_like(self), None)  # refuses another batch size
+        valid = real_tokens(attention_mask, batch, 1, cache.seen_tokens, input_ids.device)
+        if position_ids is not None:
+            self.check_positions(position_ids, cache, valid, input_ids)
+        cache.begin_step(valid)
+        return True
+
+    def decode_step(self, input_ids: torch.Tensor, cache: MaglevCache,
+                    output_hidden_states: bool | None = None) -> MaglevModelOutput:
+        """A prepared decode step (`prepare_decode_step`): P on one token per row fed its row's memory, the rings
+        written in place. Tensors only - no host reads, no Python over rows - so a compiled forward traces it as
+        one graph. The same computation as `recurrent` (memory off: `decode_chunk`) for one token."""
+        config = self.config
+        hidden_states = [] if config_default(output_hidden_states, config, "output_hidden_states") else None
+        plan = cache.take_step()
+        x0, raw = self.embed(input_ids, cache.previous_embedding, plan.valid)
+        values = self.value_embeddings_for(input_ids, x0.dtype)
+        memory = cache.last_memory if config.use_memory else None
+        head, memories = self.read_out(*self.run_stack(x0, values, memory, cache, plan, self.rotary_for(plan, x0.dtype),
+                                                       hidden_states=hidden_states))
+        cache.carry(plan, raw, None if memory is None else memories)
+        if hidden_states is not None:
+            hidden_states.append(head)
+        return MaglevModelOutput(
+            last_hidden_state=head,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            memories=memories if config.use_memory else None,
+            **{CACHE_NAME: cache},
+        )
+
     def forward_mode(self, lifted: bool | None, memory_given: bool, start: int, length: int) -> str:
         """The one place a forward's mode (FORWARD_MODES) is chosen, from the caller's switches - `lifted`
         (None: training mode with `config.training_forward == "lifted"`), given `memory_inputs` - and where the
@@ -684,6 +727,12 @@ class MaglevModel(MaglevPreTrainedModel):
         the model's own (`check_positions`). A packed batch (position_ids restarting at 0, or
         `cu_seq_lens_q`/`seq_idx`) runs each document as if alone in its row (`packed_forward`)."""
         cache = take_cache(past_key_values, kwargs.pop("cache", None))
+        refuse_attention_weights(output_attentions, self.config, MAGLEV_NO_WEIGHTS)
+        if isinstance(cache, MaglevCache) and cache.prepared is not None:
+            return self.decode_step(input_ids, cache, output_hidden_states)
+        if not self.training and use_cache is not False and memory_inputs is None and inputs_embeds is None and not lifted \
+                and self.prepare_decode_step(input_ids, cache, attention_mask, position_ids):
+            return self.decode_step(input_ids, cache, output_hidden_states)
         documents = packed_documents(position_ids, attention_mask, kwargs, *input_ids.shape[:2], "Maglev") \
             if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
         if documents is not None:
@@ -694,7 +743,6 @@ class MaglevModel(MaglevPreTrainedModel):
         check_input_ids(input_ids, inputs_embeds, config.vocab_size, cache)
         if cache is not None:
             check_cache(cache, MaglevCache, config)
-        refuse_attention_weights(output_attentions, config, MAGLEV_NO_WEIGHTS)
         output_hidden_states = config_default(output_hidden_states, config, "output_hidden_states")
         use_cache = (config.use_cache and not self.training) if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
@@ -809,8 +857,9 @@ def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
 
 @torch.compiler.disable
 def run_uncompiled(module: nn.Module, **kwargs):
-    """An inference forward of the base model outside compiled graphs: traced with its cache, inductor's graphs
-    returned other logits than eager (other greedy tokens from the first one); the head stays compilable."""
+    """An inference forward of the base model outside compiled graphs, for all but prepared decode steps: a prompt
+    runs Python over its rows and tokens (the recurrent prefill), which would break into many graphs; the head
+    stays compilable."""
     return module(**kwargs)
 
 
@@ -928,7 +977,8 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         if lifted is None:
             lifted = self.training and self.config.training_forward == "lifted"
         training = self.training or lifted
-        outputs = (self.model if training else partial(run_uncompiled, self.model))(
+        prepared = isinstance(cache, MaglevCache) and cache.prepared is not None  # a decode step: one graph
+        outputs = (self.model if training or prepared else partial(run_uncompiled, self.model))(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -978,6 +1028,19 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             return consistency_loss
         supervised = (labels[..., 1:] != -100).sum()
         return consistency_loss * supervised.to(consistency_loss.dtype) / num_items_in_batch
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, cache=None, past_key_values=None,
+                                      **kwargs) -> dict:
+        """transformers' inputs for the next forward; a decode step's host side runs here, before the forward
+        (`MaglevModel.prepare_decode_step`), so that a compiled forward traces the step as one graph. The cache
+        is named in the signature, as generate() checks its arguments against it (`cache` from 5.24 on)."""
+        caches = {"cache": cache, "past_key_values": past_key_values}
+        inputs = super().prepare_inputs_for_generation(
+            input_ids, *args, **{name: value for name, value in caches.items() if value is not None}, **kwargs)
+        if inputs.get("inputs_embeds") is None:
+            self.model.prepare_decode_step(inputs["input_ids"], inputs.get(GENERATE_CACHE_KWARG),
+                                           inputs.get("attention_mask"), inputs.get("position_ids"))
+        return inputs
 
     def _assisted_decoding(self, input_ids: torch.LongTensor, *args, **model_kwargs):
         """transformers' assisted decoding, whose first forward reads the prompt and the first drafts together:
