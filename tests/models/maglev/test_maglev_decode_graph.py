@@ -1,0 +1,101 @@
+"""A Maglev decode step as generate() runs it (its host side prepared by `prepare_inputs_for_generation`) traces as
+one graph: no graph break, no recompilation from one step to the next, the same tokens as eager."""
+
+import pytest
+import torch
+
+from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
+from kvm_maglev.models.maglev.cache_maglev import MaglevCache
+from tests.models.maglev.test_maglev_model import VOCAB, random_ids, tiny_model
+
+
+def left_padded_prompt() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of 12 columns, the second left-padded by 4."""
+    ids = random_ids(2, 12, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    return ids, mask
+
+
+def step_inputs(model, sequence: torch.Tensor, mask: torch.Tensor, cache: MaglevCache) -> dict:
+    """generate()'s inputs for the next decode step of `sequence` (its mask covers every column so far)."""
+    return model.prepare_inputs_for_generation(sequence, next_sequence_length=1, attention_mask=mask,
+                                               use_cache=True, **{GENERATE_CACHE_KWARG: cache})
+
+
+def prompted(model, ids, mask) -> tuple[MaglevCache, torch.Tensor]:
+    """A cache that read the prompt, and the greedy next token."""
+    cache = MaglevCache(model.config)
+    logits = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    return cache, logits[:, -1:].argmax(-1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("overrides", [{}, {"use_memory": False}], ids=["memory", "memory_off"])
+def test_decode_step_traces_without_graph_breaks(overrides):
+    model = tiny_model(**overrides)
+    ids, mask = left_padded_prompt()
+    cache, token = prompted(model, ids, mask)
+    sequence, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(**step_inputs(model, sequence, mask, cache))
+    assert explained.graph_break_count == 0, [reason.reason for reason in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@torch.no_grad()
+def test_fullgraph_decode_steps_equal_eager_and_compile_once():
+    """Five decode steps of a left-padded batch through `torch.compile(forward, fullgraph=True)` give eager's logits
+    and tokens; the growing attention mask does not recompile (one graph for all the steps)."""
+    model = tiny_model()
+    ids, mask = left_padded_prompt()
+    graphs = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+    torch._dynamo.reset()
+    runs = {}
+    for name, forward in (("eager", model.forward), ("compiled", compiled)):
+        cache, token = prompted(model, ids, mask)
+        sequence, step_mask, logits = ids, mask, []
+        for _ in range(5):
+            sequence = torch.cat([sequence, token], 1)
+            step_mask = torch.cat([step_mask, torch.ones_like(token)], 1)
+            step = forward(**step_inputs(model, sequence, step_mask, cache)).logits
+            logits.append(step)
+            token = step[:, -1:].argmax(-1)
+        runs[name] = (torch.cat(logits, 1), sequence, cache.get_seq_length())
+    assert len(graphs) == 1
+    assert torch.equal(runs["compiled"][0], runs["eager"][0])
+    assert torch.equal(runs["compiled"][1], runs["eager"][1])
+    assert runs["compiled"][2] == runs["eager"][2] == ids.shape[1] + 5
+
+
+@torch.no_grad()
+def test_prepared_steps_equal_the_uncached_forward():
+    """generate()'s path (prepared steps) against the uncached recurrent forward on a left-padded batch."""
+    model = tiny_model()
+    ids, mask = left_padded_prompt()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, output_logits=True)
+    full_mask = torch.cat([mask, torch.ones(2, 6, dtype=mask.dtype)], 1)
+    uncached = model(out.sequences[:, :-1], attention_mask=full_mask[:, :-1], use_cache=False).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), uncached[:, ids.shape[1] - 1:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_step_prepared_twice_counts_once_and_crop_forgets_it():
+    model = tiny_model()
+    ids, mask = left_padded_prompt()
+    with torch.no_grad():
+        cache, token = prompted(model, ids, mask)
+    assert model.model.prepare_decode_step(token, cache)
+    assert model.model.prepare_decode_step(token, cache)
+    assert cache.get_seq_length() == ids.shape[1] + 1
+    cache.activate_past_recording()
+    cache.crop(-0)
+    assert cache.prepared is None and cache.get_seq_length() == ids.shape[1]
+    assert not model.model.prepare_decode_step(token, cache)  # recording: rollback records need the general path
+    assert not model.model.prepare_decode_step(random_ids(2, 2) % VOCAB, cache)  # several tokens: not a step
