@@ -346,9 +346,50 @@ class MaglevCache(SavedCache, Cache):
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        raise NotImplementedError("MaglevCache builds its own masks (a ring of window keys per layer, a position "
+                                  "per row), so transformers' mask sizes do not describe it")
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether the rows carry state from earlier forwards (the memory, smear's embedding, the rings)."""
+        return self.seen_tokens > 0
+
     @property
     def is_compileable(self) -> bool:
+        """False: transformers' generate() would then compile its own decode forward on CUDA (CUDA graphs, its
+        4D masks), which Maglev has not been run under. Prepared decode steps do trace as one graph: compile
+        `model.forward` (docs/serving.md, "Maglev decode step as one graph")."""
         return False
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the rows exist (the first forward makes them: each row's memory starts at the model's
+        `memory_init`)."""
+        return self.positions is not None
+
+    def early_initialization(self, *args, **kwargs) -> None:
+        raise NotImplementedError("MaglevCache starts its rows on the first forward: each row's memory starts at "
+                                  "the model's learned memory_init, which the cache does not hold")
+
+    @property
+    def max_batch_size(self) -> int:
+        """The rows the cache holds, fixed by its first forward (-1 before)."""
+        return self.batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        """-1: no maximum length (the rings bound the cache's size, not the number of tokens read)."""
+        return -1
+
+    def increase_count(self, layer_idx: int, state_idx: int) -> None:
+        raise NotImplementedError("MaglevCache has no convolution states to count: the model counts its columns")
+
+    def offload(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        raise NotImplementedError("MaglevCache does not support offloading: its rings hold one window of keys and "
+                                  "values per layer and stay on the model's device")
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        raise NotImplementedError("MaglevCache does not support offloading, so there is nothing to prefetch")
 
     @property
     def is_croppable(self) -> bool:
