@@ -103,11 +103,12 @@ def inverse_frequencies(config: MaglevConfig, device: torch.device) -> torch.Ten
 
 
 def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin of shape [B, T, 1, head_dim/2] for per-row positions [B, T], in float32 like nanochat, then cast.
+    """cos/sin of shape [..., 1, head_dim/2] for positions [...] ([B, T]; a decode step's [B]), in float32 like
+    nanochat, then cast.
 
     Computed on the fly, so positions have no upper limit."""
-    freqs = positions.to(torch.float32)[..., None] * inv_freq
-    return freqs.cos().to(dtype)[:, :, None, :], freqs.sin().to(dtype)[:, :, None, :]
+    freqs = positions.to(torch.float32)[..., None, None] * inv_freq
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,6 +116,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, H, D] -> [B, H, T, D], the layout attention reads; a decode step's [B, H, D] -> [B, H, 1, D]."""
+    return x.transpose(1, 2) if x.ndim == 4 else x.unsqueeze(2)
 
 
 def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
@@ -191,11 +197,12 @@ class MaglevAttention(nn.Module):
                                          "zeros")
 
     def forward(self, x, value_embedding, memory, rotary, window, store, plan):
-        batch, length, _ = x.shape
+        # x: [B, T, hidden], or a decode step's [B, hidden] (one token per row: each product reads a plain matrix)
+        tokens = x.shape[:-1]
         # -1 heads: under tensor parallelism a rank holds only its share of them (the memory follows its K/V heads)
-        q = self.q_proj(x).view(batch, length, -1, self.head_dim)
-        k = self.k_proj(x).view(batch, length, -1, self.head_dim)
-        v = self.v_proj(x).view(batch, length, -1, self.head_dim)
+        q = self.q_proj(x).view(*tokens, -1, self.head_dim)
+        k = self.k_proj(x).view(*tokens, -1, self.head_dim)
+        v = self.v_proj(x).view(*tokens, -1, self.head_dim)
         if memory is not None:
             # Maglev: the previous token's memory enters keys (before rotary/QK-norm) and values.
             gate = torch.sigmoid(self.memory_gate(x[..., : self.memory_gate_channels])).unsqueeze(-1)
@@ -206,11 +213,10 @@ class MaglevAttention(nn.Module):
             value_embedding = local_columns(value_embedding, self.v_proj.weight)  # the table is not sharded
             v = v + gate.unsqueeze(-1) * value_embedding.view_as(v)
         # rotary and QK-norm act per head: queries and keys go through them together (fewer small ops per step)
-        qk = apply_rotary(torch.cat([q, k], dim=2), *rotary)
-        q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([q.shape[2], k.shape[2]], dim=2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        y = self.attend(q, k, v, window, store, plan)
-        return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
+        qk = apply_rotary(torch.cat([q, k], dim=-2), *rotary)
+        q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([q.shape[-2], k.shape[-2]], dim=-2)
+        y = self.attend(heads_first(q), heads_first(k), heads_first(v), window, store, plan)
+        return self.o_proj(y.transpose(1, 2).reshape(*tokens, -1))
 
     @property
     def eager(self) -> bool:
@@ -232,11 +238,11 @@ class MaglevAttention(nn.Module):
         keys, values = ring.read_ring(k, plan.rows)
         if self.one_query_kernel and plan.length == 1:
             return one_query_attention(q, k, v, keys, values, ring.written(plan))
-        slot_positions, capacity, window = ring.slot_positions(plan), ring.capacity, ring.window
+        capacity, window = ring.capacity, ring.window
 
         def ring_mask(begin: int, end: int) -> torch.Tensor:
             return plan.mask(("ring", capacity, window, begin), lambda: visible_keys(
-                plan.query_positions[:, begin:end], slot_positions, window))
+                plan.query_positions[:, begin:end], ring.slot_positions(plan), window))
         return windowed_attention(plan, q, k, v, window, self.eager, ring_mask, (keys, values))
 
 
@@ -456,11 +462,12 @@ class MaglevModel(MaglevPreTrainedModel):
         gate = self.smear_lambda.to(raw.dtype) * torch.sigmoid(self.smear_gate(raw[..., :channels]))
         return raw + gate * predecessors, raw
 
-    def rotary_for(self, plan: StepPlan, dtype: torch.dtype):
-        device = plan.start.device
+    def rotary_for(self, positions: torch.Tensor, dtype: torch.dtype):
+        """Rotary tables at `positions` (a plan's query positions [B, T], a decode step's [B])."""
+        device = positions.device
         if self._inv_freq is None or self._inv_freq.device != device:
             self._inv_freq = inverse_frequencies(self.config, device)
-        return rotary_tables(self._inv_freq, plan.query_positions, dtype)
+        return rotary_tables(self._inv_freq, positions, dtype)
 
     def value_embeddings_for(self, input_ids: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor | None]:
         """Per layer, the value embeddings of the tokens (None where the layer has none)."""
@@ -511,7 +518,7 @@ class MaglevModel(MaglevPreTrainedModel):
         previous = None if cache is None else cache.previous_embedding
         x0, raw = self.embed(input_ids, previous, plan.valid)
         values = self.value_embeddings_for(input_ids, x0.dtype)
-        rotary = self.rotary_for(plan, x0.dtype)
+        rotary = self.rotary_for(plan.query_positions, x0.dtype)
         head, memories = self.read_out(*self.run_stack(x0, values, memory, cache, plan, rotary,
                                                        hidden_states=hidden_states))
         if cache is not None:
@@ -523,8 +530,8 @@ class MaglevModel(MaglevPreTrainedModel):
         plan = StepPlan(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
         x0, _ = self.embed(input_ids, None, valid)
         values = self.value_embeddings_for(input_ids, x0.dtype)
-        _, memories = self.read_out(*self.run_stack(x0, values, None, None, plan, self.rotary_for(plan, x0.dtype),
-                                                    prefiller=True))
+        rotary = self.rotary_for(plan.query_positions, x0.dtype)
+        _, memories = self.read_out(*self.run_stack(x0, values, None, None, plan, rotary, prefiller=True))
         return memories
 
     def shifted_memories(self, memories: torch.Tensor, first: torch.Tensor | None,
@@ -551,7 +558,7 @@ class MaglevModel(MaglevPreTrainedModel):
         if valid is not None and length > 1 and not cache.recording:
             return self.recurrent_rows(x0, raw, values, cache, valid, hidden_states)
         whole = cache.step_context(valid, 1) if length == 1 else StepPlan(cache.positions, valid, length)
-        rotary = self.rotary_for(whole, x0.dtype)
+        rotary = self.rotary_for(whole.query_positions, x0.dtype)
         heads, outputs, per_step = [], [], []
         for t in range(length):
             step = (lambda tensor: tensor) if length == 1 else (lambda tensor: tensor[:, t:t + 1])
@@ -576,9 +583,7 @@ class MaglevModel(MaglevPreTrainedModel):
         tokens = RowTokens.from_batch(cache.positions.tolist(), valid, batch, length, x0.device)
         x0, raw = tokens.flatten(x0), tokens.flatten(raw)
         values = [None if v is None else tokens.flatten(v) for v in values]
-        if self._inv_freq is None or self._inv_freq.device != x0.device:
-            self._inv_freq = inverse_frequencies(self.config, x0.device)
-        cos, sin = rotary_tables(self._inv_freq, tokens.position[:, None], x0.dtype)
+        cos, sin = self.rotary_for(tokens.position[:, None], x0.dtype)
         heads, memories = torch.zeros_like(x0), torch.zeros_like(x0)
         states = None if hidden_states is None else [torch.zeros_like(x0) for _ in range(len(self.layers))]
         cache.reserve(length)
@@ -653,13 +658,17 @@ class MaglevModel(MaglevPreTrainedModel):
         hidden_states = [] if config_default(output_hidden_states, config, "output_hidden_states") else None
         plan = cache.take_step()
         x0, raw = self.embed(input_ids, cache.previous_embedding, plan.valid)
-        values = self.value_embeddings_for(input_ids, x0.dtype)
-        memory = cache.last_memory if config.use_memory else None
-        head, memories = self.read_out(*self.run_stack(x0, values, memory, cache, plan, self.rotary_for(plan, x0.dtype),
+        # the blocks run on [B, hidden] (one token per row): fewer reshapes around every product
+        token_ids = input_ids[:, 0]
+        values = self.value_embeddings_for(token_ids, x0.dtype)
+        memory = cache.last_memory[:, 0] if config.use_memory else None
+        head, memories = self.read_out(*self.run_stack(x0[:, 0], values, memory, cache, plan,
+                                                       self.rotary_for(plan.start, x0.dtype),
                                                        hidden_states=hidden_states))
+        head, memories = head[:, None], memories[:, None]
         cache.carry(plan, raw, None if memory is None else memories)
         if hidden_states is not None:
-            hidden_states.append(head)
+            hidden_states = [state[:, None] for state in hidden_states] + [head]
         return MaglevModelOutput(
             last_hidden_state=head,
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
