@@ -99,3 +99,39 @@ def test_a_step_prepared_twice_counts_once_and_crop_forgets_it():
     assert cache.prepared is None and cache.get_seq_length() == ids.shape[1]
     assert not model.model.prepare_decode_step(token, cache)  # recording: rollback records need the general path
     assert not model.model.prepare_decode_step(random_ids(2, 2) % VOCAB, cache)  # several tokens: not a step
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("overrides", [{}, {"use_memory": False}], ids=["memory", "memory_off"])
+def test_decode_step_equals_the_general_one_token_forward_exactly(overrides):
+    """The decode step ([rows, hidden] tokens, heads laid out for attention at once) against the general forward of
+    one token per row ([rows, 1, hidden]; a recording cache takes it, for rollback): the same logits and cache,
+    bit for bit, on a left-padded batch."""
+    model = tiny_model(**overrides)
+    ids, mask = left_padded_prompt()
+    runs = []
+    for recording in (False, True):
+        cache, token = prompted(model, ids, mask)
+        if recording:
+            cache.activate_past_recording()
+        logits = []
+        for _ in range(4):
+            step = model(token, past_key_values=cache).logits
+            logits.append(step)
+            token = step[:, -1:].argmax(-1)
+        state = [cache.positions, cache.previous_embedding] + [t for layer in cache.layers for t in layer.state().values()]
+        runs.append((torch.cat(logits, 1), state))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_rotary_is_nanochats_rotation_of_the_two_halves():
+    from kvm_maglev.models.maglev.modeling_maglev import apply_rotary, rotary_tables
+    x = torch.randn(2, 5, 3, 16)
+    inv_freq = 1.0 / (100000 ** (torch.arange(0, 16, 2).float() / 16))
+    positions = torch.arange(10).view(2, 5)
+    freqs = positions.float()[:, :, None, None] * inv_freq
+    cos, sin = freqs.cos(), freqs.sin()
+    x1, x2 = x[..., :8], x[..., 8:]
+    assert torch.equal(apply_rotary(x, *rotary_tables(inv_freq, positions, x.dtype)),
+                       torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1))

@@ -102,6 +102,8 @@ class MaglevCacheLayer(RowStorage):
         """Write one column [B, H, D] into each row's slot (padding rows keep theirs); remember the old slot when
         recording."""
         rows = plan.rows
+        if rows is None and self.index is None:  # every row of dense rings: one row index per step, for all layers
+            rows = plan.mask(("rows",), lambda: torch.arange(k.shape[0], device=k.device))
         if valid is not None or record is not None:
             old_k, old_v = self.read_slots("keys", rows, slot), self.read_slots("values", rows, slot)
             if valid is not None:

@@ -103,24 +103,20 @@ def inverse_frequencies(config: MaglevConfig, device: torch.device) -> torch.Ten
 
 
 def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin of shape [..., 1, head_dim/2] for positions [...] ([B, T]; a decode step's [B]), in float32 like
-    nanochat, then cast.
+    """The rotation at positions [B, T] as two [B, T, 1, head_dim] tables for
+    `apply_rotary`: (cos, cos) and (sin, -sin) over the two channel halves, in float32 like nanochat, then cast.
 
     Computed on the fly, so positions have no upper limit."""
-    freqs = positions.to(torch.float32)[..., None, None] * inv_freq
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+    freqs = positions.to(torch.float32)[:, :, None, None] * inv_freq
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, -sin], dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """nanochat's rotation of the two channel halves (x: [B, T, H, D])."""
+    """nanochat's rotation of the two channel halves x1, x2 (x: [..., H, D]): (x1 cos + x2 sin, x2 cos - x1 sin),
+    as whole-width products with the halves swapped (the same roundings, fewer operations per layer)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
-
-
-def heads_first(x: torch.Tensor) -> torch.Tensor:
-    """[B, T, H, D] -> [B, H, T, D], the layout attention reads; a decode step's [B, H, D] -> [B, H, 1, D]."""
-    return x.transpose(1, 2) if x.ndim == 4 else x.unsqueeze(2)
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
@@ -145,17 +141,22 @@ def block_mask(plan: StepPlan, left: int, block: tuple[int, int, int]) -> torch.
 
 
 def windowed_attention(plan: StepPlan, q, k, v, left: int, eager: bool, prefix_mask=None, prefix=None) -> torch.Tensor:
-    """Attention of the chunk's queries over `prefix` keys/values (a ring, with `prefix_mask(begin, end)`) and
-    the chunk's own keys within `left`, block by block of queries (`eager`: as explicit products)."""
+    """Attention of the chunk's queries over `prefix` keys/values (a ring; `prefix_mask(block)` masks a block's
+    queries over the ring and the chunk's keys) and the chunk's own keys within `left`, block by block of queries
+    (`eager`: as explicit products)."""
     outputs = []
     for block in plan.query_blocks(left, QUERY_BLOCK):
         lo, begin, end = block
-        mask = block_mask(plan, left, block)
-        keys, values = k[:, :, lo:end], v[:, :, lo:end]
-        if prefix is not None:
-            mask = torch.cat([prefix_mask(begin, end), mask], dim=-1)
+        if (lo, begin, end) == (0, 0, plan.length):  # one block (a short chunk, a decode step): nothing to cut
+            block_q, keys, values = q, k, v
+        else:
+            block_q, keys, values = q[:, :, begin:end], k[:, :, lo:end], v[:, :, lo:end]
+        if prefix is None:
+            mask = block_mask(plan, left, block)
+        else:
+            mask = prefix_mask(block)
             keys, values = torch.cat([prefix[0], keys], dim=2), torch.cat([prefix[1], values], dim=2)
-        outputs.append(attention(q[:, :, begin:end], keys, values, mask, eager))
+        outputs.append(attention(block_q, keys, values, mask, eager))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
@@ -197,26 +198,29 @@ class MaglevAttention(nn.Module):
                                          "zeros")
 
     def forward(self, x, value_embedding, memory, rotary, window, store, plan):
-        # x: [B, T, hidden], or a decode step's [B, hidden] (one token per row: each product reads a plain matrix)
-        tokens = x.shape[:-1]
+        # x: [B, T, hidden] gives heads [B, T, H, D]; a decode step's [B, hidden] (one token per row) gives them
+        # as [B, H, 1, D], the layout attention reads: plain matrix products and no reshapes around them
+        step = x.ndim == 2
+        heads = (x.shape[0], -1, 1, self.head_dim) if step else (*x.shape[:-1], -1, self.head_dim)
+        axis = -3 if step else -2  # where the heads are
         # -1 heads: under tensor parallelism a rank holds only its share of them (the memory follows its K/V heads)
-        q = self.q_proj(x).view(*tokens, -1, self.head_dim)
-        k = self.k_proj(x).view(*tokens, -1, self.head_dim)
-        v = self.v_proj(x).view(*tokens, -1, self.head_dim)
+        q, k, v = self.q_proj(x).view(heads), self.k_proj(x).view(heads), self.v_proj(x).view(heads)
         if memory is not None:
             # Maglev: the previous token's memory enters keys (before rotary/QK-norm) and values.
-            gate = torch.sigmoid(self.memory_gate(x[..., : self.memory_gate_channels])).unsqueeze(-1)
-            k = k + gate * self.memory_k_proj(memory).view_as(k)
-            v = v + gate * self.memory_v_proj(memory).view_as(v)
+            gate = torch.sigmoid(self.memory_gate(x[..., : self.memory_gate_channels])).view(*k.shape[:-1], 1)
+            k = k + gate * self.memory_k_proj(memory).view(k.shape)
+            v = v + gate * self.memory_v_proj(memory).view(v.shape)
         if value_embedding is not None:
             gate = self.value_gate_scale * torch.sigmoid(self.value_gate(x[..., : self.value_gate_channels]))
             value_embedding = local_columns(value_embedding, self.v_proj.weight)  # the table is not sharded
-            v = v + gate.unsqueeze(-1) * value_embedding.view_as(v)
+            v = v + gate.view(*v.shape[:-1], 1) * value_embedding.view(v.shape)
         # rotary and QK-norm act per head: queries and keys go through them together (fewer small ops per step)
-        qk = apply_rotary(torch.cat([q, k], dim=-2), *rotary)
-        q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([q.shape[-2], k.shape[-2]], dim=-2)
-        y = self.attend(heads_first(q), heads_first(k), heads_first(v), window, store, plan)
-        return self.o_proj(y.transpose(1, 2).reshape(*tokens, -1))
+        qk = apply_rotary(torch.cat([q, k], dim=axis), *rotary)
+        q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([q.shape[axis], k.shape[axis]], dim=axis)
+        if not step:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        y = self.attend(q, k, v, window, store, plan)
+        return self.o_proj(y.reshape(x.shape[0], -1) if step else y.transpose(1, 2).reshape(*x.shape[:-1], -1))
 
     @property
     def eager(self) -> bool:
@@ -240,9 +244,11 @@ class MaglevAttention(nn.Module):
             return one_query_attention(q, k, v, keys, values, ring.written(plan))
         capacity, window = ring.capacity, ring.window
 
-        def ring_mask(begin: int, end: int) -> torch.Tensor:
-            return plan.mask(("ring", capacity, window, begin), lambda: visible_keys(
-                plan.query_positions[:, begin:end], ring.slot_positions(plan), window))
+        def ring_mask(block: tuple[int, int, int]) -> torch.Tensor:
+            begin, end = block[1:]
+            return plan.mask(("ring", capacity, window, begin), lambda: torch.cat([visible_keys(
+                plan.query_positions[:, begin:end], ring.slot_positions(plan), window), block_mask(plan, window, block)],
+                dim=-1))
         return windowed_attention(plan, q, k, v, window, self.eager, ring_mask, (keys, values))
 
 
@@ -463,7 +469,7 @@ class MaglevModel(MaglevPreTrainedModel):
         return raw + gate * predecessors, raw
 
     def rotary_for(self, positions: torch.Tensor, dtype: torch.dtype):
-        """Rotary tables at `positions` (a plan's query positions [B, T], a decode step's [B])."""
+        """Rotary tables at `positions` [B, T]."""
         device = positions.device
         if self._inv_freq is None or self._inv_freq.device != device:
             self._inv_freq = inverse_frequencies(self.config, device)
@@ -663,7 +669,7 @@ class MaglevModel(MaglevPreTrainedModel):
         values = self.value_embeddings_for(token_ids, x0.dtype)
         memory = cache.last_memory[:, 0] if config.use_memory else None
         head, memories = self.read_out(*self.run_stack(x0[:, 0], values, memory, cache, plan,
-                                                       self.rotary_for(plan.start, x0.dtype),
+                                                       self.rotary_for(plan.query_positions, x0.dtype),
                                                        hidden_states=hidden_states))
         head, memories = head[:, None], memories[:, None]
         cache.carry(plan, raw, None if memory is None else memories)
