@@ -75,6 +75,30 @@ def test_fullgraph_decode_steps_equal_eager_and_compile_once():
 
 
 @torch.no_grad()
+def test_a_new_batch_size_recompiles_once():
+    """Decode steps of batches of 2, 3 and 4 rows: the second size makes the batch a dynamic dimension, the third
+    reuses that graph."""
+    model = tiny_model()
+    graphs = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+    torch._dynamo.reset()
+    for batch in (2, 3, 4):
+        ids = random_ids(batch, 9, seed=batch)
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        cache, token = prompted(model, ids, mask)
+        for _ in range(3):
+            ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
+            token = compiled(**step_inputs(model, ids, mask, cache)).logits[:, -1:].argmax(-1)
+    assert len(graphs) == 2
+
+
+@torch.no_grad()
 def test_prepared_steps_equal_the_uncached_forward():
     """generate()'s path (prepared steps) against the uncached recurrent forward on a left-padded batch."""
     model = tiny_model()
