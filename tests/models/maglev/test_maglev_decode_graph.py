@@ -143,7 +143,8 @@ def test_decode_step_equals_the_general_one_token_forward_exactly(overrides):
             step = model(token, past_key_values=cache).logits
             logits.append(step)
             token = step[:, -1:].argmax(-1)
-        state = [cache.positions, cache.previous_embedding] + [t for layer in cache.layers for t in layer.state().values()]
+        rings = [t for layer in cache.layers for t in layer.state().values()]
+        state = [cache.positions, cache.previous_embedding] + rings
         runs.append((torch.cat(logits, 1), state))
     assert torch.equal(runs[0][0], runs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

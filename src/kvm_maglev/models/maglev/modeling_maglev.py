@@ -246,9 +246,10 @@ class MaglevAttention(nn.Module):
 
         def ring_mask(block: tuple[int, int, int]) -> torch.Tensor:
             begin, end = block[1:]
-            return plan.mask(("ring", capacity, window, begin), lambda: torch.cat([visible_keys(
-                plan.query_positions[:, begin:end], ring.slot_positions(plan), window), block_mask(plan, window, block)],
-                dim=-1))
+            def build() -> torch.Tensor:
+                slots = visible_keys(plan.query_positions[:, begin:end], ring.slot_positions(plan), window)
+                return torch.cat([slots, block_mask(plan, window, block)], dim=-1)
+            return plan.mask(("ring", capacity, window, begin), build)
         return windowed_attention(plan, q, k, v, window, self.eager, ring_mask, (keys, values))
 
 
@@ -735,7 +736,8 @@ class MaglevModel(MaglevPreTrainedModel):
     ) -> MaglevModelOutput:
         """One of FORWARD_MODES, chosen by `forward_mode`: `lifted` (default: in training mode, unless
         `config.training_forward` is "recurrent") runs lifted parallel training when the prefiller is kept;
-        `memory_inputs` (tests, research) runs P in parallel on the given `mu`.
+        `memory_inputs` (tests, research) runs P in parallel on the given `mu`. A decode step (one token per row
+        on a cache that has read tokens) runs `decode_step`, its host side done first (`prepare_decode_step`).
 
         Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
         and the model is strictly causal (right padding needs no mask). `position_ids`, when given, must be
@@ -743,10 +745,11 @@ class MaglevModel(MaglevPreTrainedModel):
         `cu_seq_lens_q`/`seq_idx`) runs each document as if alone in its row (`packed_forward`)."""
         cache = take_cache(past_key_values, kwargs.pop("cache", None))
         refuse_attention_weights(output_attentions, self.config, MAGLEV_NO_WEIGHTS)
+        # a decode step, prepared by generate() or here, runs tensors only (one graph when compiled)
         if isinstance(cache, MaglevCache) and cache.prepared is not None:
             return self.decode_step(input_ids, cache, output_hidden_states)
-        if not self.training and use_cache is not False and memory_inputs is None and inputs_embeds is None and not lifted \
-                and self.prepare_decode_step(input_ids, cache, attention_mask, position_ids):
+        plain = use_cache is not False and memory_inputs is None and inputs_embeds is None and not lifted
+        if plain and not self.training and self.prepare_decode_step(input_ids, cache, attention_mask, position_ids):
             return self.decode_step(input_ids, cache, output_hidden_states)
         documents = packed_documents(position_ids, attention_mask, kwargs, *input_ids.shape[:2], "Maglev") \
             if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
