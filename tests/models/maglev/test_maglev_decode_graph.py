@@ -115,14 +115,14 @@ def test_a_step_prepared_twice_counts_once_and_crop_forgets_it():
     ids, mask = left_padded_prompt()
     with torch.no_grad():
         cache, token = prompted(model, ids, mask)
-    assert model.model.prepare_decode_step(token, cache)
-    assert model.model.prepare_decode_step(token, cache)
+    assert model.model.prepare_step(token, cache)
+    assert model.model.prepare_step(token, cache)
     assert cache.get_seq_length() == ids.shape[1] + 1
     cache.activate_past_recording()
     cache.crop(-0)
     assert cache.prepared is None and cache.get_seq_length() == ids.shape[1]
-    assert not model.model.prepare_decode_step(token, cache)  # recording: rollback records need the general path
-    assert not model.model.prepare_decode_step(random_ids(2, 2) % VOCAB, cache)  # several tokens: not a step
+    assert not model.model.prepare_step(token, cache)  # recording: rollback records need the general path
+    assert not model.model.prepare_step(random_ids(2, 2) % VOCAB, cache)  # several tokens: not a step
 
 
 @torch.no_grad()
@@ -160,3 +160,50 @@ def test_rotary_is_nanochats_rotation_of_the_two_halves():
     x1, x2 = x[..., :8], x[..., 8:]
     assert torch.equal(apply_rotary(x, *rotary_tables(inv_freq, positions, x.dtype)),
                        torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1))
+
+
+PREFILLER = dict(prefiller_shares_blocks=False, memory_prefill="prefiller")
+
+
+def prompt_inputs(model, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """generate()'s inputs for the first forward (the prompt) on a fresh cache."""
+    return model.prepare_inputs_for_generation(ids, attention_mask=mask, use_cache=True, is_first_iteration=True,
+                                               **{GENERATE_CACHE_KWARG: MaglevCache(model.config)})
+
+
+@torch.no_grad()
+def test_prefiller_prompt_traces_without_graph_breaks():
+    model = tiny_model(**PREFILLER)
+    ids, mask = left_padded_prompt()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(**prompt_inputs(model, ids, mask))
+    assert explained.graph_break_count == 0, [reason.reason for reason in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@torch.no_grad()
+def test_fullgraph_prefiller_prompts_equal_eager_and_recompile_once():
+    """Left-padded prompts of 12, 10 and 7 tokens read by the prefiller under `torch.compile(forward,
+    fullgraph=True)`: eager's logits and cache; the second length makes the length dynamic, the third reuses it."""
+    model = tiny_model(**PREFILLER)
+    graphs = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+    torch._dynamo.reset()
+    for length in (12, 10, 7):
+        ids = random_ids(2, length, seed=length)
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        runs = []
+        for forward in (model.forward, compiled):
+            inputs = prompt_inputs(model, ids, mask)
+            logits = forward(**inputs).logits
+            cache = inputs[GENERATE_CACHE_KWARG]
+            runs.append((logits, cache.get_seq_length(), cache.last_memory, cache.layers[0].state()["keys"]))
+        assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1] == length
+        assert torch.equal(runs[0][2], runs[1][2]) and torch.equal(runs[0][3], runs[1][3])
+    assert len(graphs) == 2

@@ -7,6 +7,7 @@ so that `crop` rolls the cache back exactly.
 """
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -167,11 +168,14 @@ class ColumnRecord(NamedTuple):
     layers: list
 
 
-class PreparedStep(NamedTuple):
-    """A one-token step whose host side ran before its forward (`MaglevCache.begin_step`): which rows read a real
-    token ([B, 1] booleans; None: all)."""
+@dataclass(frozen=True)
+class PreparedStep:
+    """A forward whose host side ran before it (`MaglevCache.begin_step`): its real tokens ([B, T] booleans; None:
+    all) and its column count, already counted (read on the host only: a compiled forward takes its length from
+    its input, a dynamic size)."""
 
     valid: torch.Tensor | None
+    length: int
 
 
 class MaglevCache(SavedCache, Cache):
@@ -203,7 +207,7 @@ class MaglevCache(SavedCache, Cache):
         self.records: list | None = None  # the current forward's column records, while recording
         self.history: deque[ColumnRecord] = deque(maxlen=max_rollback)
         self.prompt_length: int | None = None  # set by assisted decoding: its first forward also carries drafts
-        self.prepared: PreparedStep | None = None  # a decode step counted before its forward, not yet run
+        self.prepared: PreparedStep | None = None  # a forward counted before it ran, until it has run
 
     @classmethod
     def over_pages(cls, config: MaglevConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
@@ -264,25 +268,24 @@ class MaglevCache(SavedCache, Cache):
             layer.records = self.records
         return StepPlan(self.positions, valid, length)
 
-    def begin_step(self, valid: torch.Tensor | None) -> None:
-        """The host side of a one-token step for every row, done before its forward so that the forward reads only
-        tensors: growing rings make room, the column is counted, the rows' real tokens (`valid` [B, 1]) are kept for
-        `take_step`. Preparing again before the forward ran replaces the earlier preparation."""
-        if self.prepared is None:
-            self.reserve(1)
-            self.seen_tokens += 1
-        self.prepared = PreparedStep(valid)
+    def begin_step(self, valid: torch.Tensor | None, length: int = 1) -> None:
+        """The host side of a forward of `length` columns (`valid` [B, length]: its real tokens), done before it so
+        that the forward reads only tensors: growing rings make room and the columns are counted. Preparing again
+        before the forward ran replaces the earlier preparation."""
+        self.cancel_step()
+        self.reserve(length)
+        self.seen_tokens += length
+        self.prepared = PreparedStep(valid, length)
 
-    def take_step(self) -> StepPlan:
-        """The plan of the prepared step (its column already counted); the preparation is used once."""
-        valid, self.prepared = self.prepared.valid, None
-        return StepPlan(self.positions, valid, 1)
+    def take_step(self, length: int) -> StepPlan:
+        """The plan of the prepared forward of `length` columns (the input's, a dynamic size when compiled)."""
+        return StepPlan(self.positions, self.prepared.valid, length)
 
     def cancel_step(self) -> None:
-        """Forget a prepared step that did not run (its column uncounted), before the cache is cropped."""
+        """Forget a prepared forward that did not run (its columns uncounted), before the cache is changed."""
         if self.prepared is not None:
+            self.seen_tokens -= self.prepared.length
             self.prepared = None
-            self.seen_tokens -= 1
 
     def rows_step(self, rows: torch.Tensor | None) -> StepPlan:
         """The plan of one token for each of rows `rows` alone (None: every row), a recurrent step of the rows with
@@ -305,7 +308,17 @@ class MaglevCache(SavedCache, Cache):
             if self.records is not None:
                 self.history.append(ColumnRecord(self.positions, self.last_memory, self.previous_embedding,
                                                  self.records[0]))
-            self.carry(plan, embeddings, memories)
+            if plan.valid is None:
+                self.positions = self.positions + 1
+                self.previous_embedding = embeddings
+                if memories is not None:
+                    self.last_memory = memories
+            else:
+                keep = plan.valid[:, :, None]
+                self.positions = self.positions + plan.valid[:, 0]
+                self.previous_embedding = torch.where(keep, embeddings, self.previous_embedding)
+                if memories is not None:
+                    self.last_memory = torch.where(keep, memories.to(self.last_memory.dtype), self.last_memory)
         else:
             previous, last = plan.predecessors()
             if self.records is not None:
@@ -321,22 +334,9 @@ class MaglevCache(SavedCache, Cache):
             if memories is not None:
                 self.last_memory = gather_columns(self.last_memory, memories, last)
             self.positions = self.positions + (plan.length if plan.valid is None else plan.valid.sum(dim=1))
-        self.seen_tokens += plan.length
-
-    def carry(self, plan: StepPlan, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
-        """The row states after a one-token step (tensors only; the column is counted by the caller): positions,
-        smear's previous embedding and the memory, kept where a row read padding."""
-        if plan.valid is None:
-            self.positions = self.positions + 1
-            self.previous_embedding = embeddings
-            if memories is not None:
-                self.last_memory = memories
-            return
-        keep = plan.valid[:, :, None]
-        self.positions = self.positions + plan.valid[:, 0]
-        self.previous_embedding = torch.where(keep, embeddings, self.previous_embedding)
-        if memories is not None:
-            self.last_memory = torch.where(keep, memories.to(self.last_memory.dtype), self.last_memory)
+        if self.prepared is None:
+            self.seen_tokens += plan.length
+        self.prepared = None  # a prepared forward's columns were counted when it was prepared
 
     # ----- Cache API --------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -435,7 +435,7 @@ class MaglevCache(SavedCache, Cache):
         self.positions, self.last_memory, self.previous_embedding = (
             None if t is None else fn(t) for t in (self.positions, self.last_memory, self.previous_embedding))
         if self.prepared is not None and self.prepared.valid is not None:
-            self.prepared = PreparedStep(fn(self.prepared.valid))
+            self.prepared = PreparedStep(fn(self.prepared.valid), self.prepared.length)
         records = list(self.history)
         self.history.clear()
         for record in records:

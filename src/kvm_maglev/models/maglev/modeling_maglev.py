@@ -637,33 +637,39 @@ class MaglevModel(MaglevPreTrainedModel):
         return torch.cat([head, draft_head], dim=1), torch.cat([memories, draft_memories], dim=1), prefiller_memories
 
     @torch.compiler.disable
-    def prepare_decode_step(self, input_ids, cache, attention_mask=None, position_ids=None) -> bool:
-        """Whether a forward of `input_ids` on `cache` is a decode step - one token per row on a cache that has read
-        tokens, in eval mode, not recording for rollback - and if so its host side, done now: the input checks,
-        the rows' real tokens and the column count go to the cache (`MaglevCache.begin_step`), so that the forward
-        reads tensors only and traces as one graph (`decode_step`). generate() runs it before each forward
-        (`MaglevForCausalLM.prepare_inputs_for_generation`); a forward given an unprepared step runs it itself."""
-        if self.training or not isinstance(cache, MaglevCache) or cache.recording or cache.seen_tokens == 0 \
-                or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] != 1:
+    def prepare_step(self, input_ids, cache, attention_mask=None, position_ids=None) -> bool:
+        """Whether a forward of `input_ids` on `cache` runs on tensors alone - a decode step (one token per row on a
+        cache that has read tokens) or a "prefiller" prompt (several tokens on an empty cache, Q reading them) - in
+        eval mode and not recording for rollback; and if so its host side, done now: the input checks, the rows'
+        real tokens and the column count go to the cache (`MaglevCache.begin_step`), so that the forward reads
+        tensors only and traces as one graph (`decode_step`, `prefill_step`). generate() runs it before each
+        forward (`MaglevForCausalLM.prepare_inputs_for_generation`); a forward not prepared runs it itself."""
+        if self.training or not isinstance(cache, MaglevCache) or cache.recording or cache.prompt_length is not None \
+                or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             return False
+        batch, length = input_ids.shape
+        decode = length == 1 and cache.seen_tokens > 0
+        if not decode and not (self.config.use_memory and self.uses_prefiller(False, cache.seen_tokens, length)):
+            return False  # other forwards take the general path (a recurrent prompt runs Python over its tokens)
         check_input_ids(input_ids, None, self.config.vocab_size, cache)
         check_cache(cache, MaglevCache, self.config)
-        batch = input_ids.shape[0]
-        cache.prepare(batch, memories_like(self), None)  # refuses another batch size
-        valid = real_tokens(attention_mask, batch, 1, cache.seen_tokens, input_ids.device)
+        if not decode and packed_documents(position_ids, attention_mask, {}, batch, length, "Maglev") is not None:
+            return False  # the general forward refuses a packed batch on a cache
+        cache.prepare(batch, memories_like(self), self.memory_init)  # new rows, or refuses another batch size
+        valid = real_tokens(attention_mask, batch, length, cache.seen_tokens, input_ids.device)
         if position_ids is not None:
             self.check_positions(position_ids, cache, valid, input_ids)
-        cache.begin_step(valid)
+        cache.begin_step(valid, length)
         return True
 
     def decode_step(self, input_ids: torch.Tensor, cache: MaglevCache,
                     output_hidden_states: bool | None = None) -> MaglevModelOutput:
-        """A prepared decode step (`prepare_decode_step`): P on one token per row fed its row's memory, the rings
-        written in place. Tensors only - no host reads, no Python over rows - so a compiled forward traces it as
-        one graph. The same computation as `recurrent` (memory off: `decode_chunk`) for one token."""
+        """A prepared decode step (`prepare_step`): P on one token per row fed its row's memory, the rings written in
+        place. Tensors only - no host reads, no Python over rows - so a compiled forward traces it as one graph.
+        The same computation as `recurrent` (memory off: `decode_chunk`) for one token."""
         config = self.config
         hidden_states = [] if config_default(output_hidden_states, config, "output_hidden_states") else None
-        plan = cache.take_step()
+        plan = cache.take_step(1)
         x0, raw = self.embed(input_ids, cache.previous_embedding, plan.valid)
         # the blocks run on [B, hidden] (one token per row): fewer reshapes around every product
         token_ids = input_ids[:, 0]
@@ -673,13 +679,31 @@ class MaglevModel(MaglevPreTrainedModel):
                                                        self.rotary_for(plan.query_positions, x0.dtype),
                                                        hidden_states=hidden_states))
         head, memories = head[:, None], memories[:, None]
-        cache.carry(plan, raw, None if memory is None else memories)
+        cache.advance(plan, raw, None if memory is None else memories)
         if hidden_states is not None:
             hidden_states = [state[:, None] for state in hidden_states] + [head]
         return MaglevModelOutput(
             last_hidden_state=head,
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
             memories=memories if config.use_memory else None,
+            **{CACHE_NAME: cache},
+        )
+
+    def prefill_step(self, input_ids: torch.Tensor, cache: MaglevCache,
+                     output_hidden_states: bool | None = None) -> MaglevModelOutput:
+        """A prepared "prefiller" prompt (`prepare_step`): Q reads it, P runs on it in parallel (`prefill`), tensors
+        only. A compiled forward traces it as one graph while the prompt fits one query block (QUERY_BLOCK plus
+        the window; longer prompts are cut into blocks where the keys they reach are read on the host)."""
+        hidden_states = [] if config_default(output_hidden_states, self.config, "output_hidden_states") else None
+        plan = cache.take_step(input_ids.shape[1])
+        head, memories, prefiller_memories = self.prefill(input_ids, plan.valid, cache, plan, hidden_states)
+        if hidden_states is not None:
+            hidden_states.append(head)
+        return MaglevModelOutput(
+            last_hidden_state=head,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            memories=memories,
+            prefiller_memories=prefiller_memories,
             **{CACHE_NAME: cache},
         )
 
@@ -737,7 +761,8 @@ class MaglevModel(MaglevPreTrainedModel):
         """One of FORWARD_MODES, chosen by `forward_mode`: `lifted` (default: in training mode, unless
         `config.training_forward` is "recurrent") runs lifted parallel training when the prefiller is kept;
         `memory_inputs` (tests, research) runs P in parallel on the given `mu`. A decode step (one token per row
-        on a cache that has read tokens) runs `decode_step`, its host side done first (`prepare_decode_step`).
+        on a cache that has read tokens) runs `decode_step`, a "prefiller" prompt `prefill_step`, their host side
+        done first (`prepare_step`).
 
         Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
         and the model is strictly causal (right padding needs no mask). `position_ids`, when given, must be
@@ -745,12 +770,14 @@ class MaglevModel(MaglevPreTrainedModel):
         `cu_seq_lens_q`/`seq_idx`) runs each document as if alone in its row (`packed_forward`)."""
         cache = take_cache(past_key_values, kwargs.pop("cache", None))
         refuse_attention_weights(output_attentions, self.config, MAGLEV_NO_WEIGHTS)
-        # a decode step, prepared by generate() or here, runs tensors only (one graph when compiled)
-        if isinstance(cache, MaglevCache) and cache.prepared is not None:
-            return self.decode_step(input_ids, cache, output_hidden_states)
-        plain = use_cache is not False and memory_inputs is None and inputs_embeds is None and not lifted
-        if plain and not self.training and self.prepare_decode_step(input_ids, cache, attention_mask, position_ids):
-            return self.decode_step(input_ids, cache, output_hidden_states)
+        # a decode step or a "prefiller" prompt, prepared by generate() or here, runs tensors only (one graph when
+        # compiled)
+        plain = use_cache is not False and memory_inputs is None and inputs_embeds is None and not lifted \
+            and not boundary_kwargs(kwargs)
+        if isinstance(cache, MaglevCache) and cache.prepared is not None or plain and not self.training \
+                and self.prepare_step(input_ids, cache, attention_mask, position_ids):
+            step = self.decode_step if input_ids.shape[1] == 1 else self.prefill_step
+            return step(input_ids, cache, output_hidden_states)
         documents = packed_documents(position_ids, attention_mask, kwargs, *input_ids.shape[:2], "Maglev") \
             if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
         if documents is not None:
@@ -1050,13 +1077,13 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, cache=None, past_key_values=None,
                                       **kwargs) -> dict:
         """transformers' inputs for the next forward; a decode step's host side runs here, before the forward
-        (`MaglevModel.prepare_decode_step`), so that a compiled forward traces the step as one graph. The cache
+        (`MaglevModel.prepare_step`), so that a compiled forward traces the step as one graph. The cache
         is named in the signature, as generate() checks its arguments against it (`cache` from 5.24 on)."""
         caches = {"cache": cache, "past_key_values": past_key_values}
         inputs = super().prepare_inputs_for_generation(
             input_ids, *args, **{name: value for name, value in caches.items() if value is not None}, **kwargs)
         if inputs.get("inputs_embeds") is None:
-            self.model.prepare_decode_step(inputs["input_ids"], inputs.get(GENERATE_CACHE_KWARG),
+            self.model.prepare_step(inputs["input_ids"], inputs.get(GENERATE_CACHE_KWARG),
                                            inputs.get("attention_mask"), inputs.get("position_ids"))
         return inputs
 
