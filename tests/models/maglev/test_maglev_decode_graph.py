@@ -110,7 +110,7 @@ def test_prepared_steps_equal_the_uncached_forward():
     torch.testing.assert_close(torch.stack(out.logits, 1), uncached[:, ids.shape[1] - 1:], rtol=1e-4, atol=1e-4)
 
 
-def test_a_step_prepared_twice_counts_once_and_crop_forgets_it():
+def test_a_step_prepared_twice_counts_once_and_is_forgotten_when_not_run():
     model = tiny_model()
     ids, mask = left_padded_prompt()
     with torch.no_grad():
@@ -118,6 +118,10 @@ def test_a_step_prepared_twice_counts_once_and_crop_forgets_it():
     assert model.model.prepare_step(token, cache)
     assert model.model.prepare_step(token, cache)
     assert cache.get_seq_length() == ids.shape[1] + 1
+    with torch.no_grad():
+        model(token, past_key_values=cache, use_cache=False)  # inputs a prepared step does not take: cancelled
+    assert cache.prepared is None and cache.get_seq_length() == ids.shape[1]
+    assert model.model.prepare_step(token, cache)
     cache.activate_past_recording()
     cache.crop(-0)
     assert cache.prepared is None and cache.get_seq_length() == ids.shape[1]

@@ -774,10 +774,13 @@ class MaglevModel(MaglevPreTrainedModel):
         # compiled)
         plain = use_cache is not False and memory_inputs is None and inputs_embeds is None and not lifted \
             and not boundary_kwargs(kwargs)
-        if isinstance(cache, MaglevCache) and cache.prepared is not None or plain and not self.training \
-                and self.prepare_step(input_ids, cache, attention_mask, position_ids):
+        prepared = isinstance(cache, MaglevCache) and cache.prepared is not None
+        if plain and (prepared or not self.training and self.prepare_step(input_ids, cache, attention_mask,
+                                                                           position_ids)):
             step = self.decode_step if input_ids.shape[1] == 1 else self.prefill_step
             return step(input_ids, cache, output_hidden_states)
+        if prepared:
+            cache.cancel_step()  # inputs a prepared step does not take: the general path counts its own columns
         documents = packed_documents(position_ids, attention_mask, kwargs, *input_ids.shape[:2], "Maglev") \
             if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
         if documents is not None:
@@ -902,9 +905,9 @@ def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
 
 @torch.compiler.disable
 def run_uncompiled(module: nn.Module, **kwargs):
-    """An inference forward of the base model outside compiled graphs, for all but prepared decode steps: a prompt
-    runs Python over its rows and tokens (the recurrent prefill), which would break into many graphs; the head
-    stays compilable."""
+    """An inference forward of the base model outside compiled graphs, for all but prepared steps (decode steps,
+    prefiller prompts): a recurrent prompt runs Python over its rows and tokens, which would break into many
+    graphs; the head stays compilable."""
     return module(**kwargs)
 
 
@@ -1022,7 +1025,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         if lifted is None:
             lifted = self.training and self.config.training_forward == "lifted"
         training = self.training or lifted
-        prepared = isinstance(cache, MaglevCache) and cache.prepared is not None  # a decode step: one graph
+        prepared = isinstance(cache, MaglevCache) and cache.prepared is not None  # a prepared step: one graph
         outputs = (self.model if training or prepared else partial(run_uncompiled, self.model))(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1076,15 +1079,15 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, cache=None, past_key_values=None,
                                       **kwargs) -> dict:
-        """transformers' inputs for the next forward; a decode step's host side runs here, before the forward
-        (`MaglevModel.prepare_step`), so that a compiled forward traces the step as one graph. The cache
-        is named in the signature, as generate() checks its arguments against it (`cache` from 5.24 on)."""
+        """transformers' inputs for the next forward; the host side of a decode step or a prefiller prompt runs here,
+        before the forward (`MaglevModel.prepare_step`), so that a compiled forward traces it as one graph. The
+        cache is named in the signature, as generate() checks its arguments against it (`cache` from 5.24 on)."""
         caches = {"cache": cache, "past_key_values": past_key_values}
         inputs = super().prepare_inputs_for_generation(
             input_ids, *args, **{name: value for name, value in caches.items() if value is not None}, **kwargs)
         if inputs.get("inputs_embeds") is None:
             self.model.prepare_step(inputs["input_ids"], inputs.get(GENERATE_CACHE_KWARG),
-                                           inputs.get("attention_mask"), inputs.get("position_ids"))
+                                    inputs.get("attention_mask"), inputs.get("position_ids"))
         return inputs
 
     def _assisted_decoding(self, input_ids: torch.LongTensor, *args, **model_kwargs):
