@@ -7,6 +7,7 @@ so that `crop` rolls the cache back exactly.
 """
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -102,6 +103,8 @@ class MaglevCacheLayer(RowStorage):
         """Write one column [B, H, D] into each row's slot (padding rows keep theirs); remember the old slot when
         recording."""
         rows = plan.rows
+        if rows is None and self.index is None:  # every row of dense rings: one row index per step, for all layers
+            rows = plan.mask(("rows",), lambda: torch.arange(k.shape[0], device=k.device))
         if valid is not None or record is not None:
             old_k, old_v = self.read_slots("keys", rows, slot), self.read_slots("values", rows, slot)
             if valid is not None:
@@ -165,6 +168,16 @@ class ColumnRecord(NamedTuple):
     layers: list
 
 
+@dataclass(frozen=True)
+class PreparedStep:
+    """A forward whose host side ran before it (`MaglevCache.begin_step`): its real tokens ([B, T] booleans; None:
+    all) and its column count, already counted (read on the host only: a compiled forward takes its length from
+    its input, a dynamic size)."""
+
+    valid: torch.Tensor | None
+    length: int
+
+
 class MaglevCache(SavedCache, Cache):
     """Cache of a Maglev decoder: per layer the keys/values its window still needs (memory already
     injected), per row its position, last memory vector and smear's previous-token embedding.
@@ -194,6 +207,7 @@ class MaglevCache(SavedCache, Cache):
         self.records: list | None = None  # the current forward's column records, while recording
         self.history: deque[ColumnRecord] = deque(maxlen=max_rollback)
         self.prompt_length: int | None = None  # set by assisted decoding: its first forward also carries drafts
+        self.prepared: PreparedStep | None = None  # a forward counted before it ran, until it has run
 
     @classmethod
     def over_pages(cls, config: MaglevConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
@@ -254,6 +268,25 @@ class MaglevCache(SavedCache, Cache):
             layer.records = self.records
         return StepPlan(self.positions, valid, length)
 
+    def begin_step(self, valid: torch.Tensor | None, length: int = 1) -> None:
+        """The host side of a forward of `length` columns (`valid` [B, length]: its real tokens), done before it so
+        that the forward reads only tensors: growing rings make room and the columns are counted. Preparing again
+        before the forward ran replaces the earlier preparation."""
+        self.cancel_step()
+        self.reserve(length)
+        self.seen_tokens += length
+        self.prepared = PreparedStep(valid, length)
+
+    def take_step(self, length: int) -> StepPlan:
+        """The plan of the prepared forward of `length` columns (the input's, a dynamic size when compiled)."""
+        return StepPlan(self.positions, self.prepared.valid, length)
+
+    def cancel_step(self) -> None:
+        """Forget a prepared forward that did not run (its columns uncounted), before the cache is changed."""
+        if self.prepared is not None:
+            self.seen_tokens -= self.prepared.length
+            self.prepared = None
+
     def rows_step(self, rows: torch.Tensor | None) -> StepPlan:
         """The plan of one token for each of rows `rows` alone (None: every row), a recurrent step of the rows with
         tokens left."""
@@ -301,7 +334,9 @@ class MaglevCache(SavedCache, Cache):
             if memories is not None:
                 self.last_memory = gather_columns(self.last_memory, memories, last)
             self.positions = self.positions + (plan.length if plan.valid is None else plan.valid.sum(dim=1))
-        self.seen_tokens += plan.length
+        if self.prepared is None:
+            self.seen_tokens += plan.length
+        self.prepared = None  # a prepared forward's columns were counted when it was prepared
 
     # ----- Cache API --------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -313,9 +348,50 @@ class MaglevCache(SavedCache, Cache):
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        raise NotImplementedError("MaglevCache builds its own masks (a ring of window keys per layer, a position "
+                                  "per row), so transformers' mask sizes do not describe it")
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether the rows carry state from earlier forwards (the memory, smear's embedding, the rings)."""
+        return self.seen_tokens > 0
+
     @property
     def is_compileable(self) -> bool:
+        """False: transformers' generate() would then compile its own decode forward on CUDA (CUDA graphs, its
+        4D masks), which Maglev has not been run under. Prepared decode steps do trace as one graph: compile
+        `model.forward` (docs/serving.md, "Maglev decode step as one graph")."""
         return False
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the rows exist (the first forward makes them: each row's memory starts at the model's
+        `memory_init`)."""
+        return self.positions is not None
+
+    def early_initialization(self, *args, **kwargs) -> None:
+        raise NotImplementedError("MaglevCache starts its rows on the first forward: each row's memory starts at "
+                                  "the model's learned memory_init, which the cache does not hold")
+
+    @property
+    def max_batch_size(self) -> int:
+        """The rows the cache holds, fixed by its first forward (-1 before)."""
+        return self.batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        """-1: no maximum length (the rings bound the cache's size, not the number of tokens read)."""
+        return -1
+
+    def increase_count(self, layer_idx: int, state_idx: int) -> None:
+        raise NotImplementedError("MaglevCache has no convolution states to count: the model counts its columns")
+
+    def offload(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        raise NotImplementedError("MaglevCache does not support offloading: its rings hold one window of keys and "
+                                  "values per layer and stay on the model's device")
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        raise NotImplementedError("MaglevCache does not support offloading, so there is nothing to prefetch")
 
     @property
     def is_croppable(self) -> bool:
@@ -358,6 +434,8 @@ class MaglevCache(SavedCache, Cache):
             store.map_rows(fn)
         self.positions, self.last_memory, self.previous_embedding = (
             None if t is None else fn(t) for t in (self.positions, self.last_memory, self.previous_embedding))
+        if self.prepared is not None and self.prepared.valid is not None:
+            self.prepared = PreparedStep(fn(self.prepared.valid), self.prepared.length)
         records = list(self.history)
         self.history.clear()
         for record in records:
@@ -388,6 +466,7 @@ class MaglevCache(SavedCache, Cache):
         Exact: every window slot, memory, smear carry and position returns to its earlier value. Needs
         recording (activate_past_recording) since before those columns were read.
         """
+        self.cancel_step()
         remove = -max_length if max_length <= 0 else self.seen_tokens - max_length
         if remove <= 0:
             return

@@ -103,18 +103,20 @@ def inverse_frequencies(config: MaglevConfig, device: torch.device) -> torch.Ten
 
 
 def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin of shape [B, T, 1, head_dim/2] for per-row positions [B, T], in float32 like nanochat, then cast.
+    """The rotation at positions [B, T] as two [B, T, 1, head_dim] tables for
+    `apply_rotary`: (cos, cos) and (sin, -sin) over the two channel halves, in float32 like nanochat, then cast.
 
     Computed on the fly, so positions have no upper limit."""
-    freqs = positions.to(torch.float32)[..., None] * inv_freq
-    return freqs.cos().to(dtype)[:, :, None, :], freqs.sin().to(dtype)[:, :, None, :]
+    freqs = positions.to(torch.float32)[:, :, None, None] * inv_freq
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, -sin], dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """nanochat's rotation of the two channel halves (x: [B, T, H, D])."""
+    """nanochat's rotation of the two channel halves x1, x2 (x: [..., H, D]): (x1 cos + x2 sin, x2 cos - x1 sin),
+    as whole-width products with the halves swapped (the same roundings, fewer operations per layer)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
@@ -139,17 +141,22 @@ def block_mask(plan: StepPlan, left: int, block: tuple[int, int, int]) -> torch.
 
 
 def windowed_attention(plan: StepPlan, q, k, v, left: int, eager: bool, prefix_mask=None, prefix=None) -> torch.Tensor:
-    """Attention of the chunk's queries over `prefix` keys/values (a ring, with `prefix_mask(begin, end)`) and
-    the chunk's own keys within `left`, block by block of queries (`eager`: as explicit products)."""
+    """Attention of the chunk's queries over `prefix` keys/values (a ring; `prefix_mask(block)` masks a block's
+    queries over the ring and the chunk's keys) and the chunk's own keys within `left`, block by block of queries
+    (`eager`: as explicit products)."""
     outputs = []
     for block in plan.query_blocks(left, QUERY_BLOCK):
         lo, begin, end = block
-        mask = block_mask(plan, left, block)
-        keys, values = k[:, :, lo:end], v[:, :, lo:end]
-        if prefix is not None:
-            mask = torch.cat([prefix_mask(begin, end), mask], dim=-1)
+        if (lo, begin, end) == (0, 0, plan.length):  # one block (a short chunk, a decode step): nothing to cut
+            block_q, keys, values = q, k, v
+        else:
+            block_q, keys, values = q[:, :, begin:end], k[:, :, lo:end], v[:, :, lo:end]
+        if prefix is None:
+            mask = block_mask(plan, left, block)
+        else:
+            mask = prefix_mask(block)
             keys, values = torch.cat([prefix[0], keys], dim=2), torch.cat([prefix[1], values], dim=2)
-        outputs.append(attention(q[:, :, begin:end], keys, values, mask, eager))
+        outputs.append(attention(block_q, keys, values, mask, eager))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
@@ -191,26 +198,29 @@ class MaglevAttention(nn.Module):
                                          "zeros")
 
     def forward(self, x, value_embedding, memory, rotary, window, store, plan):
-        batch, length, _ = x.shape
+        # x: [B, T, hidden] gives heads [B, T, H, D]; a decode step's [B, hidden] (one token per row) gives them
+        # as [B, H, 1, D], the layout attention reads: plain matrix products and no reshapes around them
+        step = x.ndim == 2
+        heads = (x.shape[0], -1, 1, self.head_dim) if step else (*x.shape[:-1], -1, self.head_dim)
+        axis = -3 if step else -2  # where the heads are
         # -1 heads: under tensor parallelism a rank holds only its share of them (the memory follows its K/V heads)
-        q = self.q_proj(x).view(batch, length, -1, self.head_dim)
-        k = self.k_proj(x).view(batch, length, -1, self.head_dim)
-        v = self.v_proj(x).view(batch, length, -1, self.head_dim)
+        q, k, v = self.q_proj(x).view(heads), self.k_proj(x).view(heads), self.v_proj(x).view(heads)
         if memory is not None:
             # Maglev: the previous token's memory enters keys (before rotary/QK-norm) and values.
-            gate = torch.sigmoid(self.memory_gate(x[..., : self.memory_gate_channels])).unsqueeze(-1)
-            k = k + gate * self.memory_k_proj(memory).view_as(k)
-            v = v + gate * self.memory_v_proj(memory).view_as(v)
+            gate = torch.sigmoid(self.memory_gate(x[..., : self.memory_gate_channels])).view(*k.shape[:-1], 1)
+            k = k + gate * self.memory_k_proj(memory).view(k.shape)
+            v = v + gate * self.memory_v_proj(memory).view(v.shape)
         if value_embedding is not None:
             gate = self.value_gate_scale * torch.sigmoid(self.value_gate(x[..., : self.value_gate_channels]))
             value_embedding = local_columns(value_embedding, self.v_proj.weight)  # the table is not sharded
-            v = v + gate.unsqueeze(-1) * value_embedding.view_as(v)
+            v = v + gate.view(*v.shape[:-1], 1) * value_embedding.view(v.shape)
         # rotary and QK-norm act per head: queries and keys go through them together (fewer small ops per step)
-        qk = apply_rotary(torch.cat([q, k], dim=2), *rotary)
-        q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([q.shape[2], k.shape[2]], dim=2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        qk = apply_rotary(torch.cat([q, k], dim=axis), *rotary)
+        q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([q.shape[axis], k.shape[axis]], dim=axis)
+        if not step:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = self.attend(q, k, v, window, store, plan)
-        return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
+        return self.o_proj(y.reshape(x.shape[0], -1) if step else y.transpose(1, 2).reshape(*x.shape[:-1], -1))
 
     @property
     def eager(self) -> bool:
@@ -232,11 +242,14 @@ class MaglevAttention(nn.Module):
         keys, values = ring.read_ring(k, plan.rows)
         if self.one_query_kernel and plan.length == 1:
             return one_query_attention(q, k, v, keys, values, ring.written(plan))
-        slot_positions, capacity, window = ring.slot_positions(plan), ring.capacity, ring.window
+        capacity, window = ring.capacity, ring.window
 
-        def ring_mask(begin: int, end: int) -> torch.Tensor:
-            return plan.mask(("ring", capacity, window, begin), lambda: visible_keys(
-                plan.query_positions[:, begin:end], slot_positions, window))
+        def ring_mask(block: tuple[int, int, int]) -> torch.Tensor:
+            begin, end = block[1:]
+            def build() -> torch.Tensor:
+                slots = visible_keys(plan.query_positions[:, begin:end], ring.slot_positions(plan), window)
+                return torch.cat([slots, block_mask(plan, window, block)], dim=-1)
+            return plan.mask(("ring", capacity, window, begin), build)
         return windowed_attention(plan, q, k, v, window, self.eager, ring_mask, (keys, values))
 
 
@@ -456,11 +469,12 @@ class MaglevModel(MaglevPreTrainedModel):
         gate = self.smear_lambda.to(raw.dtype) * torch.sigmoid(self.smear_gate(raw[..., :channels]))
         return raw + gate * predecessors, raw
 
-    def rotary_for(self, plan: StepPlan, dtype: torch.dtype):
-        device = plan.start.device
+    def rotary_for(self, positions: torch.Tensor, dtype: torch.dtype):
+        """Rotary tables at `positions` [B, T]."""
+        device = positions.device
         if self._inv_freq is None or self._inv_freq.device != device:
             self._inv_freq = inverse_frequencies(self.config, device)
-        return rotary_tables(self._inv_freq, plan.query_positions, dtype)
+        return rotary_tables(self._inv_freq, positions, dtype)
 
     def value_embeddings_for(self, input_ids: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor | None]:
         """Per layer, the value embeddings of the tokens (None where the layer has none)."""
@@ -511,7 +525,7 @@ class MaglevModel(MaglevPreTrainedModel):
         previous = None if cache is None else cache.previous_embedding
         x0, raw = self.embed(input_ids, previous, plan.valid)
         values = self.value_embeddings_for(input_ids, x0.dtype)
-        rotary = self.rotary_for(plan, x0.dtype)
+        rotary = self.rotary_for(plan.query_positions, x0.dtype)
         head, memories = self.read_out(*self.run_stack(x0, values, memory, cache, plan, rotary,
                                                        hidden_states=hidden_states))
         if cache is not None:
@@ -523,8 +537,8 @@ class MaglevModel(MaglevPreTrainedModel):
         plan = StepPlan(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
         x0, _ = self.embed(input_ids, None, valid)
         values = self.value_embeddings_for(input_ids, x0.dtype)
-        _, memories = self.read_out(*self.run_stack(x0, values, None, None, plan, self.rotary_for(plan, x0.dtype),
-                                                    prefiller=True))
+        rotary = self.rotary_for(plan.query_positions, x0.dtype)
+        _, memories = self.read_out(*self.run_stack(x0, values, None, None, plan, rotary, prefiller=True))
         return memories
 
     def shifted_memories(self, memories: torch.Tensor, first: torch.Tensor | None,
@@ -551,7 +565,7 @@ class MaglevModel(MaglevPreTrainedModel):
         if valid is not None and length > 1 and not cache.recording:
             return self.recurrent_rows(x0, raw, values, cache, valid, hidden_states)
         whole = cache.step_context(valid, 1) if length == 1 else StepPlan(cache.positions, valid, length)
-        rotary = self.rotary_for(whole, x0.dtype)
+        rotary = self.rotary_for(whole.query_positions, x0.dtype)
         heads, outputs, per_step = [], [], []
         for t in range(length):
             step = (lambda tensor: tensor) if length == 1 else (lambda tensor: tensor[:, t:t + 1])
@@ -576,9 +590,7 @@ class MaglevModel(MaglevPreTrainedModel):
         tokens = RowTokens.from_batch(cache.positions.tolist(), valid, batch, length, x0.device)
         x0, raw = tokens.flatten(x0), tokens.flatten(raw)
         values = [None if v is None else tokens.flatten(v) for v in values]
-        if self._inv_freq is None or self._inv_freq.device != x0.device:
-            self._inv_freq = inverse_frequencies(self.config, x0.device)
-        cos, sin = rotary_tables(self._inv_freq, tokens.position[:, None], x0.dtype)
+        cos, sin = self.rotary_for(tokens.position[:, None], x0.dtype)
         heads, memories = torch.zeros_like(x0), torch.zeros_like(x0)
         states = None if hidden_states is None else [torch.zeros_like(x0) for _ in range(len(self.layers))]
         cache.reserve(length)
@@ -623,6 +635,77 @@ class MaglevModel(MaglevPreTrainedModel):
         if hidden_states is not None:
             hidden_states.extend(torch.cat(pair, dim=1) for pair in zip(prompt_states, draft_states))
         return torch.cat([head, draft_head], dim=1), torch.cat([memories, draft_memories], dim=1), prefiller_memories
+
+    @torch.compiler.disable
+    def prepare_step(self, input_ids, cache, attention_mask=None, position_ids=None) -> bool:
+        """Whether a forward of `input_ids` on `cache` runs on tensors alone - a decode step (one token per row on a
+        cache that has read tokens) or a "prefiller" prompt (several tokens on an empty cache, Q reading them) - in
+        eval mode and not recording for rollback; and if so its host side, done now: the input checks, the rows'
+        real tokens and the column count go to the cache (`MaglevCache.begin_step`), so that the forward reads
+        tensors only and traces as one graph (`decode_step`, `prefill_step`). generate() runs it before each
+        forward (`MaglevForCausalLM.prepare_inputs_for_generation`); a forward not prepared runs it itself."""
+        if self.training or not isinstance(cache, MaglevCache) or cache.recording or cache.prompt_length is not None \
+                or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            return False
+        batch, length = input_ids.shape
+        decode = length == 1 and cache.seen_tokens > 0
+        if not decode and not (self.config.use_memory and self.uses_prefiller(False, cache.seen_tokens, length)):
+            return False  # other forwards take the general path (a recurrent prompt runs Python over its tokens)
+        check_input_ids(input_ids, None, self.config.vocab_size, cache)
+        check_cache(cache, MaglevCache, self.config)
+        if not decode and packed_documents(position_ids, attention_mask, {}, batch, length, "Maglev") is not None:
+            return False  # the general forward refuses a packed batch on a cache
+        cache.prepare(batch, memories_like(self), self.memory_init)  # new rows, or refuses another batch size
+        valid = real_tokens(attention_mask, batch, length, cache.seen_tokens, input_ids.device)
+        if position_ids is not None:
+            self.check_positions(position_ids, cache, valid, input_ids)
+        cache.begin_step(valid, length)
+        return True
+
+    def decode_step(self, input_ids: torch.Tensor, cache: MaglevCache,
+                    output_hidden_states: bool | None = None) -> MaglevModelOutput:
+        """A prepared decode step (`prepare_step`): P on one token per row fed its row's memory, the rings written in
+        place. Tensors only - no host reads, no Python over rows - so a compiled forward traces it as one graph.
+        The same computation as `recurrent` (memory off: `decode_chunk`) for one token."""
+        config = self.config
+        hidden_states = [] if config_default(output_hidden_states, config, "output_hidden_states") else None
+        plan = cache.take_step(1)
+        x0, raw = self.embed(input_ids, cache.previous_embedding, plan.valid)
+        # the blocks run on [B, hidden] (one token per row): fewer reshapes around every product
+        token_ids = input_ids[:, 0]
+        values = self.value_embeddings_for(token_ids, x0.dtype)
+        memory = cache.last_memory[:, 0] if config.use_memory else None
+        head, memories = self.read_out(*self.run_stack(x0[:, 0], values, memory, cache, plan,
+                                                       self.rotary_for(plan.query_positions, x0.dtype),
+                                                       hidden_states=hidden_states))
+        head, memories = head[:, None], memories[:, None]
+        cache.advance(plan, raw, None if memory is None else memories)
+        if hidden_states is not None:
+            hidden_states = [state[:, None] for state in hidden_states] + [head]
+        return MaglevModelOutput(
+            last_hidden_state=head,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            memories=memories if config.use_memory else None,
+            **{CACHE_NAME: cache},
+        )
+
+    def prefill_step(self, input_ids: torch.Tensor, cache: MaglevCache,
+                     output_hidden_states: bool | None = None) -> MaglevModelOutput:
+        """A prepared "prefiller" prompt (`prepare_step`): Q reads it, P runs on it in parallel (`prefill`), tensors
+        only. A compiled forward traces it as one graph while the prompt fits one query block (QUERY_BLOCK plus
+        the window; longer prompts are cut into blocks where the keys they reach are read on the host)."""
+        hidden_states = [] if config_default(output_hidden_states, self.config, "output_hidden_states") else None
+        plan = cache.take_step(input_ids.shape[1])
+        head, memories, prefiller_memories = self.prefill(input_ids, plan.valid, cache, plan, hidden_states)
+        if hidden_states is not None:
+            hidden_states.append(head)
+        return MaglevModelOutput(
+            last_hidden_state=head,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            memories=memories,
+            prefiller_memories=prefiller_memories,
+            **{CACHE_NAME: cache},
+        )
 
     def forward_mode(self, lifted: bool | None, memory_given: bool, start: int, length: int) -> str:
         """The one place a forward's mode (FORWARD_MODES) is chosen, from the caller's switches - `lifted`
@@ -677,13 +760,27 @@ class MaglevModel(MaglevPreTrainedModel):
     ) -> MaglevModelOutput:
         """One of FORWARD_MODES, chosen by `forward_mode`: `lifted` (default: in training mode, unless
         `config.training_forward` is "recurrent") runs lifted parallel training when the prefiller is kept;
-        `memory_inputs` (tests, research) runs P in parallel on the given `mu`.
+        `memory_inputs` (tests, research) runs P in parallel on the given `mu`. A decode step (one token per row
+        on a cache that has read tokens) runs `decode_step`, a "prefiller" prompt `prefill_step`, their host side
+        done first (`prepare_step`).
 
         Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
         and the model is strictly causal (right padding needs no mask). `position_ids`, when given, must be
         the model's own (`check_positions`). A packed batch (position_ids restarting at 0, or
         `cu_seq_lens_q`/`seq_idx`) runs each document as if alone in its row (`packed_forward`)."""
         cache = take_cache(past_key_values, kwargs.pop("cache", None))
+        refuse_attention_weights(output_attentions, self.config, MAGLEV_NO_WEIGHTS)
+        # a decode step or a "prefiller" prompt, prepared by generate() or here, runs tensors only (one graph when
+        # compiled)
+        plain = use_cache is not False and memory_inputs is None and inputs_embeds is None and not lifted \
+            and not boundary_kwargs(kwargs)
+        prepared = isinstance(cache, MaglevCache) and cache.prepared is not None
+        if plain and (prepared or not self.training and self.prepare_step(input_ids, cache, attention_mask,
+                                                                           position_ids)):
+            step = self.decode_step if input_ids.shape[1] == 1 else self.prefill_step
+            return step(input_ids, cache, output_hidden_states)
+        if prepared:
+            cache.cancel_step()  # inputs a prepared step does not take: the general path counts its own columns
         documents = packed_documents(position_ids, attention_mask, kwargs, *input_ids.shape[:2], "Maglev") \
             if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
         if documents is not None:
@@ -694,7 +791,6 @@ class MaglevModel(MaglevPreTrainedModel):
         check_input_ids(input_ids, inputs_embeds, config.vocab_size, cache)
         if cache is not None:
             check_cache(cache, MaglevCache, config)
-        refuse_attention_weights(output_attentions, config, MAGLEV_NO_WEIGHTS)
         output_hidden_states = config_default(output_hidden_states, config, "output_hidden_states")
         use_cache = (config.use_cache and not self.training) if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
@@ -809,8 +905,9 @@ def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache) -> None:
 
 @torch.compiler.disable
 def run_uncompiled(module: nn.Module, **kwargs):
-    """An inference forward of the base model outside compiled graphs: traced with its cache, inductor's graphs
-    returned other logits than eager (other greedy tokens from the first one); the head stays compilable."""
+    """An inference forward of the base model outside compiled graphs, for all but prepared steps (decode steps,
+    prefiller prompts): a recurrent prompt runs Python over its rows and tokens, which would break into many
+    graphs; the head stays compilable."""
     return module(**kwargs)
 
 
@@ -928,7 +1025,8 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         if lifted is None:
             lifted = self.training and self.config.training_forward == "lifted"
         training = self.training or lifted
-        outputs = (self.model if training else partial(run_uncompiled, self.model))(
+        prepared = isinstance(cache, MaglevCache) and cache.prepared is not None  # a prepared step: one graph
+        outputs = (self.model if training or prepared else partial(run_uncompiled, self.model))(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -978,6 +1076,19 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             return consistency_loss
         supervised = (labels[..., 1:] != -100).sum()
         return consistency_loss * supervised.to(consistency_loss.dtype) / num_items_in_batch
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, cache=None, past_key_values=None,
+                                      **kwargs) -> dict:
+        """transformers' inputs for the next forward; the host side of a decode step or a prefiller prompt runs here,
+        before the forward (`MaglevModel.prepare_step`), so that a compiled forward traces it as one graph. The
+        cache is named in the signature, as generate() checks its arguments against it (`cache` from 5.24 on)."""
+        caches = {"cache": cache, "past_key_values": past_key_values}
+        inputs = super().prepare_inputs_for_generation(
+            input_ids, *args, **{name: value for name, value in caches.items() if value is not None}, **kwargs)
+        if inputs.get("inputs_embeds") is None:
+            self.model.prepare_step(inputs["input_ids"], inputs.get(GENERATE_CACHE_KWARG),
+                                    inputs.get("attention_mask"), inputs.get("position_ids"))
+        return inputs
 
     def _assisted_decoding(self, input_ids: torch.LongTensor, *args, **model_kwargs):
         """transformers' assisted decoding, whose first forward reads the prompt and the first drafts together:
