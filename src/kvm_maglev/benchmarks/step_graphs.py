@@ -1,8 +1,10 @@
 """One cached decode step under generate()'s cache, seen the way a compiler and a GPU see it: dynamo's graphs and
-graph breaks, the aten calls an eager step makes (each one a kernel launch on a GPU), and the median time of an
-eager and a `torch.compile`d step after a prompt.
+graph breaks, the aten calls an eager step makes (each one a kernel launch on a GPU: leaf calls under a
+TorchDispatchMode, and the profiler's aten events, nested ones included), and the median time (wall and the
+process's CPU time) of an eager and a `torch.compile`d step after a prompt.
 
     python -m kvm_maglev.benchmarks.step_graphs --context 4096 --out docs/bench_step_graphs.json
+    PYTHONPATH=<older checkout>/src python src/kvm_maglev/benchmarks/step_graphs.py ...  # runnable as a file
 
 Models: the serving benchmark's shape (hidden 256, 4 layers, 4 query / 2 key-value heads, vocabulary 4096, float32,
 random weights): KVM with KVMConfig's defaults (chunks of 256, a 2-chunk window, a fixed 256-slot state), Maglev
@@ -20,37 +22,43 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationMixin
 
 from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
 
 NEXT_LENGTH = "next_sequence_length" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
-SHAPE = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
-WINDOW = 128
+# the serving benchmark's shape (KVM: chunks of 256, a 2-chunk window, a 256-slot state; windows of 128), and a tiny one
+SHAPES = {"serving": (dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2), 128, {}),
+          "tiny": (dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2), 8, dict(chunk_size=4, state_budget_min=4))}
+MODELS = ("kvm", "maglev", "llama", "mistral")
 
 
-def build(name: str) -> torch.nn.Module:
-    """A random-weight model of the serving benchmark's shape."""
+def build(name: str, shape: str = "serving") -> torch.nn.Module:
+    """A random-weight model of one of SHAPES."""
+    fields, window, kvm_fields = SHAPES[shape]
     torch.manual_seed(0)
     if name == "kvm":
         from kvm_maglev import KVMConfig, KVMForCausalLM
 
-        return KVMForCausalLM(KVMConfig(**SHAPE)).eval()
+        return KVMForCausalLM(KVMConfig(**fields, **kvm_fields)).eval()
     if name == "maglev":
         from kvm_maglev import MaglevConfig, MaglevForCausalLM
 
-        return MaglevForCausalLM(MaglevConfig(**SHAPE, sliding_window=WINDOW, has_prefiller=False,
+        return MaglevForCausalLM(MaglevConfig(**fields, sliding_window=window, has_prefiller=False,
                                               max_position_embeddings=1 << 16)).eval()
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    common = dict(SHAPE, intermediate_size=4 * SHAPE["hidden_size"], max_position_embeddings=1 << 16,
+    common = dict(fields, intermediate_size=4 * fields["hidden_size"], max_position_embeddings=1 << 16,
                   tie_word_embeddings=False, attn_implementation="sdpa")
     if name == "llama":
         return LlamaForCausalLM(LlamaConfig(**common)).eval()
     if name == "mistral":
-        return MistralForCausalLM(MistralConfig(**common, sliding_window=WINDOW)).eval()
-    raise ValueError(f"unknown model {name!r}: one of kvm, maglev, llama, mistral")
+        return MistralForCausalLM(MistralConfig(**common, sliding_window=window)).eval()
+    raise ValueError(f"unknown model {name!r}: one of {', '.join(MODELS)}")
 
 
 def new_cache(model: torch.nn.Module):
@@ -107,11 +115,15 @@ class CountCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def aten_calls(loop: DecodeLoop) -> int:
-    """aten calls of one eager decode step (the forward and what generate() prepares for it)."""
+def aten_calls(loop: DecodeLoop) -> dict:
+    """aten calls of eager decode steps (the forward and what generate() prepares for it): leaf calls, and the
+    profiler's aten events of the next step (nested calls counted too)."""
     with CountCalls() as counter:
         loop.step()
-    return counter.calls
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        loop.step()
+    return {"dispatched": counter.calls,
+            "profiler_events": sum(1 for event in profiler.events() if event.name.startswith("aten::"))}
 
 
 def graph_breaks(loop: DecodeLoop) -> dict:
@@ -126,34 +138,37 @@ def graph_breaks(loop: DecodeLoop) -> dict:
             "reasons": sorted({str(reason.reason).splitlines()[0][:160] for reason in explained.break_reasons})}
 
 
-def median_step_ms(loop: DecodeLoop, forward: Callable | None, steps: int) -> float:
-    times = []
+def median_step_ms(loop: DecodeLoop, forward: Callable | None, steps: int) -> dict:
+    """Median wall and CPU (this process's: other jobs move it less) milliseconds of `steps` decode steps."""
+    wall, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loop.step(forward)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return {"wall_ms": round(1000 * statistics.median(wall), 3), "cpu_ms": round(1000 * statistics.median(cpu), 3)}
 
 
-def measure(name: str, context: int, steps: int, compiled: bool) -> dict:
-    model = build(name)
+def measure(name: str, context: int, steps: int, compiled: bool, shape: str = "serving") -> dict:
+    model = build(name, shape)
     loop = DecodeLoop(model, context)
     loop.step()  # the first decode step may allocate
-    result = {"model": name, "aten_calls_eager_step": aten_calls(loop), **graph_breaks(loop)}
+    result = {"model": name, "aten_calls": aten_calls(loop), **graph_breaks(loop)}
     torch._dynamo.reset()
-    result["eager_step_ms"] = median_step_ms(loop, None, steps)
+    result["eager_step"] = median_step_ms(loop, None, steps)
     if compiled:
         forward = torch.compile(model)
         for _ in range(3):  # compile and settle on the dynamic shapes
             loop.step(forward)
-        result["compiled_step_ms"] = median_step_ms(loop, forward, steps)
-        result["compiled_over_eager"] = result["eager_step_ms"] / result["compiled_step_ms"]
+        result["compiled_step"] = median_step_ms(loop, forward, steps)
+        result["compiled_over_eager_cpu"] = round(result["eager_step"]["cpu_ms"] / result["compiled_step"]["cpu_ms"], 3)
     return result
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["kvm", "maglev", "llama", "mistral"])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="serving")
     parser.add_argument("--context", type=int, default=4096, help="prompt tokens before the measured steps")
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed per arm (median)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile arm")
@@ -161,12 +176,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    results = [measure(name, args.context, args.steps, not args.no_compile) for name in args.models]
+    results = [measure(name, args.context, args.steps, not args.no_compile, args.shape) for name in args.models]
     for result in results:
         print(json.dumps(result))
     if args.out:
+        import kvm_maglev
+
         payload = {"command": "python -m kvm_maglev.benchmarks.step_graphs " + " ".join(argv or sys.argv[1:]),
-                   "torch": torch.__version__, "threads": args.threads, "context": args.context, "results": results}
+                   "package": kvm_maglev.__file__, "torch": torch.__version__, "threads": args.threads,
+                   "context": args.context, "shape": args.shape, "results": results}
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump(payload, handle, indent=1)
     return results
