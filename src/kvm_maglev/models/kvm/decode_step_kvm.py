@@ -32,7 +32,9 @@ class DecodeStep:
     """Where each of a decoding step's rows stands, as the layers read it: position `position` [B] (tokens read
     before), storage row `rows` [B]; per kind of layer the ring slot the token takes and the ring slots it sees,
     itself included ([B, ring]); for KVM layers the state slots it reads [B] (0 in the first `window_chunks`
-    chunks) and, when some row is still in its first chunk, which rows enter their state with this token."""
+    chunks) and, when some row is still in its first chunk, which rows enter their state with this token.
+    `reach` holds how many leading slots of the state, the window ring and the sliding ring any row reads: an eager
+    step reads only those (a traced one reads the whole storage, so that its shapes do not change every step)."""
 
     position: torch.Tensor
     rows: torch.Tensor
@@ -42,6 +44,7 @@ class DecodeStep:
     first_chunk: torch.Tensor | None
     sliding_slot: torch.Tensor | None
     sliding_visible: torch.Tensor | None
+    reach: dict[str, int]
 
     @property
     def batch(self) -> int:
@@ -80,10 +83,13 @@ def decode_step(config, seen: list[int], device) -> DecodeStep:
         sliding_slot = position % size
         sliding_visible = visible_ring(position, size, position - size + 1)
     first = [p < chunk for p in seen]
+    # ring slot p % size holds position p: until a row has read a whole ring, only the leading slots are written
+    reach = {"state": max(state_slots), "window": min(config.window_size, max(seen) + 1),
+             "sliding": min(config.sliding_window_size, max(seen) + 1)}
     return DecodeStep(position, torch.arange(len(seen), device=device), position % config.window_size,
                       visible_ring(position, config.window_size, window_low),
                       torch.tensor(state_slots, dtype=torch.long, device=device),
-                      torch.tensor(first, device=device) if any(first) else None, sliding_slot, sliding_visible)
+                      torch.tensor(first, device=device) if any(first) else None, sliding_slot, sliding_visible, reach)
 
 
 # ---- before the forward: the folds this step's tokens read -------------------------------------------------
@@ -130,6 +136,20 @@ def storage_rows(cache_layer, step: DecodeStep) -> torch.Tensor:
     return step.rows if cache_layer.index is None else cache_layer.index
 
 
+def attended_storage(cache_layer, names: dict[str, str], step: DecodeStep
+                     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """The layer's tensors (`names`: tensor -> the `step.reach` entry of its slots) as the decoding attention reads
+    them: the rows' own (dense storage, or pages that are consecutive: a view, no copy), else the whole pages with
+    each row's page index; eagerly, only the slots some row reads."""
+    if cache_layer.index is None or cache_layer.run is not None:
+        page, tensors = None, [cache_layer.read(name) for name in names]
+    else:
+        page, tensors = cache_layer.index, [cache_layer.tensors[name] for name in names]
+    if torch.compiler.is_compiling():  # the whole storage: shapes that hold from step to step
+        return page, tensors
+    return page, [tensor[:, :, :step.reach[kind]] for tensor, kind in zip(tensors, names.values())]
+
+
 def decode_token_shift(x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str, step: DecodeStep) -> torch.Tensor:
     """Token shift of one token per row (x: [1, B, D]): its predecessor is the row's carry, which it replaces."""
     carry = cache_layer.tensors[f"carry.{name}"]
@@ -172,9 +192,12 @@ def decode_kvm_attention(attention, q, k, v, gate, step: DecodeStep, cache_layer
         write_slot(tensors[name], rows, step.ring_slot, values)
     if step.first_chunk is not None:
         enter_first_chunk(attention, k, v, gate, step, cache_layer)
+    page, (state_keys, state_values, window_keys, window_values) = attended_storage(
+        cache_layer, {"read_keys": "state", "read_values": "state", "window_keys": "window",
+                      "window_values": "window"}, step)
     return state_window_attention(
-        q, cache_layer.index, tensors["read_keys"], tensors["read_values"], step.state_slots,
-        tensors["window_keys"], tensors["window_values"], step.window_visible,
+        q, page, state_keys, state_values, step.state_slots, window_keys, window_values,
+        step.window_visible[:, :window_keys.shape[2]],
         attention.temperature("state_temperature"), attention.temperature("window_temperature"),
         q.shape[-1] ** -0.5)
 
@@ -186,6 +209,8 @@ def decode_sliding_attention(attention, q, k, v, step: DecodeStep, cache_layer) 
         cache_layer.tensors["window_values"]
     write_slot(keys, rows, step.sliding_slot, k)
     write_slot(values, rows, step.sliding_slot, v)
+    page, (keys, values) = attended_storage(cache_layer, {"window_keys": "sliding", "window_values": "sliding"},
+                                            step)
     return state_window_attention(
-        q, cache_layer.index, keys[:, :, :0], values[:, :, :0], step.state_slots.new_zeros(step.batch), keys, values,
-        step.sliding_visible, None, None, q.shape[-1] ** -0.5)
+        q, page, keys[:, :, :0], values[:, :, :0], step.state_slots.new_zeros(step.batch), keys, values,
+        step.sliding_visible[:, :keys.shape[2]], None, None, q.shape[-1] ** -0.5)
