@@ -15,10 +15,11 @@ Lengths are uniform integers unless said otherwise; token ids uniform over the v
 Engines (every model: hidden 256, 4 layers, 4 query / 2 key-value heads, vocabulary 4096, float32, random weights):
 - kvm, maglev: our models on vLLM (KVM: KVMConfig defaults but the shape, or `--kvm-budget power_law`; Maglev:
   sliding window 128, no prefiller);
-- maglev-prefiller: the same Maglev with its prefiller Q kept (Q runs P's blocks, nanochat's default "SSSL"
-  windows of a 32k training length) and `memory_prefill="prefiller"`: Q reads each prompt in parallel, P runs on it
-  in parallel and decodes recurrently; its token budget per step is at least max_model_len (prompts are scheduled
-  whole);
+- maglev-prefiller: the same Maglev with its prefiller Q kept (Q runs P's blocks with nanochat's default "SSSL"
+  windows: L = the training length `--prefiller-sequence-len`, by default max_model_len, so that Q's long layer sees
+  every prompt token; S = a quarter of it) and `memory_prefill="prefiller"`: Q reads each prompt in parallel, P
+  runs on it in parallel and decodes recurrently; its token budget per step is at least max_model_len (prompts are
+  scheduled whole);
 - llama, mistral: vLLM's own LlamaForCausalLM (full attention) and MistralForCausalLM (sliding window 128);
 - hf-kvm, hf-maglev: our models' `generate()` in static left-padded batches of 8 requests in submission order, each
   batch run to its longest output (`min_new_tokens = max_new_tokens`); each request counts its own output tokens.
@@ -185,8 +186,10 @@ def make_folder(kind: str, folder: Path, args) -> Path:
     elif kind in ("maglev", "maglev_prefiller"):
         from kvm_maglev import MaglevConfig, MaglevForCausalLM
 
-        prefiller = dict(has_prefiller=True, memory_prefill="prefiller") if kind == "maglev_prefiller" \
-            else dict(has_prefiller=False)
+        prefiller = dict(has_prefiller=False)
+        if kind == "maglev_prefiller":
+            prefiller = dict(has_prefiller=True, memory_prefill="prefiller",
+                             sequence_len=args.prefiller_sequence_len or args.max_model_len)
         model = MaglevForCausalLM(MaglevConfig(**shape_kwargs(args), sliding_window=args.window, **prefiller,
                                                max_position_embeddings=args.max_model_len))
     else:
@@ -459,6 +462,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--window", type=int, default=128, help="Maglev's and Mistral's sliding window")
+    parser.add_argument("--prefiller-sequence-len", type=int, default=None,
+                        help="maglev-prefiller's training length, which sets Q's windows (L = it, S = a quarter); "
+                             "default: --max-model-len")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=32768,
                         help="every vLLM engine's max_model_len; the pages are measured at it")
@@ -535,7 +541,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             versions[package] = None
     settings = {key: getattr(args, key) for key in ("engines", "workloads", "kvm_budget", "seed", "repeats",
                                                     "hidden", "layers", "heads", "kv_heads", "vocab", "window",
-                                                    "dtype", "max_model_len", "hf_batch_size", "threads")}
+                                                    "dtype", "max_model_len", "hf_batch_size", "threads",
+                                                    "prefiller_sequence_len")}
     if args.kvm_budget == "power_law":
         settings["kvm_config"] = {k: v for k, v in kvm_config_kwargs(args).items() if k.startswith("state_")}
     settings["vllm"] = vllm_settings(args)
