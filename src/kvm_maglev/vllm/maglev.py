@@ -78,13 +78,14 @@ class VllmMaglevForCausalLM(PagedStateModel):
         if self.config.memory_prefill != "prefiller":
             return [everyone]
         prompts = [row for row in everyone if step.starts[row] == 0 and step.counts[row] > 1]
-        others = [row for row in everyone if row not in set(prompts)]
+        chosen = set(prompts)
+        others = [row for row in everyone if row not in chosen]
         return [group for group in (prompts, others) if group]
 
     def run_rows(self, input_ids: torch.Tensor, step: ScheduledStep) -> torch.Tensor:
         """One forward of the model over the step's requests as rows (each its own tokens, padding after them), on a
         cache over their pages; then each request's carries back into its page. Rows that all start at position 0
-        make the model's first forward (the prefiller reads their prompts); others continue recurrently."""
+        make the model's first forward (under memory_prefill="prefiller", Q reads their prompts); others continue."""
         tokens = step.row_tokens(input_ids.device)
         width = max(step.counts)
         rows = input_ids.new_zeros(len(step.counts) * width)
