@@ -370,3 +370,15 @@ def test_random_schedules_give_generates_tokens(folder, engines):
             assert finished[index] == reference_of(prompt, new_tokens), (index, len(prompt), budget, preempt_at)
 
     check()
+
+
+def test_a_steps_requests_select_their_tokens_and_pages():
+    """`ScheduledStep.select`: a model that runs a step's requests in several forwards (Maglev's prefiller) takes
+    each group's tokens out of the flat layout, and their starts, counts and pages, in the group's order."""
+    from kvm_maglev.vllm.pages import ScheduledStep
+
+    step = ScheduledStep([0, 7, 0], [3, 1, 2], [torch.tensor([5, 8, 2]), torch.tensor([1, 0, 4])], 6)
+    part, tokens = step.select([2, 0], torch.device("cpu"))
+    assert tokens.tolist() == [4, 5, 0, 1, 2]
+    assert (part.starts, part.counts, part.total) == ([0, 0], [2, 3], 5)
+    assert [pages.tolist() for pages in part.pages] == [[2, 5], [4, 1]]
