@@ -16,7 +16,7 @@ def test_workloads_are_seeded_and_within_bounds():
             assert workload.prompt[0] <= len(request.prompt) <= workload.prompt[1], name
             assert workload.output[0] <= request.max_tokens <= workload.output[1], name
             assert all(0 <= token < 4096 for token in request.prompt)
-    assert [w.requests for w in serve.WORKLOADS.values()] == [32, 32, 16]
+    assert [w.requests for w in serve.WORKLOADS.values()] == [32, 32, 16, 8]
 
 
 def test_log_uniform_prompts_center_on_the_geometric_mean():
@@ -71,3 +71,14 @@ def test_defaults_run_everything_at_32k():
     long = serve.make_requests(serve.WORKLOADS["long"], args.seed, args.vocab)
     per_token = serve.full_attention_kv_bytes(args.layers, args.kv_heads, args.hidden // args.heads, 4, 1)
     assert serve.workload_tokens(long)["processed_tokens"] * per_token < settings["kv_cache_memory_bytes"]
+
+
+def test_prefiller_engine_gets_a_budget_of_a_whole_prompt():
+    """maglev-prefiller schedules prompts whole: its token budget per step is at least max_model_len, the other
+    engines keep vLLM's CPU default."""
+    args = serve.parse_args(["--engines", "maglev-prefiller", "maglev", "--workloads", "long-prompt"])
+    assert serve.vllm_settings(args, "maglev-prefiller")["max_num_batched_tokens"] == args.max_model_len
+    assert serve.vllm_settings(args, "maglev")["max_num_batched_tokens"] == 4096
+    assert serve.FOLDER_OF["maglev-prefiller"] == "maglev_prefiller"
+    longest = max(len(r.prompt) + r.max_tokens for r in serve.make_requests(serve.WORKLOADS["long-prompt"], 0, 4096))
+    assert longest <= args.max_model_len

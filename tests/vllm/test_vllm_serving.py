@@ -1,6 +1,6 @@
 """Both models on vLLM (the kvm_maglev.vllm plugin) against HF generate(): greedy tokens, chunked prefill and requests
 joining a running batch, preempted requests, the state pages' size, the refusals, and `vllm serve` answering a real
-HTTP client."""
+HTTP client. Maglev runs twice: recurrent prompt processing and the prefiller's (prompts scheduled whole)."""
 
 import json
 import os
@@ -21,10 +21,13 @@ import kvm_maglev
 
 from tests.vllm.folders import VOCAB, make_kvm_folder, make_maglev_folder
 
-# Maglev: window 8 keys, so rings wrap and the memory carries. KVM: chunks of 4, a window of 2 chunks, so blocks
+# Maglev: window 8 keys, so rings wrap and the memory carries; the prefiller folder has a Q of its own whose long
+# windows (16 keys back) are shorter than the longest prompts. KVM: chunks of 4, a window of 2 chunks, so blocks
 # enter the state from token 13 on (a growing state, and one beside sliding-window layers).
 MODELS = {
     "maglev": lambda folder: make_maglev_folder(folder),
+    "maglev_prefiller": lambda folder: make_maglev_folder(folder, has_prefiller=True, prefiller_shares_blocks=False,
+                                                          memory_prefill="prefiller", sequence_len=16),
     # rotary on half of each 8-wide head: state keys zero the rotary channels, so a whole-head rotary would leave
     # every state key equal and every merge a tie
     "kvm_power_law_gqa": lambda folder: make_kvm_folder(folder, "power_law", num_attention_heads=4,
@@ -36,6 +39,19 @@ NEW_TOKENS = 12
 # small engines: the state pages of a few requests, not 92% of the machine's memory
 ENGINE = dict(enforce_eager=True, max_model_len=128, max_num_seqs=8, dtype="float32",
               gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 26)
+
+
+def split_prompts(folder: Path, budget: int) -> dict:
+    """Engine arguments for a token budget per step that splits long prompts over steps (chunked prefill); a
+    prefiller folder's prompts are scheduled whole, so its budget is at least `max_model_len` and chunked prefill
+    stays off (the plugin turns it off)."""
+    if is_prefiller(folder):
+        return dict(max_num_batched_tokens=max(budget, ENGINE["max_model_len"]))
+    return dict(enable_chunked_prefill=True, max_num_batched_tokens=budget)
+
+
+def is_prefiller(folder: Path) -> bool:
+    return json.loads((folder / "config.json").read_text()).get("memory_prefill") == "prefiller"
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -87,10 +103,10 @@ def test_llm_generate_equals_hf_generate(folder, reference):
 
 def test_chunked_prefill_and_requests_joining_a_running_batch(folder, reference):
     """16 tokens per step: long prompts are read over several steps, while earlier requests decode; requests are
-    added between engine steps."""
+    added between engine steps (a prefiller folder: prompts whole, joining decoding requests)."""
     from vllm import LLM
 
-    llm = LLM(model=str(folder), **ENGINE, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    llm = LLM(model=str(folder), **ENGINE, **split_prompts(folder, 16))
     engine = llm.llm_engine
     batch = prompts(seed=1)
     finished, steps, mixed = {}, 0, False
@@ -119,10 +135,11 @@ def external_id(request) -> str:
 
 def test_preempted_requests_give_the_same_tokens(folder, reference):
     """Every running request preempted (vLLM frees its pages and recomputes it from its tokens so far) after a few
-    decoding steps, some while others are still reading their prompts."""
+    decoding steps, some while others are still reading their prompts (a prefiller folder: the recomputation reads
+    the prompt first, with Q, then the generated tokens with P)."""
     from vllm import LLM
 
-    llm = LLM(model=str(folder), **ENGINE, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    llm = LLM(model=str(folder), **ENGINE, **split_prompts(folder, 16))
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     batch = prompts(seed=2)
@@ -187,12 +204,25 @@ def test_prefix_caching_is_turned_off_and_speculative_decoding_refused(folder):
                                                               "prompt_lookup_max": 2})
 
 
-def test_prefiller_prompt_processing_is_refused(tmp_path):
+def test_prefiller_schedules_prompts_whole_and_refuses_flags_that_split_them(tmp_path):
+    """A prefiller folder: chunked prefill turned off and the plugin's scheduler installed; a token budget below
+    max_model_len, a cap on a prompt's tokens per step and another scheduler refused at start-up, each by its flag."""
     from vllm import LLM
 
-    folder = make_maglev_folder(tmp_path / "prefiller", has_prefiller=True, memory_prefill="prefiller")
-    with pytest.raises(Exception, match="memory_prefill='prefiller' is not served"):
-        LLM(model=str(folder), **ENGINE)
+    from kvm_maglev.vllm.scheduling import PromptFirstRecompute
+
+    folder = MODELS["maglev_prefiller"](tmp_path / "prefiller")
+    llm = LLM(model=str(folder), **ENGINE, enable_chunked_prefill=True)
+    assert llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill is False
+    assert isinstance(llm.llm_engine.engine_core.engine_core.scheduler, PromptFirstRecompute)
+    del llm
+    refused = {"--max-num-batched-tokens": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
+               "--long-prefill-token-threshold": dict(long_prefill_token_threshold=32),
+               "--max-num-scheduled-tokens": dict(max_num_scheduled_tokens=64),
+               "--scheduler-cls": dict(scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler")}
+    for flag, arguments in refused.items():
+        with pytest.raises(Exception, match=f"memory_prefill='prefiller' reads each prompt whole.*{flag}"):
+            LLM(model=str(folder), **ENGINE, **arguments)
 
 
 def free_port() -> int:
@@ -207,7 +237,7 @@ def post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-@pytest.mark.parametrize("model_name", ["maglev", "kvm_saturation_sliding"])  # a server start is ~1 min on 2 cores
+@pytest.mark.parametrize("model_name", ["maglev", "maglev_prefiller", "kvm_saturation_sliding"])  # ~1 min each
 def test_vllm_serve_answers_completions(model_name, tmp_path):
     from transformers import AutoTokenizer
 
@@ -277,17 +307,19 @@ def test_hub_folders_built_by_the_converter_serve_the_same_tokens(kept, tmp_path
 
 @pytest.fixture(scope="module")
 def engines(folder):
-    """Engines of the folder with chunked prefill under a token budget per step, made once per budget, at vLLM's
-    default of compiling the model (KVM's forward traced whole, split at its state operators; Maglev runs eager)."""
+    """Engines of the folder under a token budget per step (`split_prompts`), made once per engine arguments, at
+    vLLM's default of compiling the model (KVM's forward traced whole, split at its state operators; Maglev runs
+    eager)."""
     from vllm import LLM
 
     made = {}
 
     def engine(budget: int):
-        if budget not in made:
-            made[budget] = LLM(model=str(folder), **(ENGINE | dict(enforce_eager=False)), enable_chunked_prefill=True,
-                               max_num_batched_tokens=budget).llm_engine
-        return made[budget]
+        arguments = split_prompts(folder, budget)
+        key = tuple(sorted(arguments.items()))
+        if key not in made:
+            made[key] = LLM(model=str(folder), **(ENGINE | dict(enforce_eager=False)), **arguments).llm_engine
+        return made[key]
     yield engine
     made.clear()
 
@@ -313,9 +345,10 @@ def run_schedule(engine, requests: list, preempt_at: set[int], name: str) -> dic
 
 
 def test_random_schedules_give_generates_tokens(folder, engines):
-    """Property, on compiled engines: whatever the schedule - requests arriving at random steps, prompts across chunk and window
-    boundaries, token budgets that split prompts over steps, preemption of every running request at random steps
-    - each request's greedy tokens equal one uninterrupted generate() of its prompt."""
+    """Property, on compiled engines: whatever the schedule - requests arriving at random steps, prompts across
+    chunk and window boundaries, token budgets that split prompts over steps (a prefiller folder: prompts whole,
+    waiting for room in the step), preemption of every running request at random steps - each request's greedy
+    tokens equal one uninterrupted generate() of its prompt."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
@@ -341,3 +374,15 @@ def test_random_schedules_give_generates_tokens(folder, engines):
             assert finished[index] == reference_of(prompt, new_tokens), (index, len(prompt), budget, preempt_at)
 
     check()
+
+
+def test_a_steps_requests_select_their_tokens_and_pages():
+    """`ScheduledStep.select`: a model that runs a step's requests in several forwards (Maglev's prefiller) takes
+    each group's tokens out of the flat layout, and their starts, counts and pages, in the group's order."""
+    from kvm_maglev.vllm.pages import ScheduledStep
+
+    step = ScheduledStep([0, 7, 0], [3, 1, 2], [torch.tensor([5, 8, 2]), torch.tensor([1, 0, 4])], 6)
+    part, tokens = step.select([2, 0], torch.device("cpu"))
+    assert tokens.tolist() == [4, 5, 0, 1, 2]
+    assert (part.starts, part.counts, part.total) == ([0, 0], [2, 3], 5)
+    assert [pages.tolist() for pages in part.pages] == [[2, 5], [4, 1]]

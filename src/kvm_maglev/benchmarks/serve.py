@@ -1,19 +1,25 @@
 """Serving benchmark: our models on vLLM (the kvm_maglev.vllm plugin) against vLLM's own Llama and Mistral of the
-same shape and against HF `generate()` in static batches, on three seeded workloads.
+same shape and against HF `generate()` in static batches, on seeded workloads.
 
     python -m kvm_maglev.benchmarks.serve --out docs/bench_serve.json
     python -m kvm_maglev.benchmarks.serve --workloads mixed --engines kvm llama --kvm-budget power_law
+    python -m kvm_maglev.benchmarks.serve --workloads long-prompt --engines maglev-prefiller maglev llama
 
 Workloads (every request submitted at once, fixed output lengths: `ignore_eos`, greedy):
 - mixed: 32 requests, prompts log-uniform 16-1024 tokens, outputs 16-96;
 - decode-heavy: 32 requests, prompts 16-64, outputs 128-256;
 - long: 16 requests, prompts 2048-4096, outputs 32-64;
-- very-long: 8 requests, prompts 8192-16384, outputs 64-128.
+- long-prompt: 8 requests, prompts 8192-16384, outputs 64-128 (prompt processing dominates).
 Lengths are uniform integers unless said otherwise; token ids uniform over the vocabulary; one seed (`--seed`).
 
 Engines (every model: hidden 256, 4 layers, 4 query / 2 key-value heads, vocabulary 4096, float32, random weights):
 - kvm, maglev: our models on vLLM (KVM: KVMConfig defaults but the shape, or `--kvm-budget power_law`; Maglev:
   sliding window 128, no prefiller);
+- maglev-prefiller: the same Maglev with its prefiller Q kept (Q runs P's blocks with nanochat's default "SSSL"
+  windows: L = the training length `--prefiller-sequence-len`, by default max_model_len, so that Q's long layer sees
+  every prompt token; S = a quarter of it) and `memory_prefill="prefiller"`: Q reads each prompt in parallel, P
+  runs on it in parallel and decodes recurrently; its token budget per step is at least max_model_len (prompts are
+  scheduled whole);
 - llama, mistral: vLLM's own LlamaForCausalLM (full attention) and MistralForCausalLM (sliding window 128);
 - hf-kvm, hf-maglev: our models' `generate()` in static left-padded batches of 8 requests in submission order, each
   batch run to its longest output (`min_new_tokens = max_new_tokens`); each request counts its own output tokens.
@@ -43,14 +49,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-VLLM_ENGINES = ("kvm", "maglev", "llama", "mistral")
+VLLM_ENGINES = ("kvm", "maglev", "maglev-prefiller", "llama", "mistral")
+STATE_PAGE_ENGINES = ("kvm", "maglev", "maglev-prefiller")  # our models on vLLM, whose state pages are measured
 HF_ENGINES = ("hf-kvm", "hf-maglev")
 ENGINES = VLLM_ENGINES + HF_ENGINES
+# what a run without --engines / --workloads measures; the prefiller and its long-prompt workload are asked for by name
+DEFAULT_ENGINES = ("kvm", "maglev", "llama", "mistral") + HF_ENGINES
+DEFAULT_WORKLOADS = ("mixed", "decode-heavy", "long")
 # ratios of output tokens/s (the same as of processed tokens/s: every engine serves the same requests)
 RATIOS = (("kvm", "llama"), ("kvm", "mistral"), ("kvm", "hf-kvm"), ("maglev", "mistral"), ("maglev", "llama"),
-          ("maglev", "hf-maglev"))
-FOLDER_OF = {"kvm": "kvm", "hf-kvm": "kvm", "maglev": "maglev", "hf-maglev": "maglev", "llama": "llama",
-             "mistral": "mistral"}
+          ("maglev", "hf-maglev"), ("maglev-prefiller", "maglev"), ("maglev-prefiller", "llama"))
+FOLDER_OF = {"kvm": "kvm", "hf-kvm": "kvm", "maglev": "maglev", "hf-maglev": "maglev",
+             "maglev-prefiller": "maglev_prefiller", "llama": "llama", "mistral": "mistral"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,7 @@ WORKLOADS = {
     "mixed": Workload("mixed", 32, (16, 1024), (16, 96), "log-uniform"),
     "decode-heavy": Workload("decode-heavy", 32, (16, 64), (128, 256)),
     "long": Workload("long", 16, (2048, 4096), (32, 64)),
-    "very-long": Workload("very-long", 8, (8192, 16384), (64, 128)),
+    "long-prompt": Workload("long-prompt", 8, (8192, 16384), (64, 128)),
 }
 
 
@@ -173,11 +183,15 @@ def make_folder(kind: str, folder: Path, args) -> Path:
         from kvm_maglev import KVMConfig, KVMForCausalLM
 
         model = KVMForCausalLM(KVMConfig(**kvm_config_kwargs(args)))
-    elif kind == "maglev":
+    elif kind in ("maglev", "maglev_prefiller"):
         from kvm_maglev import MaglevConfig, MaglevForCausalLM
 
-        model = MaglevForCausalLM(MaglevConfig(**shape_kwargs(args), sliding_window=args.window,
-                                               has_prefiller=False, max_position_embeddings=args.max_model_len))
+        prefiller = dict(has_prefiller=False)
+        if kind == "maglev_prefiller":
+            prefiller = dict(has_prefiller=True, memory_prefill="prefiller",
+                             sequence_len=args.prefiller_sequence_len or args.max_model_len)
+        model = MaglevForCausalLM(MaglevConfig(**shape_kwargs(args), sliding_window=args.window, **prefiller,
+                                               max_position_embeddings=args.max_model_len))
     else:
         from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -263,7 +277,7 @@ def run_vllm(job: dict) -> dict:
         print(f"[{engine}] {name}: {results[name]['output_tokens_per_s']:.1f} output tok/s, "
               f"{results[name]['wall_s']:.2f} s", flush=True)
     report = {"results": results, "engine_settings": engine_settings(llm)}
-    if engine in ("kvm", "maglev"):
+    if engine in STATE_PAGE_ENGINES:
         layers = state_page_bytes(llm)
         config = llm.llm_engine.model_config.hf_config
         import torch
@@ -336,12 +350,16 @@ def run_job(job: dict) -> dict:
 # ---- the whole run ---------------------------------------------------------------------------------------------
 
 
-def vllm_settings(args) -> dict:
+def vllm_settings(args, engine: str | None = None) -> dict:
     """Engine keywords every vLLM engine gets: all requests of a workload run at once (max_num_seqs 32, a KV budget
     that holds every request of the largest workload in full for Llama), prefix caching off for every engine as our
-    models have it, vLLM's default compilation unless `--enforce-eager`."""
+    models have it, vLLM's default compilation unless `--enforce-eager`. The prefiller's engine schedules prompts
+    whole, so its token budget per step is at least max_model_len (the plugin refuses less)."""
+    budget = args.max_num_batched_tokens
+    if engine == "maglev-prefiller":
+        budget = max(budget, args.max_model_len)
     return dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                max_num_batched_tokens=budget, dtype=args.dtype,
                 gpu_memory_utilization=0.3, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 enable_prefix_caching=False)
 
@@ -429,8 +447,8 @@ def print_tables(payload: dict) -> None:
 
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(DEFAULT_WORKLOADS))
+    parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(DEFAULT_ENGINES))
     parser.add_argument("--kvm-budget", choices=["fixed", "power_law"], default="fixed",
                         help="KVM's state: KVMConfig's default fixed 256 slots, or a growing power-law state")
     parser.add_argument("--power-law-factor", type=float, default=16.0)
@@ -446,11 +464,15 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--window", type=int, default=128, help="Maglev's and Mistral's sliding window")
+    parser.add_argument("--prefiller-sequence-len", type=int, default=None,
+                        help="maglev-prefiller's training length, which sets Q's windows (L = it, S = a quarter); "
+                             "default: --max-model-len")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=32768,
                         help="every vLLM engine's max_model_len; the pages are measured at it")
     parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096, help="vLLM's CPU default for LLM()")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                        help="vLLM's CPU default for LLM(); maglev-prefiller's is at least --max-model-len")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every engine")
@@ -488,7 +510,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 results[name][engine] = {"skipped": "--skip-hf-long"}
             job = {"engine": engine, "folder": folders[FOLDER_OF[engine]], "seed": args.seed,
                    "threads": args.threads, "dtype": args.dtype, "repeats": args.repeats,
-                   "hf_batch_size": args.hf_batch_size, "vllm": vllm_settings(args),
+                   "hf_batch_size": args.hf_batch_size, "vllm": vllm_settings(args, engine),
                    "warmup": [asdict(r) for r in warmup_requests(args.seed, args.vocab)],
                    "workloads": {n: [asdict(r) for r in requests[n]] for n in names}}
             print(f"--- {engine}", flush=True)
@@ -521,7 +543,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             versions[package] = None
     settings = {key: getattr(args, key) for key in ("engines", "workloads", "kvm_budget", "enforce_eager", "seed",
                                                     "repeats", "hidden", "layers", "heads", "kv_heads", "vocab",
-                                                    "window", "dtype", "max_model_len", "hf_batch_size", "threads")}
+                                                    "window", "dtype", "max_model_len", "hf_batch_size", "threads",
+                                                    "prefiller_sequence_len")}
     if args.kvm_budget == "power_law":
         settings["kvm_config"] = {k: v for k, v in kvm_config_kwargs(args).items() if k.startswith("state_")}
     settings["vllm"] = vllm_settings(args)

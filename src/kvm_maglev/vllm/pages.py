@@ -72,6 +72,18 @@ class ScheduledStep:
         """The step's tokens as the models lay out a forward's tokens: flat, request after request."""
         return RowTokens(self.starts, self.counts, device)
 
+    def select(self, rows: list[int], device) -> tuple["ScheduledStep", torch.Tensor]:
+        """The step of requests `rows` alone (in that order) and the indices of their tokens in this step's flat
+        tokens, for a model that runs a step's requests in more than one forward."""
+        bounds = [0]
+        for count in self.counts:
+            bounds.append(bounds[-1] + count)
+        tokens = torch.cat([torch.arange(bounds[row], bounds[row + 1], device=device) for row in rows])
+        index = torch.tensor(rows, device=self.pages[0].device)
+        part = ScheduledStep([self.starts[row] for row in rows], [self.counts[row] for row in rows],
+                             [pages[index] for pages in self.pages], len(tokens))
+        return part, tokens
+
 
 def scheduled_step(layers: nn.ModuleList, positions: torch.Tensor) -> ScheduledStep | None:
     """The step's `ScheduledStep` from vLLM's forward context, or None in its profiling and warm-up runs (no

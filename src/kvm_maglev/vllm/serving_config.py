@@ -11,8 +11,8 @@ logger = logging.getLogger("kvm_maglev.vllm")
 
 class RecurrentStateServing(VerifyAndUpdateConfig):
     """Prefix caching off (a request's state after a shared prefix is not stored per block), speculative decoding
-    refused (a rejected draft would need the state rolled back), the prefiller refused (it reads a whole prompt
-    at once, which chunked prefill and preemption do not guarantee), the state pages sized for the request."""
+    refused (a rejected draft would need the state rolled back), a prefiller model's prompts scheduled whole
+    (`whole_prompt_scheduling`), the state pages sized for the request."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
@@ -24,9 +24,7 @@ class RecurrentStateServing(VerifyAndUpdateConfig):
                              "need the recurrent state rolled back, which vLLM's state pages do not keep); "
                              "remove --speculative-config")
         if getattr(model_config.hf_config, "memory_prefill", "recurrent") == "prefiller":
-            raise ValueError(f"{architecture}: memory_prefill='prefiller' is not served on vLLM (the prefiller must "
-                             "read a whole prompt at once; chunked prefill and preemption split it); serve with "
-                             "--hf-overrides '{\"memory_prefill\": \"recurrent\"}'")
+            whole_prompt_scheduling(vllm_config)
         if cache_config.enable_prefix_caching:
             logger.warning("%s: prefix caching turned off: the recurrent state after a shared prefix is not kept "
                            "per block, so cached prefixes would give other tokens", architecture)
@@ -45,3 +43,46 @@ def split_at_state_operators(compilation_config) -> None:
 
     current = list(compilation_config.splitting_ops or [])
     compilation_config.splitting_ops = current + [op for op in SPLITTING_OPS if op not in current]
+
+
+def whole_prompt_scheduling(vllm_config) -> None:
+    """`memory_prefill="prefiller"`: the prefiller Q reads each prompt whole, so every prompt is scheduled in one
+    step. Chunked prefill is turned off, the plugin's scheduler recomputes a preempted request from its prompt first
+    (`kvm_maglev.vllm.scheduling`), and flags that would still split a prompt are refused by name."""
+    from kvm_maglev.vllm.scheduling import QUALIFIED_NAME
+
+    scheduler, max_len = vllm_config.scheduler_config, vllm_config.model_config.max_model_len
+    conflicts = prompt_splitting_flags(scheduler, max_len)
+    if conflicts:
+        raise ValueError(f"{vllm_config.model_config.architecture}: memory_prefill='prefiller' reads each prompt "
+                         "whole in one engine step (and, after a preemption, a prompt and its generated tokens), "
+                         "but " + "; ".join(conflicts) + ". Or serve the folder recurrently with "
+                         "--hf-overrides '{\"memory_prefill\": \"recurrent\"}'")
+    if scheduler.enable_chunked_prefill:
+        logger.info("%s: chunked prefill turned off: memory_prefill='prefiller' reads each prompt whole",
+                    vllm_config.model_config.architecture)
+        scheduler.enable_chunked_prefill = False
+    scheduler.scheduler_cls = QUALIFIED_NAME
+
+
+def prompt_splitting_flags(scheduler, max_len: int) -> list[str]:
+    """What in the scheduler config would split a prompt of up to `max_len` tokens over steps, each naming its flag
+    and the fix (empty when nothing does)."""
+    from kvm_maglev.vllm.scheduling import QUALIFIED_NAME
+
+    conflicts = []
+    if scheduler.max_num_batched_tokens < max_len:
+        conflicts.append(f"--max-num-batched-tokens ({scheduler.max_num_batched_tokens}) is below --max-model-len "
+                         f"({max_len}): raise it to at least {max_len}, lower --max-model-len, or pass "
+                         "--no-enable-chunked-prefill without --max-num-batched-tokens (vLLM then sizes the budget "
+                         "to --max-model-len)")
+    if scheduler.max_num_scheduled_tokens is not None and scheduler.max_num_scheduled_tokens < max_len:
+        conflicts.append(f"--max-num-scheduled-tokens ({scheduler.max_num_scheduled_tokens}) is below "
+                         f"--max-model-len ({max_len}): remove it or raise it to at least {max_len}")
+    if scheduler.long_prefill_token_threshold > 0:
+        conflicts.append(f"--long-prefill-token-threshold ({scheduler.long_prefill_token_threshold}) caps a "
+                         "prompt's tokens per step: remove it")
+    if scheduler.scheduler_cls not in (None, QUALIFIED_NAME):
+        conflicts.append(f"--scheduler-cls ({scheduler.scheduler_cls}) would replace the plugin's scheduler, which "
+                         "recomputes a preempted request from its prompt first: remove it")
+    return conflicts

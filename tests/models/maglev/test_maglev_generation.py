@@ -44,6 +44,25 @@ def test_assisted_decoding_with_the_prefiller_equals_greedy(helper):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("shares_blocks", [True, False])
+def test_prefiller_left_padded_batch_equals_each_prompt_alone(shares_blocks):
+    """Q reads a left-padded batch of prompts longer than its long windows (16 keys back) and a one-token prompt
+    (alone, P reads it recurrently): each row's greedy tokens and scores equal its own generate()."""
+    model = tiny_model(**{**VARIANTS["prefiller"], "prefiller_shares_blocks": shares_blocks}, sequence_len=16,
+                       max_position_embeddings=128)
+    rows = MAGLEV.prompts((3, 20, 37, 1, 9), seed=20)
+    ids, mask = left_padded(rows)
+    common = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_scores=True)
+    batched = model.generate(ids, attention_mask=mask, **common)
+    for i, row in enumerate(rows):
+        alone = model.generate(row[None], **common)
+        assert torch.equal(batched.sequences[i, ids.shape[1]:], alone.sequences[0, len(row):]), len(row)
+        for ours, single in zip(batched.scores, alone.scores, strict=True):
+            assert torch.allclose(ours[i], single[0], atol=1e-4), (len(row), (ours[i] - single[0]).abs().max())
+
+
+@torch.no_grad()
 def test_crop_inside_a_step_after_a_left_padded_prompt():
     """Maglev crops inside a multi-token step whatever the rows' padding (KVM needs aligned rows): the cache
     equals one that read only the kept tokens, and continues like it."""

@@ -230,7 +230,9 @@ class MaglevCache(SavedCache, Cache):
         cache.previous_embedding = torch.where(fresh[:, None], 0, embedding)[:, None]
         if memory_init is not None:
             cache.last_memory = torch.where(fresh[:, None], memory_init.to(memory.dtype), memory)[:, None]
-        cache.seen_tokens = max(positions) + 1  # a count above 0: these forwards continue (the prefiller is refused)
+        # 0 when every row starts fresh: the model's first forward, which the prefiller reads in "prefiller" mode
+        # (as generate()'s first); else a count above 0, so that the forward continues the rows
+        cache.seen_tokens = max(positions) + 1 if any(positions) else 0
         return cache
 
     # ----- what the model uses -----------------------------------------------------------
