@@ -20,7 +20,9 @@ import functools
 import inspect
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
+
+ConfigClass = TypeVar("ConfigClass", bound=type)
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ def _table_row(cells: tuple[str, ...]) -> str:
     return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
 
-def declare_fields(cls: type) -> type:
+def declare_fields(cls: ConfigClass) -> ConfigClass:
     """Class decorator of a config that declares its fields: give it an `__init__` that takes them (positionally
     too, in order) with that signature, and append their `Args:` section to its docstring.
 
