@@ -13,7 +13,7 @@ import pytest
 
 from kvm_maglev.convert.maglev import MAGLEV_META_FIELDS
 from kvm_maglev.models import config_tables
-from kvm_maglev.models.common.config_fields import cache_fields
+from kvm_maglev.models.common.config_fields import cache_fields, declared_fields
 from kvm_maglev.models.kvm import KVMCache, KVMConfig
 from kvm_maglev.models.kvm.configuration_kvm import KVM_FIELDS
 from kvm_maglev.models.maglev import MaglevCache, MaglevConfig
@@ -58,11 +58,26 @@ def declare(body: str, folder) -> type:
     ('    size: int = 1\n    "a size"\n    size: int = 2\n    "again"\n', "'size' declared more than once"),
     ("    size: int = 1\n", "Declared.size has no docstring"),
     ('    size: int = config_field(1, cache=True)\n    width: int = 2\n    "a width"\n', "size has no docstring"),
+    ('    size: int\n    "a size"\n', "Declared.size has no default"),
     ('    dtype: str = "float32"\n    "the weights\' dtype"\n', "Declared.dtype redeclares a field"),
-], ids=["twice", "no docstring", "docstring of another", "a transformers field"])
+], ids=["twice", "no docstring", "docstring of another", "no default", "a transformers field"])
 def test_a_bad_declaration_is_refused(body, message, tmp_path):
     with pytest.raises(TypeError, match=message):
         declare(body, tmp_path)
+
+
+def test_a_declaration_gives_the_constructor_its_fields_metadata_and_docstring(tmp_path):
+    declared = declare('    size: int = config_field(1, research="n", cache=True, coerce=int)\n'
+                       '    """a size,\n    in two lines"""\n'
+                       '    label: str | None = None\n    "a label"\n', tmp_path)
+    config = declared("2", note="kept")
+    assert (config.size, config.label, config.note) == (2, None, "kept")  # coerced; extras go to PretrainedConfig
+    assert str(inspect.signature(declared)) == "(size: 'int' = 1, label: 'str | None' = None, **kwargs)"
+    size, label = declared_fields(declared)
+    assert (size.doc, size.research, size.cache, label.research, label.cache) == ("a size, in two lines", "n", True,
+                                                                                  "-", False)
+    assert "    size (`int`, *optional*, defaults to `1`):\n        a size, in two lines. Research name: `n`." \
+        in declared.__doc__
 
 
 @pytest.mark.parametrize("config_class, fields, cache_class", MODELS, ids=IDS)
