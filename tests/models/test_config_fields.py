@@ -94,6 +94,12 @@ def test_defaults_docstring_and_saved_keys_follow_the_declaration(config_class, 
 
 
 @pytest.mark.parametrize("config_class, fields, cache_class", MODELS, ids=IDS)
+def test_configs_compare_by_their_fields(config_class, fields, cache_class):
+    # declared fields are dataclass fields, which the class's (dataclass) equality compares
+    assert config_class() == config_class() != config_class(num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("config_class, fields, cache_class", MODELS, ids=IDS)
 def test_cache_fingerprint_fields_are_the_flagged_ones(config_class, fields, cache_class):
     assert cache_class.CACHE_CONFIG_FIELDS == cache_fields(fields)
     flagged = set(cache_class.CACHE_CONFIG_FIELDS)
