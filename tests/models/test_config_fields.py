@@ -59,7 +59,7 @@ def declare(body: str, folder) -> type:
     ("    size: int = 1\n", "Declared.size has no docstring"),
     ('    size: int = config_field(1, cache=True)\n    width: int = 2\n    "a width"\n', "size has no docstring"),
     ('    size: int\n    "a size"\n', "Declared.size has no default"),
-    ('    dtype: str = "float32"\n    "the weights\' dtype"\n', "Declared.dtype redeclares a field"),
+    ('    dtype: str = "float32"\n    "the weights\' dtype"\n', "Declared.dtype redeclares a field of PreTrainedConfig"),
 ], ids=["twice", "no docstring", "docstring of another", "no default", "a transformers field"])
 def test_a_bad_declaration_is_refused(body, message, tmp_path):
     with pytest.raises(TypeError, match=message):

@@ -78,20 +78,21 @@ def declared_fields(cls: type) -> tuple[ConfigField, ...]:
         raise TypeError(f"{cls.__name__} is not a dataclass: transformers' PretrainedConfig makes every subclass one, "
                         "and its fields are read from that")
     docs = attribute_docs(cls)
-    inherited = {field.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)
-                 for field in dataclasses.fields(base)}
+    inherited = {field.name: base.__name__ for base in reversed(cls.__mro__[1:]) if dataclasses.is_dataclass(base)
+                 for field in dataclasses.fields(base)}  # the nearest base that declares it wins
     fields = []
     for field in dataclasses.fields(cls):
         if field.name not in docs:
             continue
         if field.name in inherited:
-            raise TypeError(f"{cls.__name__}.{field.name} redeclares a field of {cls.__mro__[1].__name__}")
+            raise TypeError(f"{cls.__name__}.{field.name} redeclares a field of {inherited[field.name]}")
         if field.default is dataclasses.MISSING:
             raise TypeError(f"{cls.__name__}.{field.name} has no default: every config field needs one")
         if not docs[field.name]:
             raise TypeError(f"{cls.__name__}.{field.name} has no docstring: write one line right under it")
-        fields.append(ConfigField(field.name, type_text(field.type), field.default, docs[field.name],
-                                  **field.metadata))
+        metadata = {key: field.metadata[key] for key in ("research", "cache", "coerce", "training")
+                    if key in field.metadata}  # what config_field gives; a plain default gives none
+        fields.append(ConfigField(field.name, type_text(field.type), field.default, docs[field.name], **metadata))
     return tuple(fields)
 
 
