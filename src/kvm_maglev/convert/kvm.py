@@ -236,7 +236,7 @@ def resolve_changed_defaults(fields: dict, research_commit: str | None = None) -
 
 
 def kvm_config_from_research(fields: dict, research_commit: str | None = None, **overrides: Any) -> KVMConfig:
-    """Map research MixerConfig fields (the research names in configuration_kvm.KVM_FIELDS) to a KVMConfig;
+    """Map research MixerConfig fields (the research names KVMConfig's field declarations give) to a KVMConfig;
     keys whose default changed between research commits are resolved first (`resolve_changed_defaults`)."""
     return _config_from_fields(resolve_changed_defaults(fields, research_commit), overrides)
 

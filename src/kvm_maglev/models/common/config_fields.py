@@ -1,49 +1,108 @@
-"""Config fields declared once: each model's configuration module lists its fields as `ConfigField`s, and
-`__init__`'s signature and defaults, the class docstring, the cache fingerprint's field list and the docs'
-tables are all read from that list, so none of them can fall out of step with the others."""
+"""Config fields declared as annotated class attributes, as transformers declares its own configs' fields: each
+with its type, its default and a docstring, the string literal right under it. What the attribute cannot say (the
+research code's name for the field, whether a saved cache depends on it, a coercion) is `config_field`'s metadata:
+
+    class KVMConfig(PretrainedConfig):
+        chunk_size: int = config_field(256, research="chunk_len", cache=True)
+        \"\"\"tokens per chunk\"\"\"
+
+transformers makes every config subclass a dataclass, so the declarations are dataclass fields: static tools show
+them as the constructor's keywords. `declare_fields` reads them back (`declared_fields`) to give `__init__` its
+signature and the class docstring its `Args:` section; the cache fingerprint's field list and the docs' tables are
+read from them too, so none of these can fall out of step with the declarations.
+"""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
 import inspect
+import textwrap
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
+
+ConfigClass = TypeVar("ConfigClass", bound=type)
 
 
 @dataclass(frozen=True)
 class ConfigField:
-    """One keyword of a config's `__init__`, stored under the same name on the config."""
+    """One declared field, as `declared_fields` reads it: a keyword of the config's `__init__`, stored under the same
+    name on the config."""
 
     name: str
-    type: Any  # the annotation the signature shows: int, int | None, ...
+    type: str  # the annotation as written: "int", "int | None", ...
     default: Any
-    doc: str  # one line: what it does, and what a None default becomes
+    doc: str  # its docstring, one line: what it does, and what a None default becomes
     research: str = "-"  # the research code's name for it; "-": none
     cache: bool = False  # a saved cache depends on it (part of the cache's config fingerprint)
     coerce: Callable[[Any], Any] | None = None  # applied to the value before it is stored
+    training: bool = False  # read by training only (the docs list these apart)
 
 
-def token_id_fields(research: str) -> tuple[ConfigField, ...]:
-    """pad/bos/eos token ids, declared as transformers' decoder configs declare them (None when a checkpoint sets
-    none; clients read `config.pad_token_id`). `research` names where a converted checkpoint's ids come from."""
-    return (
-        ConfigField("pad_token_id", int | None, None, "id of the padding token (None: none)", research),
-        ConfigField("bos_token_id", int | None, None, "id of the beginning-of-sequence token (None: none)", research),
-        ConfigField("eos_token_id", int | list[int] | None, None, "id(s) of the end-of-sequence token (None: none)",
-                    research),
-    )
+def config_field(default: Any, *, research: str = "-", cache: bool = False,
+                 coerce: Callable[[Any], Any] | None = None, training: bool = False) -> Any:
+    """A field's default with its metadata (see `ConfigField`), for a declaration that needs some; a plain default
+    needs none. A dataclass field: transformers' dataclass processing of the class stores the plain default."""
+    metadata = {"research": research, "cache": cache, "coerce": coerce, "training": training}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-def check_declaration(fields: tuple[ConfigField, ...]) -> None:
-    """Refuse a declaration that names a field twice (the signature could not tell them apart)."""
-    names = [field.name for field in fields]
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise TypeError(f"config fields declared more than once: {repeated}")
+def attribute_docs(cls: type) -> dict[str, str]:
+    """Each annotated attribute of `cls`'s own body -> the string literal right under it, whitespace collapsed to
+    one line (a table cell). Read from the source: Python keeps no attribute docstrings."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError) as error:
+        raise TypeError(f"{cls.__name__}: its fields' docstrings are read from its source, which cannot be read "
+                        f"({error})") from None
+    body = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)).body
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:] + [None]):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        name = node.target.id
+        if name in docs:
+            raise TypeError(f"{cls.__name__}: field {name!r} declared more than once")
+        is_doc = isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) \
+            and isinstance(following.value.value, str)
+        docs[name] = " ".join(following.value.value.split()) if is_doc else ""
+    return docs
+
+
+@functools.cache
+def declared_fields(cls: type) -> tuple[ConfigField, ...]:
+    """The fields `cls`'s own body declares, in order. A declaration without a default or a docstring, or one that
+    redeclares a field of transformers' base config (whose `__init__` would overwrite it), is refused."""
+    if "__dataclass_fields__" not in vars(cls):
+        raise TypeError(f"{cls.__name__} is not a dataclass: transformers' PretrainedConfig makes every subclass one, "
+                        "and its fields are read from that")
+    docs = attribute_docs(cls)
+    inherited = {field.name: base.__name__ for base in reversed(cls.__mro__[1:]) if dataclasses.is_dataclass(base)
+                 for field in dataclasses.fields(base)}  # the nearest base that declares it wins
+    fields = []
+    for field in dataclasses.fields(cls):
+        if field.name not in docs:
+            continue
+        if field.name in inherited:
+            raise TypeError(f"{cls.__name__}.{field.name} redeclares a field of {inherited[field.name]}")
+        if field.default is dataclasses.MISSING:
+            raise TypeError(f"{cls.__name__}.{field.name} has no default: every config field needs one")
+        if not docs[field.name]:
+            raise TypeError(f"{cls.__name__}.{field.name} has no docstring: write one line right under it")
+        metadata = {key: field.metadata[key] for key in ("research", "cache", "coerce", "training")
+                    if key in field.metadata}  # what config_field gives; a plain default gives none
+        fields.append(ConfigField(field.name, type_text(field.type), field.default, docs[field.name], **metadata))
+    return tuple(fields)
+
+
+def type_text(annotation: Any) -> str:
+    """An annotation as written in the source (a string under `from __future__ import annotations`)."""
+    return annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
 
 
 def init_signature(fields: tuple[ConfigField, ...]) -> inspect.Signature:
     """`(self, <fields with defaults, in order>, **kwargs)`: what `help()` and IDEs show for `__init__`."""
-    check_declaration(fields)
     parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     parameters += [inspect.Parameter(field.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=field.default,
                                      annotation=field.type) for field in fields]
@@ -71,15 +130,11 @@ def cache_fields(fields: tuple[ConfigField, ...]) -> tuple[str, ...]:
     return tuple(field.name for field in fields if field.cache)
 
 
-def type_text(field: ConfigField) -> str:
-    return inspect.formatannotation(field.type)
-
-
 def docstring_args(fields: tuple[ConfigField, ...]) -> str:
     """The fields as a transformers-style `Args:` section (name, type, default, meaning, research name)."""
     lines = ["Args:"]
     for field in fields:
-        lines.append(f"    {field.name} (`{type_text(field)}`, *optional*, defaults to `{field.default!r}`):")
+        lines.append(f"    {field.name} (`{field.type}`, *optional*, defaults to `{field.default!r}`):")
         research = "" if field.research == "-" else f" Research name: `{field.research}`."
         cache = " A saved cache records it." if field.cache else ""
         lines.append(f"        {field.doc}.{research}{cache}")
@@ -92,7 +147,7 @@ def markdown_table(fields: tuple[ConfigField, ...], research_header: str,
     rows = [f"| field | type | default | {research_header} | meaning |", "|---|---|---|---|---|"]
     for field in fields:
         research = "-" if field.research == "-" else f"`{field.research}`"
-        cells = (f"`{field.name}`", f"`{type_text(field)}`", f"`{field.default!r}`", research, field.doc)
+        cells = (f"`{field.name}`", f"`{field.type}`", f"`{field.default!r}`", research, field.doc)
         rows.append(_table_row(cells))
     rows += [_table_row(("-", "", "", f"`{name}`", note)) for name, note in research_only]
     return "\n".join(rows)
@@ -103,14 +158,23 @@ def _table_row(cells: tuple[str, ...]) -> str:
     return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
 
-def declare_fields(fields: tuple[ConfigField, ...]):
-    """Class decorator: append the fields' `Args:` section to the docstring and give `__init__` their
-    signature, so `help(Config)` and IDEs show every keyword with its default."""
+def declare_fields(cls: ConfigClass) -> ConfigClass:
+    """Class decorator of a config that declares its fields: give it an `__init__` that takes them (positionally
+    too, in order) with that signature, and append their `Args:` section to its docstring.
 
-    def decorate(cls):
-        args = docstring_args(fields)
-        cls.__doc__ = f"{inspect.cleandoc(cls.__doc__)}\n\n{args}" if cls.__doc__ else args
-        cls.__init__.__signature__ = init_signature(fields)
-        return cls
+    The `__init__` stores each field (coerced), then runs `PretrainedConfig.__init__` with the other keywords, which
+    stores its own fields and calls the class's `__post_init__`: there a config derives the defaults that follow
+    from other fields, and validates. Written in the class body instead, `__init__` would hide the fields' keywords
+    from static tools, which read them from the declarations (transformers' configs are `dataclass_transform`s)."""
+    fields = declared_fields(cls)
 
-    return decorate
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs = assign_fields(self, fields, args, kwargs)
+        super(cls, self).__init__(**kwargs)
+
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__.__signature__ = init_signature(fields)
+    cls.__init__ = __init__
+    args = docstring_args(fields)
+    cls.__doc__ = f"{inspect.cleandoc(cls.__doc__)}\n\n{args}" if cls.__doc__ else args
+    return cls

@@ -1,9 +1,10 @@
 """KVM (Key-Value Means) model configuration.
 
-`KVM_FIELDS` declares every field once: type, default, meaning, its name in the research code's
-`MixerConfig` (github recursal/KVM-paper, `model/rwkv7_backbone.py`; the converter applies the mapping) and
-whether a saved cache depends on it. `KVMConfig.__init__` and its docstring, `CACHE_CONFIG_FIELDS` and the
-table in docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from it.
+`KVMConfig` declares every field once, as an annotated class attribute with its default and a docstring; its
+`config_field` metadata gives its name in the research code's `MixerConfig` (github recursal/KVM-paper,
+`model/rwkv7_backbone.py`; the converter applies the mapping) and whether a saved cache depends on it.
+`KVMConfig.__init__`'s signature and docstring, `KVM_FIELDS`, `CACHE_CONFIG_FIELDS` and the table in
+docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from the declarations.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from transformers import PretrainedConfig
 from transformers.utils import logging
 
 from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
-from ..common.config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
+from ..common.config_fields import cache_fields, config_field, declare_fields, declared_fields
 from ..common.hub_save import HubCodeSaveMixin
 
 logger = logging.get_logger(__name__)
@@ -96,96 +97,9 @@ BUDGET_FIELDS = (
     "state_max_chunks",
     "sink_slots",
 )
+# where a converted checkpoint's pad/bos/eos token ids come from
+TOKEN_IDS_RESEARCH = "config.json `pad_token_id` / `bos_token_id` / `eos_token_id`"
 
-# In `__init__` order (positional arguments follow it). Switches are stored as bools: research YAML gives 0/1.
-KVM_FIELDS = (
-    ConfigField("vocab_size", int, 50304, "tokenizer size", "vocab_size", cache=True),
-    ConfigField("hidden_size", int, 768, "model width", "hidden_size", cache=True),
-    ConfigField("num_hidden_layers", int, 12, "decoder layers", "num_hidden_layers", cache=True),
-    ConfigField("num_attention_heads", int, 6, "attention heads", "num_attention_heads", cache=True),
-    ConfigField("num_key_value_heads", int | None, None, "key/value heads (grouped-query attention): the window, "
-                "the state, its merges and the merge gate are kept per key/value head, query head h reads key/value "
-                "head h // (num_attention_heads // num_key_value_heads) (None: one per query head)",
-                "num_key_value_heads", cache=True),
-    ConfigField("head_dim", int | None, None, "query/key channels per head "
-                "(None: hidden_size // num_attention_heads)", "d_qk_head / d_head", cache=True),
-    ConfigField("value_head_dim", int | None, None, "value channels per head "
-                "(None: hidden_size // num_attention_heads)", "d_v_head / d_head", cache=True),
-    ConfigField("intermediate_size", int | None, None, "MLP width; converted: int(ffn_expansion * hidden_size) // 32 * 32 "
-                "(None: 4 * hidden_size, rounded down to a multiple of 32)", "ffn_expansion", cache=True),
-    ConfigField("layer_norm_eps", float, 1e-5, "LayerNorm epsilon: PyTorch's default, as the research code uses",
-                cache=True),
-    ConfigField("rope_theta", float, 10000.0, "rotary base of the KVM layers", "rope_theta", cache=True),
-    ConfigField("rotary_dim", int | None, None, "rotated channels of a head in KVM layers, zeroed in state keys; the "
-                "whole head leaves state keys all zero (warned) (None: half the head; research: 64 of 128)",
-                "rope_partial_dim", cache=True),
-    ConfigField("chunk_size", int, 256, "tokens per chunk: the window slides and the state merges a chunk at a time",
-                "chunk_len", cache=True),
-    ConfigField("window_chunks", int, 2, "chunk-aligned blocks in the sliding window", "n_bswa_chunks", cache=True),
-    ConfigField("sink_slots", int, 1, "state slots never merged into", "sink_len", cache=True),
-    ConfigField("state_budget_mode", str, "fixed", 'how the state grows: "fixed", "power_law" or "kvm_saturation"',
-                "state_budget_mode", cache=True),
-    ConfigField("state_budget_min", int, 256, "fixed: the budget; others: the floor (-1: no appends after the "
-                "first chunk)", "state_min_len", cache=True),
-    ConfigField("state_budget_factor", float, 1.0, "power_law: budget = factor * N ** exponent",
-                "state_growth_factor", cache=True),
-    ConfigField("state_budget_exponent", float, 0.5, "power_law: the exponent, in [0, 1]", "state_growth_exponent",
-                cache=True),
-    ConfigField("state_budget_saturation", int | None, None, "kvm_saturation: budget = n * N / (n + N)",
-                "state_saturation_n", cache=True),
-    ConfigField("state_budget_round_to", int, 1, "budget rounded down to a multiple of this", "state_round_down",
-                cache=True),
-    ConfigField("state_max_chunks", int, 1, "state cap = chunk_size * state_max_chunks", "n_max_d_chunks", cache=True),
-    ConfigField("merge_gate_keys", bool, True, "scale merged keys by 1 + elu(W x)", "kvm_use_merge_gate_keys",
-                cache=True, coerce=bool),
-    ConfigField("merge_gate_values", bool, True, "scale merged values by the gate", "kvm_use_merge_gate_values",
-                cache=True, coerce=bool),
-    ConfigField("merge_gate_appends", bool, True, "appended slots gated too", "kvm_apply_merge_gate_to_appends",
-                cache=True, coerce=bool),
-    ConfigField("merge_gate_initial_state", bool, False, "first chunk gated too",
-                "kvm_apply_merge_gate_to_initial_state", cache=True, coerce=bool),
-    ConfigField("merge_routing_dtype", str, "float32", 'dtype the merge routing (each token\'s most similar slot) '
-                'is scored in: "float32" (or the state\'s finer dtype; research kvm_fp32_routing_reference, and this '
-                'model\'s state under half precision) or "model" (keys rounded to the model dtype, as the research '
-                'kvm_mixer scores them in bfloat16)', "token_mixer_class_path", cache=True),
-    ConfigField("head_temperatures", bool, True, "per-head window/state key scales", "kvm_use_head_temps",
-                cache=True, coerce=bool),
-    ConfigField("state_value_norms", bool, True, "True: renormalise merged values to the slot norm; False: divide "
-                "by counts (research: +1 on every slot per merged block; only with a one-chunk state)",
-                "kvm_use_vlens", cache=True, coerce=bool),
-    ConfigField("kvm_token_shift", bool, True, "token shift of q/k/v in KVM layers",
-                "use_tokenshift_att + kvm_token_shift_mode", cache=True, coerce=bool),
-    ConfigField("ffn_token_shift", bool, True, "token shift before the MLP", "use_tokenshift_ffn", cache=True,
-                coerce=bool),
-    ConfigField("value_residual", bool, True, "mix each layer's values with an anchor from the first layer",
-                "use_value_residual", cache=True, coerce=bool),
-    ConfigField("kvm_value_residual_mode", str, "rwkv", 'how, in KVM layers: "linear", "rwkv" or '
-                '"rwkv_post_tokenshift"', "kvm_value_residual_mode", cache=True),
-    ConfigField("sliding_window_every", int, 0, "layers with index % n == 0 are sliding-window layers; 0: none",
-                "alt_layer_every", cache=True),
-    ConfigField("sliding_window", int | None, None, "keys of a sliding-window layer (<= 0 or None: chunk_size)",
-                "swa_window_size", cache=True),
-    ConfigField("sliding_window_rope_theta", float, 10000.0, "rotary base of the sliding-window layers",
-                "alt_rope_theta", cache=True),
-    ConfigField("sliding_window_rotary_dim", int | None, None, "rotated channels of a head in sliding-window layers, "
-                "0: no rotary (None: the whole head)", "alt_rope_partial_dim", cache=True),
-    ConfigField("sliding_window_token_shift", bool, True, "token shift of q/k/v in sliding-window layers",
-                "use_tokenshift_att + swa_token_shift_mode", cache=True, coerce=bool),
-    ConfigField("sliding_window_value_residual_mode", str, "rwkv", "kvm_value_residual_mode of the sliding-window "
-                "layers", "swa_value_residual_mode", cache=True),
-    ConfigField("sliding_window_share_value_residual", bool, False, "KVM layers use the first sliding-window "
-                "layer's value anchor", "alt_share_v0", cache=True, coerce=bool),
-    ConfigField("block_lambdas", bool, False, "x <- a * x + b * x0 before attention", "use_block_lambdas",
-                cache=True, coerce=bool),
-    ConfigField("residual_scale", float, 1.0, "scale of each residual branch (research None: 1.0)", "residual_scale",
-                cache=True),
-    ConfigField("logit_softcap", float, 0.0, "tanh soft-capping of the logits; 0: off", "logit_softcap", cache=True),
-    ConfigField("max_position_embeddings", int, 1 << 30, "usable context: windows and a bounded state keep the "
-                "cost per token flat at any length"),
-    ConfigField("tie_word_embeddings", bool, False, "share the embedding and output weights"),
-    ConfigField("use_cache", bool, True, "forward returns a KVMCache"),
-    *token_id_fields("config.json `pad_token_id` / `bos_token_id` / `eos_token_id`"),
-)
 # Research `MixerConfig` fields with no KVMConfig field, and what the converter does with them.
 RESEARCH_ONLY_FIELDS = (
     ("token_mixer", 'only "kvm" (rejected otherwise)'),
@@ -198,11 +112,9 @@ RESEARCH_ONLY_FIELDS = (
     ("mup_base_dim, use_overflow_v_key_weighting, use_state_deltarule, use_state_decay, gptalpha_*, ovq_*, kda_*, "
      "gated_deltanet_*, lact_*", "not read by the KVM or SWA layers; ignored"),
 )
-# Config fields that decide what a cache holds and how a model reads it.
-CACHE_CONFIG_FIELDS = cache_fields(KVM_FIELDS)
 
 
-@declare_fields(KVM_FIELDS)
+@declare_fields
 class KVMConfig(HubCodeSaveMixin, PretrainedConfig):
     """Configuration of a KVM language model: block sliding window plus key-value-means state."""
 
@@ -231,9 +143,119 @@ class KVMConfig(HubCodeSaveMixin, PretrainedConfig):
         "layers.*.mlp.down_proj": "rowwise",
     }
 
-    def __init__(self, *args, **kwargs):
-        kwargs = assign_fields(self, KVM_FIELDS, args, kwargs)
-        super().__init__(**kwargs)
+    # ---- fields, in `__init__` order (positional arguments follow it); switches are coerced to bools (research
+    # YAML gives 0/1)
+    vocab_size: int = config_field(50304, research="vocab_size", cache=True)
+    """tokenizer size"""
+    hidden_size: int = config_field(768, research="hidden_size", cache=True)
+    """model width"""
+    num_hidden_layers: int = config_field(12, research="num_hidden_layers", cache=True)
+    """decoder layers"""
+    num_attention_heads: int = config_field(6, research="num_attention_heads", cache=True)
+    """attention heads"""
+    num_key_value_heads: int | None = config_field(None, research="num_key_value_heads", cache=True)
+    """key/value heads (grouped-query attention): the window, the state, its merges and the merge gate are kept per
+    key/value head, query head h reads key/value head h // (num_attention_heads // num_key_value_heads) (None: one per
+    query head)"""
+    head_dim: int | None = config_field(None, research="d_qk_head / d_head", cache=True)
+    """query/key channels per head (None: hidden_size // num_attention_heads)"""
+    value_head_dim: int | None = config_field(None, research="d_v_head / d_head", cache=True)
+    """value channels per head (None: hidden_size // num_attention_heads)"""
+    intermediate_size: int | None = config_field(None, research="ffn_expansion", cache=True)
+    """MLP width; converted: int(ffn_expansion * hidden_size) // 32 * 32 (None: 4 * hidden_size, rounded down to a
+    multiple of 32)"""
+    layer_norm_eps: float = config_field(1e-5, cache=True)
+    """LayerNorm epsilon: PyTorch's default, as the research code uses"""
+    rope_theta: float = config_field(10000.0, research="rope_theta", cache=True)
+    """rotary base of the KVM layers"""
+    rotary_dim: int | None = config_field(None, research="rope_partial_dim", cache=True)
+    """rotated channels of a head in KVM layers, zeroed in state keys; the whole head leaves state keys all zero
+    (warned) (None: half the head; research: 64 of 128)"""
+    chunk_size: int = config_field(256, research="chunk_len", cache=True)
+    """tokens per chunk: the window slides and the state merges a chunk at a time"""
+    window_chunks: int = config_field(2, research="n_bswa_chunks", cache=True)
+    """chunk-aligned blocks in the sliding window"""
+    sink_slots: int = config_field(1, research="sink_len", cache=True)
+    """state slots never merged into"""
+    state_budget_mode: str = config_field("fixed", research="state_budget_mode", cache=True)
+    """how the state grows: "fixed", "power_law" or "kvm_saturation" """
+    state_budget_min: int = config_field(256, research="state_min_len", cache=True)
+    """fixed: the budget; others: the floor (-1: no appends after the first chunk)"""
+    state_budget_factor: float = config_field(1.0, research="state_growth_factor", cache=True)
+    """power_law: budget = factor * N ** exponent"""
+    state_budget_exponent: float = config_field(0.5, research="state_growth_exponent", cache=True)
+    """power_law: the exponent, in [0, 1]"""
+    state_budget_saturation: int | None = config_field(None, research="state_saturation_n", cache=True)
+    """kvm_saturation: budget = n * N / (n + N)"""
+    state_budget_round_to: int = config_field(1, research="state_round_down", cache=True)
+    """budget rounded down to a multiple of this"""
+    state_max_chunks: int = config_field(1, research="n_max_d_chunks", cache=True)
+    """state cap = chunk_size * state_max_chunks"""
+    merge_gate_keys: bool = config_field(True, research="kvm_use_merge_gate_keys", cache=True, coerce=bool)
+    """scale merged keys by 1 + elu(W x)"""
+    merge_gate_values: bool = config_field(True, research="kvm_use_merge_gate_values", cache=True, coerce=bool)
+    """scale merged values by the gate"""
+    merge_gate_appends: bool = config_field(True, research="kvm_apply_merge_gate_to_appends", cache=True, coerce=bool)
+    """appended slots gated too"""
+    merge_gate_initial_state: bool = config_field(
+        False, research="kvm_apply_merge_gate_to_initial_state", cache=True, coerce=bool)
+    """first chunk gated too"""
+    merge_routing_dtype: str = config_field("float32", research="token_mixer_class_path", cache=True)
+    """dtype the merge routing (each token's most similar slot) is scored in: "float32" (or the state's finer dtype;
+    research kvm_fp32_routing_reference, and this model's state under half precision) or "model" (keys rounded to the
+    model dtype, as the research kvm_mixer scores them in bfloat16)"""
+    head_temperatures: bool = config_field(True, research="kvm_use_head_temps", cache=True, coerce=bool)
+    """per-head window/state key scales"""
+    state_value_norms: bool = config_field(True, research="kvm_use_vlens", cache=True, coerce=bool)
+    """True: renormalise merged values to the slot norm; False: divide by counts (research: +1 on every slot per merged
+    block; only with a one-chunk state)"""
+    kvm_token_shift: bool = config_field(
+        True, research="use_tokenshift_att + kvm_token_shift_mode", cache=True, coerce=bool)
+    """token shift of q/k/v in KVM layers"""
+    ffn_token_shift: bool = config_field(True, research="use_tokenshift_ffn", cache=True, coerce=bool)
+    """token shift before the MLP"""
+    value_residual: bool = config_field(True, research="use_value_residual", cache=True, coerce=bool)
+    """mix each layer's values with an anchor from the first layer"""
+    kvm_value_residual_mode: str = config_field("rwkv", research="kvm_value_residual_mode", cache=True)
+    """how, in KVM layers: "linear", "rwkv" or "rwkv_post_tokenshift" """
+    sliding_window_every: int = config_field(0, research="alt_layer_every", cache=True)
+    """layers with index % n == 0 are sliding-window layers; 0: none"""
+    sliding_window: int | None = config_field(None, research="swa_window_size", cache=True)
+    """keys of a sliding-window layer (<= 0 or None: chunk_size)"""
+    sliding_window_rope_theta: float = config_field(10000.0, research="alt_rope_theta", cache=True)
+    """rotary base of the sliding-window layers"""
+    sliding_window_rotary_dim: int | None = config_field(None, research="alt_rope_partial_dim", cache=True)
+    """rotated channels of a head in sliding-window layers, 0: no rotary (None: the whole head)"""
+    sliding_window_token_shift: bool = config_field(
+        True, research="use_tokenshift_att + swa_token_shift_mode", cache=True, coerce=bool)
+    """token shift of q/k/v in sliding-window layers"""
+    sliding_window_value_residual_mode: str = config_field("rwkv", research="swa_value_residual_mode", cache=True)
+    """kvm_value_residual_mode of the sliding-window layers"""
+    sliding_window_share_value_residual: bool = config_field(False, research="alt_share_v0", cache=True, coerce=bool)
+    """KVM layers use the first sliding-window layer's value anchor"""
+    block_lambdas: bool = config_field(False, research="use_block_lambdas", cache=True, coerce=bool)
+    """x <- a * x + b * x0 before attention"""
+    residual_scale: float = config_field(1.0, research="residual_scale", cache=True)
+    """scale of each residual branch (research None: 1.0)"""
+    logit_softcap: float = config_field(0.0, research="logit_softcap", cache=True)
+    """tanh soft-capping of the logits; 0: off"""
+    max_position_embeddings: int = 1 << 30
+    """usable context: windows and a bounded state keep the cost per token flat at any length"""
+    tie_word_embeddings: bool = False
+    """share the embedding and output weights"""
+    use_cache: bool = True
+    """forward returns a KVMCache"""
+    pad_token_id: int | None = config_field(None, research=TOKEN_IDS_RESEARCH)
+    """id of the padding token (None: none)"""
+    bos_token_id: int | None = config_field(None, research=TOKEN_IDS_RESEARCH)
+    """id of the beginning-of-sequence token (None: none)"""
+    eos_token_id: int | list[int] | None = config_field(None, research=TOKEN_IDS_RESEARCH)
+    """id(s) of the end-of-sequence token (None: none)"""
+
+    def __post_init__(self, **kwargs) -> None:
+        """After `__init__` stored the fields (`declare_fields`) and transformers' own: the defaults that follow
+        from other fields, then validation."""
+        super().__post_init__(**kwargs)
         if self.hidden_size and self.num_attention_heads:
             # None: rotate half the head, as the published models do (64 of 128). State keys keep only
             # the unrotated channels, so a whole-head rotary would leave the state unaddressable.
@@ -449,6 +471,12 @@ class KVMConfig(HubCodeSaveMixin, PretrainedConfig):
         item = torch.empty((), dtype=dtype).element_size()
         per_token = self.kv_heads * (self.qk_head_dim + self.v_head_dim) * item
         return self.num_hidden_layers * batch_size * max(num_tokens, 0) * per_token
+
+
+# The declared fields, in `__init__` order.
+KVM_FIELDS = declared_fields(KVMConfig)
+# Config fields that decide what a cache holds and how a model reads it.
+CACHE_CONFIG_FIELDS = cache_fields(KVM_FIELDS)
 
 
 def state_dtype_for(dtype: torch.dtype) -> torch.dtype:

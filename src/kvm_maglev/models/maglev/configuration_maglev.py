@@ -1,11 +1,14 @@
 """Configuration of Maglev (Sliding Recurrent Memory) on a nanochat GPT backbone.
 
-`MAGLEV_FIELDS` declares every field once: type, default, meaning, where a nanochat checkpoint's meta json
-gives it (`model_config.*` for nanochat's GPT, `maglev.*` for the Maglev fields) and whether a saved cache
-depends on it; the architecture's and inference's fields (`MAGLEV_MODEL_FIELDS`) first, the training-only
-ones (`MAGLEV_TRAINING_FIELDS`) after them. `MaglevConfig.__init__` and its docstring, `CACHE_CONFIG_FIELDS`
-and the tables in docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from it.
+`MaglevConfig` declares every field once, as an annotated class attribute with its default and a docstring; its
+`config_field` metadata gives where a nanochat checkpoint's meta json gives it (`model_config.*` for nanochat's GPT,
+`maglev.*` for the Maglev fields), whether a saved cache depends on it and whether only training reads it. The
+architecture's and inference's fields (`MAGLEV_MODEL_FIELDS`) come first, the training-only ones
+(`MAGLEV_TRAINING_FIELDS`) after them. `MaglevConfig.__init__`'s signature and docstring, `CACHE_CONFIG_FIELDS`
+and the tables in docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from the declarations.
 """
+
+from __future__ import annotations
 
 import math
 
@@ -13,7 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
-from ..common.config_fields import ConfigField, assign_fields, cache_fields, declare_fields, token_id_fields
+from ..common.config_fields import cache_fields, config_field, declare_fields, declared_fields
 from ..common.hub_save import HubCodeSaveMixin
 
 WINDOW_LETTERS = "SL"
@@ -22,113 +25,12 @@ MEMORY_PREFILL_MODES = ("recurrent", "prefiller")
 TRAINING_FORWARDS = ("lifted", "recurrent")
 WEIGHT_INITS = ("nanochat", "torch")
 
-# The architecture's and inference's fields, in `__init__` order (positional arguments follow it).
-MAGLEV_MODEL_FIELDS = (
-    ConfigField("vocab_size", int, 32768, "tokenizer size; logits are sliced to it", "model_config.vocab_size",
-                cache=True),
-    ConfigField("pad_vocab_size_to", int, 64, "embedding rows (lm_head's too when lm_head_padded) padded to a "
-                "multiple of this (resize_token_embeddings sets 1: it gives the rows asked for)", cache=True),
-    ConfigField("lm_head_padded", bool | None, None, "lm_head rows padded like the embeddings (None: true for "
-                "configs saved before this field, whose heads from_pretrained unpads; false for new ones): false "
-                "gives exactly vocab_size rows, so a library that reads the head's weight (TRL's fused log-prob "
-                "head) normalises over real ids only"),
-    ConfigField("hidden_size", int, 768, "model width; also the memory dimension", "model_config.n_embd", cache=True),
-    ConfigField("intermediate_size", int | None, None, "relu^2 MLP width (None: 4 * hidden_size)", cache=True),
-    ConfigField("num_hidden_layers", int, 12, "decoder layers", "model_config.n_layer", cache=True),
-    ConfigField("num_attention_heads", int, 6, "attention heads; head_dim = hidden_size / num_attention_heads",
-                "model_config.n_head", cache=True),
-    ConfigField("num_key_value_heads", int | None, None, "key/value heads (GQA), a divisor of num_attention_heads "
-                "(None: num_attention_heads)", "model_config.n_kv_head", cache=True),
-    ConfigField("max_position_embeddings", int, 2048, "usable context, which lm-eval and generate() read "
-                "(converted models: 2**30)", cache=True),
-    ConfigField("sequence_len", int | None, None, "nanochat's training length: the L window; S = a quarter, rounded "
-                "up to a multiple of 128 (None: max_position_embeddings)", "model_config.sequence_len", cache=True),
-    ConfigField("window_pattern", str, "L", "S/L letters per layer, repeated (the last layer is L), used when "
-                "sliding_window is None", "model_config.window_pattern", cache=True),
-    ConfigField("rope_theta", float, 100000.0, "rotary base", cache=True),
-    ConfigField("rms_norm_eps", float | None, None, "epsilon of the weightless RMSNorm (None: the dtype's epsilon, "
-                "as nanochat)", cache=True),
-    ConfigField("qk_norm_scale", float, 1.2, "q and k are multiplied by it after QK-norm", cache=True),
-    ConfigField("logit_softcap", float | None, 15.0, "tanh soft-capping of the logits (None: off)"),
-    ConfigField("use_value_embeddings", bool, True, "value embeddings on alternating layers, the last included",
-                cache=True),
-    ConfigField("value_embedding_gate_channels", int, 12, "input channels of the value-embedding gate "
-                "scale * sigmoid(W x[:channels]), one per KV head", cache=True),
-    ConfigField("value_embedding_gate_scale", float, 3.0, "scale of the value-embedding gate", cache=True),
-    ConfigField("use_smear", bool, True, "mix in the previous token's embedding (smear)", cache=True),
-    ConfigField("smear_gate_channels", int, 24, "input channels of the smear gate", cache=True),
-    ConfigField("use_backout", bool, True, "subtract backout_lambda x backout_layer's output before the final norm",
-                cache=True),
-    ConfigField("backout_layer", int | None, None, "the layer backout subtracts (None: num_hidden_layers // 2)",
-                cache=True),
-    ConfigField("use_layer_lambdas", bool, True, "per-layer resid_lambdas / x0_lambdas mixing", cache=True),
-    ConfigField("use_memory", bool, True, "Maglev memory injected into keys and values", cache=True),
-    ConfigField("sliding_window", int | None, 256, "keys per query including itself, in every layer of P (required "
-                "with the memory)", "maglev.sliding_window", cache=True),
-    ConfigField("memory_gate_channels", int, 12, "input channels of the per-KV-head memory gate",
-                "maglev.memory_gate_channels", cache=True),
-    ConfigField("memory_init_std", float, 0.02, "init std of the memory projections W_k, W_v"),
-    ConfigField("has_prefiller", bool, True, "the checkpoint carries the prefiller Q (converter: --keep-prefiller)"),
-    ConfigField("prefiller_window_pattern", str, "SSSL", "Q's windows, S/L letters as window_pattern",
-                "maglev.prefiller_window_pattern"),
-    ConfigField("prefiller_shares_blocks", bool, True, "Q runs P's blocks (else its own prefiller_layers)",
-                "maglev.prefiller_shares_blocks"),
-    ConfigField("memory_prefill", str, "recurrent", 'prompt processing: "recurrent" (token after token) or '
-                '"prefiller" (needs Q)'),
-    ConfigField("memory_source_layer", int | None, None, "block whose output the memory is read from (None: the "
-                "head input)", "maglev.memory_source_layer", cache=True),
-    ConfigField("memory_projection", bool, False, "memory m = rms_norm(W_m source), a learned projection",
-                "maglev.memory_projection", cache=True),
-    ConfigField("memory_residual_injection", bool, False, "the memory also enters P's block input, through a "
-                "zero-initialised projection", "maglev.memory_residual_injection", cache=True),
-    ConfigField("weight_init", str, "nanochat", 'fresh weights: "nanochat" (its per-layer inits) or "torch" '
-                "(PyTorch's layer defaults)"),
-    ConfigField("initializer_range", float, 0.02, "transformers' conventional init std; the model's own init does "
-                "not read it"),
-    ConfigField("use_cache", bool, True, "forward returns a MaglevCache"),
-    ConfigField("tie_word_embeddings", bool, False, "share the embedding and output weights"),
-    *token_id_fields("the tokenizer's special tokens"),
-)
-# Training-only fields (the lifted and self-fed passes, the consistency loss, their step schedules:
-# curriculum_maglev), after the others in `__init__`. Inference reads none of them.
-MAGLEV_TRAINING_FIELDS = (
-    ConfigField("consistency_weight", float, 1.0, "loss = lm_loss + consistency_weight * consistency_loss",
-                "maglev.consistency_weight"),
-    ConfigField("consistency_loss", str, "mse", '"mse" or "cosine"', "maglev.consistency_loss"),
-    ConfigField("consistency_detach_target", bool, False, "stop the consistency gradient into Q's memories",
-                "maglev.consistency_detach_target"),
-    ConfigField("training_forward", str, "lifted", 'forwards in training mode or with labels: "lifted" (lifted '
-                'parallel training: Q feeds P, when Q is kept) or "recurrent" (P alone fed its own memory, the '
-                "distribution generate() samples from: scoring samples, e.g. TRL's GRPO)"),
-    ConfigField("memory_self_feed_steps", int, 0, "training: passes that feed P its own shifted memories after the "
-                "prefiller-fed one", "maglev.memory_self_feed_steps"),
-    ConfigField("memory_self_feed_detach", bool, False, "training: no gradient through the fed-back memories",
-                "maglev.memory_self_feed_detach"),
-    ConfigField("memory_self_feed_mix", float, 1.0, "training: chance per position that a self-fed pass reads P's "
-                "own memory rather than the prefiller's, in [0, 1]", "maglev.memory_self_feed_mix"),
-    ConfigField("memory_self_feed_mix_ramp_steps", int, 0, "training: steps over which that chance ramps up from 0 "
-                "(0: no ramp)", "maglev.memory_self_feed_mix_ramp_steps"),
-    ConfigField("memory_noise_std", float, 0.0, "training: Gaussian noise on the memory inputs",
-                "maglev.memory_noise_std"),
-    ConfigField("consistency_weight_final", float | None, None, "training: the consistency weight a linear ramp "
-                "ends at (with consistency_weight_ramp_steps)", "maglev.consistency_weight_final"),
-    ConfigField("consistency_weight_ramp_steps", int, 0, "training: steps of that ramp (0: constant weight)",
-                "maglev.consistency_weight_ramp_steps"),
-    ConfigField("consistency_detach_target_after", int | None, None, "training: from this step on Q is a frozen "
-                "teacher (None: never)", "maglev.consistency_detach_target_after"),
-    ConfigField("consistency_weight_after_detach", float | None, None, "training: the consistency weight once Q "
-                "is frozen (None: unchanged)", "maglev.consistency_weight_after_detach"),
-)
-MAGLEV_FIELDS = MAGLEV_MODEL_FIELDS + MAGLEV_TRAINING_FIELDS
-# Config fields that decide what a cache holds and how a model reads it (training-only fields excluded).
-CACHE_CONFIG_FIELDS = cache_fields(MAGLEV_FIELDS)
-
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-@declare_fields(MAGLEV_FIELDS)
+@declare_fields
 class MaglevConfig(HubCodeSaveMixin, PretrainedConfig):
     """Every nanochat GPT feature as a switch, plus the Maglev memory and prefiller fields.
 
@@ -143,8 +45,132 @@ class MaglevConfig(HubCodeSaveMixin, PretrainedConfig):
     # transformers' name for the softcap (TRL's log-prob head reads it); one stored value, `logit_softcap`
     attribute_map = {"final_logit_softcapping": "logit_softcap"}
 
-    def __init__(self, *args, **kwargs):
-        kwargs = assign_fields(self, MAGLEV_FIELDS, args, kwargs)
+    # ---- fields: the architecture's and inference's, in `__init__` order (positional arguments follow it)
+    vocab_size: int = config_field(32768, research="model_config.vocab_size", cache=True)
+    """tokenizer size; logits are sliced to it"""
+    pad_vocab_size_to: int = config_field(64, cache=True)
+    """embedding rows (lm_head's too when lm_head_padded) padded to a multiple of this (resize_token_embeddings sets 1:
+    it gives the rows asked for)"""
+    lm_head_padded: bool | None = None
+    """lm_head rows padded like the embeddings (None: true for configs saved before this field, whose heads
+    from_pretrained unpads; false for new ones): false gives exactly vocab_size rows, so a library that reads the head's
+    weight (TRL's fused log-prob head) normalises over real ids only"""
+    hidden_size: int = config_field(768, research="model_config.n_embd", cache=True)
+    """model width; also the memory dimension"""
+    intermediate_size: int | None = config_field(None, cache=True)
+    """relu^2 MLP width (None: 4 * hidden_size)"""
+    num_hidden_layers: int = config_field(12, research="model_config.n_layer", cache=True)
+    """decoder layers"""
+    num_attention_heads: int = config_field(6, research="model_config.n_head", cache=True)
+    """attention heads; head_dim = hidden_size / num_attention_heads"""
+    num_key_value_heads: int | None = config_field(None, research="model_config.n_kv_head", cache=True)
+    """key/value heads (GQA), a divisor of num_attention_heads (None: num_attention_heads)"""
+    max_position_embeddings: int = config_field(2048, cache=True)
+    """usable context, which lm-eval and generate() read (converted models: 2**30)"""
+    sequence_len: int | None = config_field(None, research="model_config.sequence_len", cache=True)
+    """nanochat's training length: the L window; S = a quarter, rounded up to a multiple of 128 (None:
+    max_position_embeddings)"""
+    window_pattern: str = config_field("L", research="model_config.window_pattern", cache=True)
+    """S/L letters per layer, repeated (the last layer is L), used when sliding_window is None"""
+    rope_theta: float = config_field(100000.0, cache=True)
+    """rotary base"""
+    rms_norm_eps: float | None = config_field(None, cache=True)
+    """epsilon of the weightless RMSNorm (None: the dtype's epsilon, as nanochat)"""
+    qk_norm_scale: float = config_field(1.2, cache=True)
+    """q and k are multiplied by it after QK-norm"""
+    logit_softcap: float | None = 15.0
+    """tanh soft-capping of the logits (None: off)"""
+    use_value_embeddings: bool = config_field(True, cache=True)
+    """value embeddings on alternating layers, the last included"""
+    value_embedding_gate_channels: int = config_field(12, cache=True)
+    """input channels of the value-embedding gate scale * sigmoid(W x[:channels]), one per KV head"""
+    value_embedding_gate_scale: float = config_field(3.0, cache=True)
+    """scale of the value-embedding gate"""
+    use_smear: bool = config_field(True, cache=True)
+    """mix in the previous token's embedding (smear)"""
+    smear_gate_channels: int = config_field(24, cache=True)
+    """input channels of the smear gate"""
+    use_backout: bool = config_field(True, cache=True)
+    """subtract backout_lambda x backout_layer's output before the final norm"""
+    backout_layer: int | None = config_field(None, cache=True)
+    """the layer backout subtracts (None: num_hidden_layers // 2)"""
+    use_layer_lambdas: bool = config_field(True, cache=True)
+    """per-layer resid_lambdas / x0_lambdas mixing"""
+    use_memory: bool = config_field(True, cache=True)
+    """Maglev memory injected into keys and values"""
+    sliding_window: int | None = config_field(256, research="maglev.sliding_window", cache=True)
+    """keys per query including itself, in every layer of P (required with the memory)"""
+    memory_gate_channels: int = config_field(12, research="maglev.memory_gate_channels", cache=True)
+    """input channels of the per-KV-head memory gate"""
+    memory_init_std: float = 0.02
+    """init std of the memory projections W_k, W_v"""
+    has_prefiller: bool = True
+    """the checkpoint carries the prefiller Q (converter: --keep-prefiller)"""
+    prefiller_window_pattern: str = config_field("SSSL", research="maglev.prefiller_window_pattern")
+    """Q's windows, S/L letters as window_pattern"""
+    prefiller_shares_blocks: bool = config_field(True, research="maglev.prefiller_shares_blocks")
+    """Q runs P's blocks (else its own prefiller_layers)"""
+    memory_prefill: str = "recurrent"
+    """prompt processing: "recurrent" (token after token) or "prefiller" (needs Q)"""
+    memory_source_layer: int | None = config_field(None, research="maglev.memory_source_layer", cache=True)
+    """block whose output the memory is read from (None: the head input)"""
+    memory_projection: bool = config_field(False, research="maglev.memory_projection", cache=True)
+    """memory m = rms_norm(W_m source), a learned projection"""
+    memory_residual_injection: bool = config_field(False, research="maglev.memory_residual_injection", cache=True)
+    """the memory also enters P's block input, through a zero-initialised projection"""
+    weight_init: str = "nanochat"
+    """fresh weights: "nanochat" (its per-layer inits) or "torch" (PyTorch's layer defaults)"""
+    initializer_range: float = 0.02
+    """transformers' conventional init std; the model's own init does not read it"""
+    use_cache: bool = True
+    """forward returns a MaglevCache"""
+    tie_word_embeddings: bool = False
+    """share the embedding and output weights"""
+    pad_token_id: int | None = config_field(None, research="the tokenizer's special tokens")
+    """id of the padding token (None: none)"""
+    bos_token_id: int | None = config_field(None, research="the tokenizer's special tokens")
+    """id of the beginning-of-sequence token (None: none)"""
+    eos_token_id: int | list[int] | None = config_field(None, research="the tokenizer's special tokens")
+    """id(s) of the end-of-sequence token (None: none)"""
+
+    # ---- training only (the lifted and self-fed passes, the consistency loss, their step schedules:
+    # curriculum_maglev), after the others in `__init__`; inference reads none of them
+    consistency_weight: float = config_field(1.0, research="maglev.consistency_weight", training=True)
+    """loss = lm_loss + consistency_weight * consistency_loss"""
+    consistency_loss: str = config_field("mse", research="maglev.consistency_loss", training=True)
+    """ "mse" or "cosine" """
+    consistency_detach_target: bool = config_field(False, research="maglev.consistency_detach_target", training=True)
+    """stop the consistency gradient into Q's memories"""
+    training_forward: str = config_field("lifted", training=True)
+    """forwards in training mode or with labels: "lifted" (lifted parallel training: Q feeds P, when Q is kept) or
+    "recurrent" (P alone fed its own memory, the distribution generate() samples from: scoring samples, e.g. TRL's
+    GRPO)"""
+    memory_self_feed_steps: int = config_field(0, research="maglev.memory_self_feed_steps", training=True)
+    """training: passes that feed P its own shifted memories after the prefiller-fed one"""
+    memory_self_feed_detach: bool = config_field(False, research="maglev.memory_self_feed_detach", training=True)
+    """training: no gradient through the fed-back memories"""
+    memory_self_feed_mix: float = config_field(1.0, research="maglev.memory_self_feed_mix", training=True)
+    """training: chance per position that a self-fed pass reads P's own memory rather than the prefiller's, in [0, 1]"""
+    memory_self_feed_mix_ramp_steps: int = config_field(
+        0, research="maglev.memory_self_feed_mix_ramp_steps", training=True)
+    """training: steps over which that chance ramps up from 0 (0: no ramp)"""
+    memory_noise_std: float = config_field(0.0, research="maglev.memory_noise_std", training=True)
+    """training: Gaussian noise on the memory inputs"""
+    consistency_weight_final: float | None = config_field(
+        None, research="maglev.consistency_weight_final", training=True)
+    """training: the consistency weight a linear ramp ends at (with consistency_weight_ramp_steps)"""
+    consistency_weight_ramp_steps: int = config_field(0, research="maglev.consistency_weight_ramp_steps", training=True)
+    """training: steps of that ramp (0: constant weight)"""
+    consistency_detach_target_after: int | None = config_field(
+        None, research="maglev.consistency_detach_target_after", training=True)
+    """training: from this step on Q is a frozen teacher (None: never)"""
+    consistency_weight_after_detach: float | None = config_field(
+        None, research="maglev.consistency_weight_after_detach", training=True)
+    """training: the consistency weight once Q is frozen (None: unchanged)"""
+
+    def __post_init__(self, **kwargs) -> None:
+        """After `__init__` stored the fields (`declare_fields`) and transformers' own: the defaults that follow
+        from other fields, then validation."""
         # None: a size that follows from the others
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
@@ -156,8 +182,8 @@ class MaglevConfig(HubCodeSaveMixin, PretrainedConfig):
             self.backout_layer = self.num_hidden_layers // 2
         if self.lm_head_padded is None:
             # a saved config (it carries transformers_version) from before the field has a padded head
-            self.lm_head_padded = "transformers_version" in kwargs
-        super().__init__(**kwargs)
+            self.lm_head_padded = self.transformers_version is not None
+        super().__post_init__(**kwargs)
         self.validate_maglev()
 
     # ----- validation -------------------------------------------------------------------
@@ -365,6 +391,14 @@ class MaglevConfig(HubCodeSaveMixin, PretrainedConfig):
         if num_tokens < 0 or batch_size < 1:
             raise ValueError(f"num_tokens must be >= 0 and batch_size >= 1, got {num_tokens}, {batch_size}")
         return 2 * self.num_hidden_layers * self.kv_dim * num_tokens * batch_size * _dtype_bytes(dtype)
+
+
+# The declared fields, in `__init__` order: the architecture's and inference's, then the training-only ones.
+MAGLEV_FIELDS = declared_fields(MaglevConfig)
+MAGLEV_MODEL_FIELDS = tuple(field for field in MAGLEV_FIELDS if not field.training)
+MAGLEV_TRAINING_FIELDS = tuple(field for field in MAGLEV_FIELDS if field.training)
+# Config fields that decide what a cache holds and how a model reads it (training-only fields excluded).
+CACHE_CONFIG_FIELDS = cache_fields(MAGLEV_FIELDS)
 
 
 def growing_capacity(num_tokens: int) -> int:
