@@ -8,7 +8,8 @@ process's CPU time) of an eager and a `torch.compile`d step after a prompt.
 
 Models: the serving benchmark's shape (hidden 256, 4 layers, 4 query / 2 key-value heads, vocabulary 4096, float32,
 random weights): KVM with KVMConfig's defaults (chunks of 256, a 2-chunk window, a fixed 256-slot state), Maglev
-(window 128), and transformers' Llama and Mistral (window 128) with a DynamicCache.
+(window 128), and transformers' Llama and Mistral (window 128) with the StaticCache of transformers' compiled
+decoding.
 """
 
 from __future__ import annotations
@@ -61,25 +62,26 @@ def build(name: str, shape: str = "serving") -> torch.nn.Module:
     raise ValueError(f"unknown model {name!r}: one of {', '.join(MODELS)}")
 
 
-def new_cache(model: torch.nn.Module):
-    """The cache generate() would make for `model`."""
+def new_cache(model: torch.nn.Module, max_len: int):
+    """Our models' own caches; for transformers' models the cache their compiled decoding uses, a StaticCache of
+    `max_len` tokens (fixed shapes from step to step)."""
     cache_class = getattr(model, "cache_class", None)
     if cache_class is not None:
         return cache_class(model.config)
-    from transformers import DynamicCache
+    from transformers import StaticCache
 
-    return DynamicCache(config=model.config)
+    return StaticCache(config=model.config, max_cache_len=max_len)
 
 
 class DecodeLoop:
     """A model and its cache after a prompt, stepped one greedy token at a time through `step(forward)`, as
     generate() steps it (prepare_inputs_for_generation, then the forward)."""
 
-    def __init__(self, model: torch.nn.Module, context: int, batch: int = 1) -> None:
+    def __init__(self, model: torch.nn.Module, context: int, max_len: int, batch: int = 1) -> None:
         self.model = model
         generator = torch.Generator().manual_seed(1)
         ids = torch.randint(1, model.config.vocab_size, (batch, context), generator=generator)
-        self.cache = new_cache(model)
+        self.cache = new_cache(model, max_len)
         with torch.no_grad():
             logits = model(ids, **{GENERATE_CACHE_KWARG: self.cache}, use_cache=True).logits
         self.ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
@@ -151,7 +153,7 @@ def median_step_ms(loop: DecodeLoop, forward: Callable | None, steps: int) -> di
 
 def measure(name: str, context: int, steps: int, compiled: bool, shape: str = "serving") -> dict:
     model = build(name, shape)
-    loop = DecodeLoop(model, context)
+    loop = DecodeLoop(model, context, max_len=context + 2 * steps + 16)  # every step this measure takes
     loop.step()  # the first decode step may allocate
     result = {"model": name, "aten_calls": aten_calls(loop), **graph_breaks(loop)}
     torch._dynamo.reset()
