@@ -23,19 +23,22 @@ from vllm.config import VllmConfig
 
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_dtype_for
-from kvm_maglev.models.kvm.modeling_kvm import KVMForCausalLM, KVMModel
+from kvm_maglev.models.kvm.modeling_kvm import KVMModel
 from kvm_maglev.models.common.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.pages import PagedStateModel, ScheduledStep, page_layers
+from kvm_maglev.vllm.tensor_parallel import rank_slice, shard_by_plan
 
 
 def page_layout(config: KVMConfig, model: KVMModel, max_len: int, dtype: torch.dtype) -> list[list[tuple]]:
     """Per decoder layer the (name, shape, dtype) of each page tensor: as a KVMCache layer names and shapes its
     tensors for one row, windows at their width, states at the most slots `max_len` tokens reach; the carries as
-    one vector, its streams side by side."""
-    heads, dk, dv = config.kv_heads, config.qk_head_dim, config.v_head_dim
+    one vector, its streams side by side. Heads and carries are the layer's own: under tensor parallelism a rank's
+    pages hold only its key/value heads and its channels of the shifted streams."""
+    dk, dv = config.qk_head_dim, config.v_head_dim
     slots, state_dtype = config.state_slots_after(max_len), state_dtype_for(dtype)
     layout = []
     for layer in model.layers:
+        heads = layer.self_attn.kv_heads
         if layer.sliding:
             size = config.sliding_window_size
             tensors = [("window_keys", (heads, size, dk), dtype), ("window_values", (heads, size, dv), dtype)]
@@ -55,7 +58,8 @@ def page_layout(config: KVMConfig, model: KVMModel, max_len: int, dtype: torch.d
 
 
 class VllmKVMForCausalLM(PagedStateModel):
-    """`KVMForCausalLM` for vLLM: our model and head, a `StatePages` per decoder layer."""
+    """`KVMForCausalLM` for vLLM: our model and head, a `StatePages` per decoder layer; under tensor parallelism
+    each rank holds its share of the heads, the MLP and the vocabulary (`kvm_maglev.vllm.tensor_parallel`)."""
 
     MODEL_NAME = "KVM"
     PROMPT_EMBEDDINGS_REFUSED = "token shifts and the state are driven by the model's own embeddings of token ids"
@@ -64,10 +68,41 @@ class VllmKVMForCausalLM(PagedStateModel):
         super().__init__()
         self.build(vllm_config, KVMConfig, KVMModel, OneDNNLinear, "vocab_size")
         dtype = vllm_config.model_config.dtype
+        self.shards = shard_by_plan(self, self.config.base_model_tp_plan)
+        self.split_heads()
+        self.split_vocabulary(dtype)
         self.layout = page_layout(self.config, self.model, vllm_config.model_config.max_model_len, dtype)
         self.state_layers = page_layers(prefix, [[shape for _, shape, _ in layer] for layer in self.layout],
                                         [[dtype for _, _, dtype in layer] for layer in self.layout])
         self.bound: list[dict[str, torch.Tensor]] | None = None  # page tensors by name, once vLLM has bound them
+
+    def split_heads(self) -> None:
+        """Each attention's head counts as this rank's, read from its sharded projections: its carries, pages and
+        the attention's own shape check follow them (a tensor-parallel size of 1 leaves them whole)."""
+        for layer in self.model.layers:
+            attention = layer.self_attn
+            attention.num_heads = attention.q_proj.out_features // attention.head_dim
+            attention.kv_heads = attention.k_proj.out_features // attention.head_dim
+
+    def split_vocabulary(self, dtype: torch.dtype) -> None:
+        """Embeddings and head as vLLM's vocabulary-parallel layers (tied when the config ties them), the logits
+        gathered over the ranks and soft-capped by vLLM's logits processor."""
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        config = self.config
+        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=dtype,
+                                                         prefix="model.embed_tokens")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=dtype, prefix="lm_head")
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.logit_softcap or None)
+
+    def load_weights(self, weights):
+        """The checkpoint's tensors, each planned one sliced to this rank's share (vocabulary-parallel layers slice
+        their own)."""
+        return super().load_weights((name, rank_slice(tensor, self.shards[name]) if name in self.shards else tensor)
+                                    for name, tensor in weights)
 
     def named_pages(self) -> list[dict[str, torch.Tensor]]:
         """Each layer's page tensors under a KVMCache layer's names; the carry vector's streams as column views."""
@@ -91,6 +126,8 @@ class VllmKVMForCausalLM(PagedStateModel):
         hidden, _ = self.model.run_layers(x0, tokens, cache)
         return hidden
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Our head: lm_head, soft-capped when the config sets a cap (KVMForCausalLM.logits), in float32."""
-        return KVMForCausalLM.logits(self, hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The head's logits over the whole vocabulary, soft-capped when the config sets a cap (as
+        KVMForCausalLM.logits), in float32; None on a rank that vLLM's gather leaves without them."""
+        logits = self.logits_processor(self.lm_head, hidden_states)
+        return None if logits is None else logits.float()
