@@ -30,7 +30,7 @@ def two_ranks_unavailable() -> str | None:
         if len(os.sched_getaffinity(0)) < 2:
             return "two CPU ranks need two cores (one bound to each rank)"
         return None
-    if current_platform.device_count() < 2:
+    if torch.accelerator.device_count() < 2:
         return f"two ranks need two {current_platform.device_name} devices, this machine has fewer"
     return None
 
@@ -94,6 +94,23 @@ def test_two_ranks_give_one_ranks_and_generates_tokens(gqa_folder, engines):
     model = hf_model(gqa_folder)
     for prompt, tokens_two, tokens_one in zip(batch, two, one):
         assert tokens_two == tokens_one == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
+
+
+@needs_two_ranks
+def test_two_ranks_split_sliding_layers_soft_cap_and_the_post_token_shift_gate(tmp_path):
+    """Sliding-window layers beside saturating-state KVM layers, the post-token-shift value gate (each rank mixes
+    the whole input with all of `v_shift`, gathered from its shards), block lambdas and a logit soft cap (applied
+    by vLLM's logits processor after the ranks' logits are gathered): generate()'s tokens."""
+    from vllm import LLM
+
+    folder = make_kvm_folder(tmp_path / "kvm", "saturation_swa_post_tokenshift")
+    batch = prompts(seed=5)
+    with rank_binding(2):
+        llm = LLM(model=str(folder), **TP_ENGINE, tensor_parallel_size=2)
+    model = hf_model(folder)
+    for prompt, tokens in zip(batch, greedy_tokens(llm, batch)):
+        assert tokens == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
+    del llm
 
 
 def held_bytes(worker) -> tuple[int, int]:

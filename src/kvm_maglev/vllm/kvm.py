@@ -66,11 +66,13 @@ class VllmKVMForCausalLM(PagedStateModel):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        self.build(vllm_config, KVMConfig, KVMModel, OneDNNLinear, "vocab_size")
+        device = torch.empty(0).device  # where vLLM builds the model (its default device)
+        with torch.device("meta"):  # no rank holds the whole model, not even while building it
+            self.build(vllm_config, KVMConfig, KVMModel, OneDNNLinear, "vocab_size")
         dtype = vllm_config.model_config.dtype
-        self.shards = shard_by_plan(self, self.config.base_model_tp_plan)
-        self.split_heads()
         self.split_vocabulary(dtype)
+        self.shards = shard_by_plan(self, self.config.base_model_tp_plan, device)
+        self.split_heads()
         self.layout = page_layout(self.config, self.model, vllm_config.model_config.max_model_len, dtype)
         self.state_layers = page_layers(prefix, [[shape for _, shape, _ in layer] for layer in self.layout],
                                         [[dtype for _, _, dtype in layer] for layer in self.layout])

@@ -61,13 +61,13 @@ def check_divisible(architecture: str, sizes: dict[str, int], tp_size: int) -> N
                          "window) and an equal share of the MLP; use a tensor-parallel size that divides them")
 
 
-def local_linear(linear: nn.Linear, rule: str, tp_size: int) -> nn.Linear:
+def local_linear(linear: nn.Linear, rule: str, tp_size: int, device: torch.device) -> nn.Linear:
     """An empty linear layer of this rank's share of `linear` (weights come from the checkpoint)."""
     if linear.bias is not None and rule == "rowwise":  # none of the model's rowwise layers has one
         raise ValueError("tensor parallelism on vLLM: a rowwise linear layer with a bias is not supported")
     kind, rows, columns = ((OneDNNLinear, linear.out_features // tp_size, linear.in_features) if rule == "colwise"
                            else (RowParallelOneDNNLinear, linear.out_features, linear.in_features // tp_size))
-    return kind(columns, rows, bias=linear.bias is not None, dtype=linear.weight.dtype, device=linear.weight.device)
+    return kind(columns, rows, bias=linear.bias is not None, dtype=linear.weight.dtype, device=device)
 
 
 def sharded_parameter(parameter: nn.Parameter, mesh) -> nn.Parameter:
@@ -76,37 +76,49 @@ def sharded_parameter(parameter: nn.Parameter, mesh) -> nn.Parameter:
 
     local = parameter.detach().chunk(mesh.size(), dim=-1)[mesh.get_local_rank()].clone()
     return nn.Parameter(DTensor.from_local(local, mesh, [Shard(local.ndim - 1)], run_check=False),
-                        requires_grad=False)
+                        requires_grad=parameter.requires_grad)
 
 
-def shard_by_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, int]:
-    """Replace the planned linear layers and parameters of `model` (a served causal LM; the plan names its base
-    model's modules) by this rank's shares. Returns, per parameter name, the checkpoint dimension to slice for this
-    rank when loading."""
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Every parameter of `module` still on the meta device as an empty one on `device` (weights come from the
+    checkpoint); the others, tied ones included, left as they are."""
+    for owner in module.modules():
+        for name, parameter in list(owner.named_parameters(recurse=False)):
+            if parameter.is_meta:
+                setattr(owner, name, nn.Parameter(torch.empty_like(parameter, device=device),
+                                                  requires_grad=parameter.requires_grad))
+
+
+def shard_by_plan(model: nn.Module, plan: dict[str, str], device: torch.device) -> dict[str, int]:
+    """Give `model` (a served causal LM built on the meta device, so that no rank ever holds the whole of it; the
+    plan names its base model's modules) this rank's shares of the planned linear layers and parameters and empty
+    replicated ones, all on `device`. Returns, per parameter name, the checkpoint dimension to slice for this rank
+    when loading."""
     tp_size = get_tensor_model_parallel_world_size()
     shards: dict[str, int] = {}
-    if tp_size == 1:
-        return shards
-    mesh = None
+    planned: list[tuple[nn.Module, str, str]] = []  # (module, parameter, its full name) to shard once materialized
     for name, module in list(model.named_modules()):
-        if not name.startswith(BASE_PREFIX):
+        if not name.startswith(BASE_PREFIX) or tp_size == 1:
             continue
         if isinstance(module, nn.Linear) and (rule := plan_rule(plan, name[len(BASE_PREFIX):])):
             parent, attribute = name.rsplit(".", 1)
-            model.get_submodule(parent).__setattr__(attribute, local_linear(module, rule, tp_size))
+            setattr(model.get_submodule(parent), attribute, local_linear(module, rule, tp_size, device))
             shards[f"{name}.weight"] = 0 if rule == "colwise" else 1
             if module.bias is not None:
                 shards[f"{name}.bias"] = 0
-            continue
-        for attribute, parameter in list(module.named_parameters(recurse=False)):
-            if isinstance(module, nn.Linear) or not plan_rule(plan, f"{name[len(BASE_PREFIX):]}.{attribute}"):
-                continue
-            if mesh is None:
-                from torch.distributed.device_mesh import DeviceMesh
+        elif not isinstance(module, nn.Linear):
+            planned += [(module, attribute, f"{name}.{attribute}")
+                        for attribute, _ in module.named_parameters(recurse=False)
+                        if plan_rule(plan, f"{name[len(BASE_PREFIX):]}.{attribute}")]
+    materialize(model, device)
+    if planned:
+        from torch.distributed.device_mesh import DeviceMesh
 
-                mesh = DeviceMesh.from_group(get_tp_group().device_group, parameter.device.type)
+        mesh = DeviceMesh.from_group(get_tp_group().device_group, device.type)
+        for module, attribute, name in planned:
+            parameter = getattr(module, attribute)
             setattr(module, attribute, sharded_parameter(parameter, mesh))
-            shards[f"{name}.{attribute}"] = parameter.ndim - 1
+            shards[name] = parameter.ndim - 1
     return shards
 
 
