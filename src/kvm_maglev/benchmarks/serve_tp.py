@@ -64,6 +64,22 @@ def child_environment(tp_size: int) -> dict:
     return env
 
 
+def report(command: str, args, shape, requests: list[serve.Request], results: dict) -> dict:
+    """The run's JSON: workload, settings, code version, each (engine, size)'s times and the speed-ups over the
+    first size (median and best wall time), for the engines measured at every size so far."""
+    base = f"tp{args.tp_sizes[0]}"
+    speedups = {f"{key}_{engine}": {f"tp{size}/{base}": round(by_size[base][key] / by_size[f"tp{size}"][key], 3)
+                                    for size in args.tp_sizes[1:] if f"tp{size}" in by_size}
+                for engine, by_size in results.items() if base in by_size for key in ("wall_s", "best_wall_s")}
+    return {"command": command, "workload": {**asdict(serve.WORKLOADS["long"]), "requests": len(requests),
+                                             **serve.workload_tokens(requests)},
+            "settings": {"vllm": serve.vllm_settings(shape), "hidden": shape.hidden, "layers": shape.layers,
+                         "heads": shape.heads, "kv_heads": shape.kv_heads, "vocab": shape.vocab,
+                         "repeats": args.repeats, "threads_per_rank": 1},
+            "code": serve.code_version(), "machine": {"cpus": os.cpu_count()},
+            "results": results, "speedups": speedups}
+
+
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
@@ -88,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     shape = serve.parse_args(["--seed", str(args.seed)])  # serve.py's models and engine settings
     requests = serve.make_requests(serve.WORKLOADS["long"], args.seed, shape.vocab)[:args.requests]
     results: dict[str, dict] = {}
+    payload: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for engine in args.engines:
             folder = str(serve.make_folder(engine, Path(tmp) / engine, shape))
@@ -103,19 +120,10 @@ def main(argv: list[str] | None = None) -> dict | None:
                                 "--job-out", str(out_file)], env=child_environment(tp_size), check=True)
                 results[engine][f"tp{tp_size}"] = json.loads(out_file.read_text())
                 print(f"[{engine} tp{tp_size}] {results[engine][f'tp{tp_size}']}", flush=True)
-    base = f"tp{args.tp_sizes[0]}"
-    speedups = {f"{key}_{engine}": {f"tp{size}/{base}": round(by_size[base][key] / by_size[f"tp{size}"][key], 3)
-                                    for size in args.tp_sizes[1:]}
-                for engine, by_size in results.items() for key in ("wall_s", "best_wall_s")}
-    payload = {"command": command, "workload": {**asdict(serve.WORKLOADS["long"]), "requests": len(requests),
-                                                **serve.workload_tokens(requests)},
-               "settings": {"vllm": serve.vllm_settings(shape), "hidden": shape.hidden, "layers": shape.layers,
-                            "heads": shape.heads, "kv_heads": shape.kv_heads, "vocab": shape.vocab,
-                            "repeats": args.repeats, "threads_per_rank": 1},
-               "code": serve.code_version(), "machine": {"cpus": os.cpu_count()},
-               "results": results, "speedups": speedups}
-    if args.out is not None:
-        args.out.write_text(json.dumps(payload, indent=1) + "\n")
+                payload = report(command, args, shape, requests, results)
+                if args.out is not None:  # after every engine: a run cut short keeps what it measured
+                    args.out.write_text(json.dumps(payload, indent=1) + "\n")
+    speedups = payload["speedups"]
     print(json.dumps(speedups))
     return payload
 
