@@ -46,7 +46,8 @@ def rank_binding(tp_size: int):
 
     previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if current_platform.is_cpu() and tp_size > 1:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in sorted(os.sched_getaffinity(0))[:tp_size])
+        cores = sorted(os.sched_getaffinity(0))[:tp_size]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in cores)
     try:
         yield
     finally:
@@ -156,3 +157,22 @@ def test_maglev_and_pipeline_parallelism_are_refused(tmp_path):
     kvm = make_kvm_folder(tmp_path / "kvm", "power_law")
     with pytest.raises(Exception, match="Pipeline parallelism is not supported for this model"):
         LLM(model=str(kvm), **TP_ENGINE, pipeline_parallel_size=2)
+
+
+def test_the_plan_decides_each_split():
+    """The served split is read from KVM's transformers plan: colwise in, rowwise out, per-head parameters sharded,
+    what the plan leaves out replicated, and a style the plugin does not know refused."""
+    from kvm_maglev import KVMConfig
+    from kvm_maglev.vllm.tensor_parallel import plan_rule
+
+    plan = KVMConfig().base_model_tp_plan
+    assert plan_rule(plan, "layers.3.self_attn.q_proj") == "colwise"
+    assert plan_rule(plan, "layers.0.self_attn.merge_gate_proj") == "colwise"
+    assert plan_rule(plan, "layers.12.self_attn.o_proj") == "rowwise"
+    assert plan_rule(plan, "layers.1.mlp.down_proj") == "rowwise"
+    assert plan_rule(plan, "layers.1.self_attn.v_shift") == "colwise"
+    for replicated in ("layers.0.self_attn.value_gate_down", "layers.0.input_layernorm", "layers.0.self_attn.q_norm",
+                       "embed_tokens", "self_attn.q_proj", "layers.0.self_attn.q_proj.extra"):
+        assert plan_rule(plan, replicated) is None, replicated
+    with pytest.raises(ValueError, match="'sequence_parallel' is not a split"):
+        plan_rule({"layers.*.mlp.up_proj": "sequence_parallel"}, "layers.0.mlp.up_proj")
