@@ -11,7 +11,8 @@ The plan names a module or a parameter and how it splits:
   reads under transformers' tensor parallelism: `local_tensor` gives the rank's channels, and `full_tensor` the
   whole (the post-token-shift value gate mixes the whole input with all of `v_shift`).
 Whatever the plan leaves out is replicated: layer norms, the value gate's down projection (its input is the whole
-hidden state, its output a low rank that every head's gate reads), the block lambdas.
+hidden state, its output a low rank that every head's gate reads), the MLP's token shift (it mixes the MLP's whole
+input before the up projection), the block lambdas.
 
 Embeddings and head are split by vocabulary rows with vLLM's own layers (`VocabParallelEmbedding`,
 `ParallelLMHead` and its `LogitsProcessor`, which gathers the ranks' logits and soft-caps them).
