@@ -29,22 +29,25 @@ from vllm.forward_context import get_forward_context
 
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_dtype_for
-from kvm_maglev.models.kvm.modeling_kvm import KVMForCausalLM, KVMModel
+from kvm_maglev.models.kvm.modeling_kvm import KVMModel
 from kvm_maglev.models.common.onednn_linear import OneDNNLinear
 from kvm_maglev.models.common.step_plan import RowTokens
 from kvm_maglev.models.kvm.decode_step_kvm import DecodeStep
 from kvm_maglev.vllm.engine_ops import PagedStep
 from kvm_maglev.vllm.pages import PagedStateModel, page_layers, scheduled_step
+from kvm_maglev.vllm.tensor_parallel import rank_slice, shard_by_plan
 
 
 def page_layout(config: KVMConfig, model: KVMModel, max_len: int, dtype: torch.dtype) -> list[list[tuple]]:
     """Per decoder layer the (name, shape, dtype) of each page tensor: as a KVMCache layer names and shapes its
     tensors for one row, windows at their width, states at the most slots `max_len` tokens reach; the carries as
-    one vector, its streams side by side."""
-    heads, dk, dv = config.kv_heads, config.qk_head_dim, config.v_head_dim
+    one vector, its streams side by side. Heads and carries are the layer's own: under tensor parallelism a rank's
+    pages hold only its key/value heads and its channels of the shifted streams."""
+    dk, dv = config.qk_head_dim, config.v_head_dim
     slots, state_dtype = config.state_slots_after(max_len), state_dtype_for(dtype)
     layout = []
     for layer in model.layers:
+        heads = layer.self_attn.kv_heads
         if layer.sliding:
             size = config.sliding_window_size
             tensors = [("window_keys", (heads, size, dk), dtype), ("window_values", (heads, size, dv), dtype)]
@@ -66,15 +69,21 @@ def page_layout(config: KVMConfig, model: KVMModel, max_len: int, dtype: torch.d
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})
 class VllmKVMForCausalLM(PagedStateModel):
     """`KVMForCausalLM` for vLLM: our model and head, a `StatePages` per decoder layer; the forward compiled by
-    vLLM, split at the state operators."""
+    vLLM, split at the state operators; under tensor parallelism each rank holds its share of the heads, the MLP
+    and the vocabulary (`kvm_maglev.vllm.tensor_parallel`)."""
 
     MODEL_NAME = "KVM"
     PROMPT_EMBEDDINGS_REFUSED = "token shifts and the state are driven by the model's own embeddings of token ids"
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        self.build(vllm_config, KVMConfig, KVMModel, OneDNNLinear, "vocab_size")
+        device = torch.empty(0).device  # where vLLM builds the model (its default device)
+        with torch.device("meta"):  # no rank holds the whole model, not even while building it
+            self.build(vllm_config, KVMConfig, KVMModel, OneDNNLinear, "vocab_size")
         dtype = vllm_config.model_config.dtype
+        self.split_vocabulary(dtype)
+        self.shards = shard_by_plan(self, self.config.base_model_tp_plan, device)
+        self.split_heads()
         self.layout = page_layout(self.config, self.model, vllm_config.model_config.max_model_len, dtype)
         self.state_layers = page_layers(prefix, [[shape for _, shape, _ in layer] for layer in self.layout],
                                         [[dtype for _, _, dtype in layer] for layer in self.layout])
@@ -84,6 +93,34 @@ class VllmKVMForCausalLM(PagedStateModel):
             pages.__dict__.update(served=self, index=index)
         self.pages_view = SimpleNamespace(layers=self.state_layers)  # the layers' handles on their pages
         self.rows: tuple | None = None  # (attention metadata, tokens, cache) of the step under way
+
+    def split_heads(self) -> None:
+        """Each attention's head counts as this rank's, read from its sharded projections: its carries, pages and
+        the attention's own shape check follow them (a tensor-parallel size of 1 leaves them whole)."""
+        for layer in self.model.layers:
+            attention = layer.self_attn
+            attention.num_heads = attention.q_proj.out_features // attention.head_dim
+            attention.kv_heads = attention.k_proj.out_features // attention.head_dim
+
+    def split_vocabulary(self, dtype: torch.dtype) -> None:
+        """Embeddings and head as vLLM's vocabulary-parallel layers (tied when the config ties them), the logits
+        gathered over the ranks and soft-capped by vLLM's logits processor."""
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        config = self.config
+        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=dtype,
+                                                         prefix="model.embed_tokens")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=dtype, prefix="lm_head")
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.logit_softcap or None)
+
+    def load_weights(self, weights):
+        """The checkpoint's tensors, each planned one sliced to this rank's share (vocabulary-parallel layers slice
+        their own)."""
+        return super().load_weights((name, rank_slice(tensor, self.shards[name]) if name in self.shards else tensor)
+                                    for name, tensor in weights)
 
     def named_pages(self) -> list[dict[str, torch.Tensor]]:
         """Each layer's page tensors under a KVMCache layer's names; the carry vector's streams as column views."""
@@ -131,6 +168,8 @@ class VllmKVMForCausalLM(PagedStateModel):
             self.rows = (metadata, tokens, cache)
         return self.rows[1:]
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Our head: lm_head, soft-capped when the config sets a cap (KVMForCausalLM.logits), in float32."""
-        return KVMForCausalLM.logits(self, hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The head's logits over the whole vocabulary, soft-capped when the config sets a cap (as
+        KVMForCausalLM.logits), in float32; None on a rank that vLLM's gather leaves without them."""
+        logits = self.logits_processor(self.lm_head, hidden_states)
+        return None if logits is None else logits.float()

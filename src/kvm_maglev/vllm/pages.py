@@ -21,6 +21,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from kvm_maglev.models.common.step_plan import RowTokens
+from kvm_maglev.models.common.tensor_parallel import local_tensor
 
 
 class StatePages(nn.Module, MambaBase):
@@ -171,12 +172,16 @@ class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
                 raise ValueError(f"{self.MODEL_NAME} on vLLM: the checkpoint has a tensor {name!r} the model does "
                                  "not have")
             param = params[name]
+            loaded.add(name)
+            if hasattr(param, "weight_loader"):  # a vLLM layer's parameter: it takes its own share
+                param.weight_loader(param, tensor)
+                continue
+            param = local_tensor(param)  # a tensor-parallel parameter: this rank's share, sliced by the caller
             if param.shape != tensor.shape:
                 raise ValueError(f"{self.MODEL_NAME} on vLLM: {name} has shape {tuple(tensor.shape)} in the "
                                  f"checkpoint, {tuple(param.shape)} in the model")
             with torch.no_grad():
                 param.copy_(tensor)
-            loaded.add(name)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded

@@ -12,7 +12,8 @@ logger = logging.getLogger("kvm_maglev.vllm")
 class RecurrentStateServing(VerifyAndUpdateConfig):
     """Prefix caching off (a request's state after a shared prefix is not stored per block), speculative decoding
     refused (a rejected draft would need the state rolled back), a prefiller model's prompts scheduled whole
-    (`whole_prompt_scheduling`), the state pages sized for the request."""
+    (`whole_prompt_scheduling`), a tensor-parallel size that does not split the heads refused, KVM's compiled graph
+    split at its state operators, the state pages sized for the request."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
@@ -25,6 +26,7 @@ class RecurrentStateServing(VerifyAndUpdateConfig):
                              "remove --speculative-config")
         if getattr(model_config.hf_config, "memory_prefill", "recurrent") == "prefiller":
             whole_prompt_scheduling(vllm_config)
+        check_tensor_parallel(architecture, model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
         if cache_config.enable_prefix_caching:
             logger.warning("%s: prefix caching turned off: the recurrent state after a shared prefix is not kept "
                            "per block, so cached prefixes would give other tokens", architecture)
@@ -86,3 +88,18 @@ def prompt_splitting_flags(scheduler, max_len: int) -> list[str]:
         conflicts.append(f"--scheduler-cls ({scheduler.scheduler_cls}) would replace the plugin's scheduler, which "
                          "recomputes a preempted request from its prompt first: remove it")
     return conflicts
+
+
+def check_tensor_parallel(architecture: str, config, tp_size: int) -> None:
+    """Raise a ValueError at start-up for a tensor-parallel size the model cannot be split by: any size above 1 for
+    Maglev (not split yet), for KVM one that does not divide its heads, key/value heads and MLP units."""
+    if tp_size == 1:
+        return
+    if architecture == "MaglevForCausalLM":
+        raise ValueError(f"{architecture}: tensor_parallel_size={tp_size} is not supported on vLLM (the plugin's "
+                         "Maglev holds every head on every rank); serve it with tensor_parallel_size=1")
+    from kvm_maglev.vllm.tensor_parallel import check_divisible
+
+    check_divisible(architecture, {"num_attention_heads": config.num_attention_heads,
+                                   "num_key_value_heads": config.kv_heads, "intermediate_size": config.ffn_size},
+                    tp_size)

@@ -1,0 +1,128 @@
+"""Tensor parallelism for the served KVM model: each rank holds and computes its share of the heads and of the MLP's
+hidden units, split as the model's transformers plan (`base_model_tp_plan`) says, so training and serving split
+the same weights the same way.
+
+The plan names a module or a parameter and how it splits:
+- a linear layer "colwise": its output rows (weight dim 0) - a rank computes its own heads or hidden units;
+- a linear layer "rowwise": its input columns (weight dim 1) - a rank's partial product, summed over the ranks by
+  vLLM's all-reduce (`RowParallelOneDNNLinear`);
+- a parameter (token-shift mixes, head temperatures, the value-gate bias), either way: its last dimension, the
+  channels of the rank's heads. It stays a DTensor sharded over vLLM's tensor-parallel group, the form the model
+  reads under transformers' tensor parallelism: `local_tensor` gives the rank's channels, and `full_tensor` the
+  whole (the post-token-shift value gate mixes the whole input with all of `v_shift`).
+Whatever the plan leaves out is replicated: layer norms, the value gate's down projection (its input is the whole
+hidden state, its output a low rank that every head's gate reads), the MLP's token shift (it mixes the MLP's whole
+input before the up projection), the block lambdas.
+
+Embeddings and head are split by vocabulary rows with vLLM's own layers (`VocabParallelEmbedding`,
+`ParallelLMHead` and its `LogitsProcessor`, which gathers the ranks' logits and soft-caps them).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group,
+                              tensor_model_parallel_all_reduce)
+
+from kvm_maglev.models.common.onednn_linear import OneDNNLinear
+
+BASE_PREFIX = "model."  # the plan names modules of the base model, the causal LM's `model`
+
+
+class RowParallelOneDNNLinear(OneDNNLinear):
+    """A rowwise share of a linear layer: this rank's input columns; the ranks' partial products summed by vLLM's
+    all-reduce, so every rank gets the whole output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tensor_model_parallel_all_reduce(super().forward(x))
+
+
+def plan_rule(plan: dict[str, str], name: str) -> str | None:
+    """How the plan splits the module or parameter `name` (relative to the base model; `*` in a plan key stands
+    for one path component, the layer index): "colwise", "rowwise", or None (replicated)."""
+    for pattern, rule in plan.items():
+        if re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name):
+            if rule not in ("colwise", "rowwise"):
+                raise ValueError(f"tensor parallelism on vLLM: plan entry {pattern!r}: {rule!r} is not a split the "
+                                 "served model knows (colwise, rowwise)")
+            return rule
+    return None
+
+
+def check_divisible(architecture: str, sizes: dict[str, int], tp_size: int) -> None:
+    """Raise a ValueError naming every size (heads, key/value heads, MLP units) that `tp_size` ranks cannot split
+    evenly."""
+    bad = [f"{name}={size}" for name, size in sizes.items() if size % tp_size]
+    if bad:
+        raise ValueError(f"{architecture}: tensor_parallel_size={tp_size} does not divide {', '.join(bad)}: each "
+                         "rank must hold whole query heads and whole key/value heads (each with its own state and "
+                         "window) and an equal share of the MLP; use a tensor-parallel size that divides them")
+
+
+def local_linear(linear: nn.Linear, rule: str, tp_size: int, device: torch.device) -> nn.Linear:
+    """An empty linear layer of this rank's share of `linear` (weights come from the checkpoint)."""
+    if linear.bias is not None and rule == "rowwise":  # none of the model's rowwise layers has one
+        raise ValueError("tensor parallelism on vLLM: a rowwise linear layer with a bias is not supported")
+    kind, rows, columns = ((OneDNNLinear, linear.out_features // tp_size, linear.in_features) if rule == "colwise"
+                           else (RowParallelOneDNNLinear, linear.out_features, linear.in_features // tp_size))
+    return kind(columns, rows, bias=linear.bias is not None, dtype=linear.weight.dtype, device=device)
+
+
+def sharded_parameter(parameter: nn.Parameter, mesh) -> nn.Parameter:
+    """An empty parameter holding this rank's share of `parameter`'s last dimension, as a DTensor on `mesh`."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = parameter.detach().chunk(mesh.size(), dim=-1)[mesh.get_local_rank()].clone()
+    return nn.Parameter(DTensor.from_local(local, mesh, [Shard(local.ndim - 1)], run_check=False),
+                        requires_grad=parameter.requires_grad)
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Every parameter of `module` still on the meta device as an empty one on `device` (weights come from the
+    checkpoint); the others, tied ones included, left as they are."""
+    for owner in module.modules():
+        for name, parameter in list(owner.named_parameters(recurse=False)):
+            if parameter.is_meta:
+                setattr(owner, name, nn.Parameter(torch.empty_like(parameter, device=device),
+                                                  requires_grad=parameter.requires_grad))
+
+
+def shard_by_plan(model: nn.Module, plan: dict[str, str], device: torch.device) -> dict[str, int]:
+    """Give `model` (a served causal LM built on the meta device, so that no rank ever holds the whole of it; the
+    plan names its base model's modules) this rank's shares of the planned linear layers and parameters and empty
+    replicated ones, all on `device`. Returns, per parameter name, the checkpoint dimension to slice for this rank
+    when loading."""
+    tp_size = get_tensor_model_parallel_world_size()
+    shards: dict[str, int] = {}
+    planned: list[tuple[nn.Module, str, str]] = []  # (module, parameter, its full name) to shard once materialized
+    for name, module in list(model.named_modules()):
+        if not name.startswith(BASE_PREFIX) or tp_size == 1:
+            continue
+        if isinstance(module, nn.Linear) and (rule := plan_rule(plan, name[len(BASE_PREFIX):])):
+            parent, attribute = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), attribute, local_linear(module, rule, tp_size, device))
+            shards[f"{name}.weight"] = 0 if rule == "colwise" else 1
+            if module.bias is not None:
+                shards[f"{name}.bias"] = 0
+        elif not isinstance(module, nn.Linear):
+            planned += [(module, attribute, f"{name}.{attribute}")
+                        for attribute, _ in module.named_parameters(recurse=False)
+                        if plan_rule(plan, f"{name[len(BASE_PREFIX):]}.{attribute}")]
+    materialize(model, device)
+    if planned:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(get_tp_group().device_group, device.type)
+        for module, attribute, name in planned:
+            parameter = getattr(module, attribute)
+            setattr(module, attribute, sharded_parameter(parameter, mesh))
+            shards[name] = parameter.ndim - 1
+    return shards
+
+
+def rank_slice(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """This rank's equal share of a checkpoint tensor along `dim`."""
+    return tensor.chunk(get_tensor_model_parallel_world_size(), dim=dim)[get_tensor_model_parallel_rank()]
