@@ -66,7 +66,9 @@ def test_defaults_run_everything_at_32k():
     assert args.workloads == ["mixed", "decode-heavy", "long"]
     assert set(args.engines) == {"kvm", "maglev", "llama", "mistral", "hf-kvm", "hf-maglev"}
     settings = serve.vllm_settings(args)
-    assert settings["max_model_len"] == 32768 and settings["max_num_seqs"] == 32 and settings["enforce_eager"]
+    assert settings["max_model_len"] == 32768 and settings["max_num_seqs"] == 32
+    assert not settings["enforce_eager"]  # vLLM's default: the models compiled
+    assert serve.vllm_settings(serve.parse_args(["--enforce-eager"]))["enforce_eager"]
     # every request of the long workload fits in Llama's KV budget at once
     long = serve.make_requests(serve.WORKLOADS["long"], args.seed, args.vocab)
     per_token = serve.full_attention_kv_bytes(args.layers, args.kv_heads, args.hidden // args.heads, 4, 1)

@@ -1,9 +1,10 @@
 """KVM's decoding step as one graph: every row reads one token, and nothing in the forward waits on the host.
 
-A decoding step's geometry depends only on where each row stands, so the cache computes it before the forward,
-as tensors (`DecodeStep`): the token's position, its slot in each window ring, which ring slots it sees, how many
-state slots it reads, whether it enters its row's first chunk. The fold of a block leaving the window needs only
-tokens the ring already holds, so it runs then too (`fold_due_blocks`), with the row's bookkeeping. The forward
+A decoding step's geometry depends only on where each row stands, so it is computed before the forward from the
+cache's positions, as tensors (`DecodeStep`, made by `KVMModel.decoding_step`): the token's position, its slot in
+each window ring, which ring slots it sees, how many state slots it reads, whether it enters its row's first
+chunk. The fold of a block leaving the window needs only tokens the ring already holds, so it runs then too
+(`fold_due_blocks`). Under vLLM the same step runs over the engine's pages (each cache layer's page index). The forward
 then writes the token into each ring, reads state and window in one softmax (`decode_attention_kvm`) and updates
 the token-shift carries: fixed shapes, no `.item()`, no Python over rows - what `torch.compile(fullgraph=True)`
 and CUDA graphs need.
