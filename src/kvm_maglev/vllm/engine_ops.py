@@ -19,35 +19,33 @@ from kvm_maglev.models.kvm.modeling_kvm import token_shift as plain_token_shift
 LIBRARY = Library("kvm_maglev", "FRAGMENT")  # alive as long as the module: the operators' lifetime
 
 
-def served_layer(layer_name: str):
-    """The served model and decoder-layer index of the state pages named `layer_name` (vLLM's forward context
-    keeps every state layer by name)."""
+def scheduled(layer_name: str, positions: torch.Tensor, output: torch.Tensor):
+    """What the operator of the state pages named `layer_name` works on: the served model, the decoder layer's
+    index, the step's tokens and its cache over the pages (vLLM's forward context keeps every state layer by name),
+    with `output` zeroed - what vLLM's padding, and a run without requests (None), keep."""
     pages = get_forward_context().no_compile_layers[layer_name]
-    return pages.served, pages.index
+    output.zero_()
+    rows = pages.served.step_rows(positions)
+    return None if rows is None else (pages.served, pages.index, *rows)
 
 
 def token_shift(x: torch.Tensor, mix: torch.Tensor, positions: torch.Tensor, output: torch.Tensor,
                 layer_name: str, stream: str, first: str) -> None:
-    """Token shift of stream `stream` of layer `layer_name` over the step's scheduled tokens, into `output`
-    (zeros past them: vLLM's padding, or a run without requests)."""
-    served, index = served_layer(layer_name)
-    rows = served.step_rows(positions)
-    output.zero_()
-    if rows is not None:
-        tokens, cache = rows
-        count = tokens.total
-        output[:, :count] = plain_token_shift(tokens, x[:, :count], mix, cache.layers[index], stream, first)
+    """Token shift of stream `stream` of layer `layer_name` over the step's scheduled tokens, into `output`."""
+    step = scheduled(layer_name, positions, output)
+    if step is not None:
+        _, index, tokens, cache = step
+        output[:, :tokens.total] = plain_token_shift(tokens, x[:, :tokens.total], mix, cache.layers[index], stream,
+                                                     first)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
               positions: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
     """The attention of layer `layer_name` (window, state and its folds, pages updated) over the step's scheduled
-    tokens, into `output` (zeros past them)."""
-    served, index = served_layer(layer_name)
-    rows = served.step_rows(positions)
-    output.zero_()
-    if rows is not None:
-        tokens, cache = rows
+    tokens, into `output`."""
+    step = scheduled(layer_name, positions, output)
+    if step is not None:
+        served, index, tokens, cache = step
         count = tokens.total
         output[:count] = served.model.layers[index].self_attn.attend_tokens(
             q[:count], k[:count], v[:count], None if gate is None else gate[:count], tokens, cache.layers[index])
