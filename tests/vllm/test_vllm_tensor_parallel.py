@@ -176,3 +176,21 @@ def test_the_plan_decides_each_split():
         assert plan_rule(plan, replicated) is None, replicated
     with pytest.raises(ValueError, match="'sequence_parallel' is not a split"):
         plan_rule({"layers.*.mlp.up_proj": "sequence_parallel"}, "layers.0.mlp.up_proj")
+
+
+@needs_two_ranks
+def test_two_ranks_compiled_give_generates_tokens(tmp_path):
+    """At vLLM's default of compiling the model: each rank's forward traced whole and split at the state operators,
+    its shares of the heads inside them (rotary on half of each head, so that state keys differ and merges are no
+    ties for rounding to break)."""
+    from vllm import LLM
+
+    folder = make_kvm_folder(tmp_path / "kvm", "power_law", num_attention_heads=4, num_key_value_heads=2,
+                             rotary_dim=4)
+    batch = prompts(seed=4)
+    with rank_binding(2):
+        llm = LLM(model=str(folder), **(TP_ENGINE | dict(enforce_eager=False)), tensor_parallel_size=2)
+    model = hf_model(folder)
+    for prompt, tokens in zip(batch, greedy_tokens(llm, batch)):
+        assert tokens == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
+    del llm
