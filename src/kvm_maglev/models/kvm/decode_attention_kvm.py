@@ -32,7 +32,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def at_least_float32(x: Tensor) -> Tensor:
-    """`x` in at least float32, as modeling_kvm widens attention inputs (so both paths round alike)."""
+    """`x` in at least float32: KVM's attention inputs, whichever path reads them (so all paths round alike)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 

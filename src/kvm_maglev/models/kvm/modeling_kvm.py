@@ -28,6 +28,7 @@ from .cache_kvm import READ, STATE, WINDOW, KVMCache
 from ..common.carried_card import CarriedCardMixin
 from ..common.hub_save import HubCodeSaveMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
+from .decode_attention_kvm import at_least_float32
 from .decode_step_kvm import (DecodeStep, decode_kvm_attention, decode_sliding_attention, decode_step,
                               decode_token_shift, fold_due_blocks, make_room_for_first_chunk)
 from ..common.conventions import (SdpaOrEagerMixin, check_position_ids, config_default,
@@ -145,12 +146,9 @@ def grouped_queries(q: torch.Tensor, groups: int, temperature: torch.Tensor | No
     return q.reshape(pieces, heads // groups, groups * width, dim)
 
 
-# Attention runs in at least float32: half-precision queries, keys and values are widened, so that the explicit
-# products and the fused kernel, and so cached steps and whole prompts, round alike.
-def widened(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
+# Attention runs in at least float32 (`at_least_float32`): half-precision queries, keys and values are widened, so that
+# the explicit products, the fused kernel and the decoding step's attention, and so cached steps and whole prompts,
+# round alike.
 def joint_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int, scale: float) -> torch.Tensor:
     """One softmax per query over every key set, as explicit products: queries [P, Q, H, D], output
     [P, Q, H, Dv] (in the values' dtype)."""
@@ -159,14 +157,14 @@ def joint_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int, scale:
     scaled, logits = {}, []
     for keys, _, visible, temperature in key_sets:
         if id(temperature) not in scaled:  # the window's key sets share their queries
-            scaled[id(temperature)] = grouped_queries(widened(q), groups, temperature)
-        scores = torch.matmul(scaled[id(temperature)], widened(keys).transpose(-1, -2))
+            scaled[id(temperature)] = grouped_queries(at_least_float32(q), groups, temperature)
+        scores = torch.matmul(scaled[id(temperature)], at_least_float32(keys).transpose(-1, -2))
         scores = scores.view(pieces, kv_heads, groups, width, -1).masked_fill(~visible[:, None, None], float("-inf"))
         logits.append(scores.view(pieces, kv_heads, groups * width, -1))
     probs = torch.softmax(torch.cat(logits, dim=-1) * scale, dim=-1)
     out, begin = None, 0
     for keys, values, _, _ in key_sets:
-        part = torch.matmul(probs[..., begin:begin + keys.shape[2]], widened(values))
+        part = torch.matmul(probs[..., begin:begin + keys.shape[2]], at_least_float32(values))
         out, begin = part if out is None else out + part, begin + keys.shape[2]
     out = out.to(key_sets[-1].values.dtype).view(pieces, kv_heads, groups, width, -1)
     return out.permute(0, 3, 1, 2, 4).reshape(pieces, width, heads, -1)
@@ -178,7 +176,7 @@ def fused_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int) -> tor
     width = q.shape[1]
     keys, values = [], []
     for set_keys, set_values, _, temperature in key_sets:
-        set_keys, set_values = widened(set_keys), widened(set_values)
+        set_keys, set_values = at_least_float32(set_keys), at_least_float32(set_values)
         if groups > 1:
             set_keys, set_values = set_keys.repeat_interleave(groups, 1), set_values.repeat_interleave(groups, 1)
         if temperature is not None:
@@ -186,7 +184,7 @@ def fused_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int) -> tor
         keys.append(set_keys)
         values.append(set_values)
     mask = torch.cat([key_set.visible.expand(-1, width, -1) for key_set in key_sets], dim=-1)[:, None]
-    out = F.scaled_dot_product_attention(widened(q).transpose(1, 2), torch.cat(keys, dim=2), torch.cat(values, dim=2),
+    out = F.scaled_dot_product_attention(at_least_float32(q).transpose(1, 2), torch.cat(keys, dim=2), torch.cat(values, dim=2),
                                          attn_mask=mask)
     return out.transpose(1, 2).to(key_sets[-1].values.dtype)
 
