@@ -40,7 +40,8 @@ from ..common.row_block_loss import RowBlockLossMixin
 from .runtime_kvm import prepare_next_fold, take_fold_ahead
 from ..common.runtime_switch import runtime_speedups
 from .state_kvm import Fold, Overflow, readable_state, run_fold, slot_norms, state_keys
-from ..common.step_plan import (EngineStep, RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket, length_buckets,
+from ..common.step_plan import (EngineStep, RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket,
+                        length_buckets,
                         packed_documents, real_tokens, refuse_packed_cache, scatter_outputs)
 from .step_plan_kvm import Pieces, StateSchedule, chunk_pieces, ring_positions, sliding_pieces, state_schedule
 from ..common.tensor_parallel import full_tensor, local_tensor
@@ -146,9 +147,9 @@ def grouped_queries(q: torch.Tensor, groups: int, temperature: torch.Tensor | No
     return q.reshape(pieces, heads // groups, groups * width, dim)
 
 
-# Attention runs in at least float32 (`at_least_float32`): half-precision queries, keys and values are widened, so that
-# the explicit products, the fused kernel and the decoding step's attention, and so cached steps and whole prompts,
-# round alike.
+# Attention runs in at least float32 (`at_least_float32`): half-precision queries, keys and values are widened, so
+# that the explicit products, the fused kernel and the decoding step's attention, and so cached steps and whole
+# prompts, round alike.
 def joint_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int, scale: float) -> torch.Tensor:
     """One softmax per query over every key set, as explicit products: queries [P, Q, H, D], output
     [P, Q, H, Dv] (in the values' dtype)."""
@@ -184,8 +185,8 @@ def fused_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int) -> tor
         keys.append(set_keys)
         values.append(set_values)
     mask = torch.cat([key_set.visible.expand(-1, width, -1) for key_set in key_sets], dim=-1)[:, None]
-    out = F.scaled_dot_product_attention(at_least_float32(q).transpose(1, 2), torch.cat(keys, dim=2), torch.cat(values, dim=2),
-                                         attn_mask=mask)
+    out = F.scaled_dot_product_attention(at_least_float32(q).transpose(1, 2), torch.cat(keys, dim=2),
+                                         torch.cat(values, dim=2), attn_mask=mask)
     return out.transpose(1, 2).to(key_sets[-1].values.dtype)
 
 
@@ -950,8 +951,9 @@ class KVMModel(KVMPreTrainedModel):
         runs it). Eager work, before the step: generate() runs it from `prepare_inputs_for_generation`, so that
         a compiled forward has none left."""
         source = input_ids if input_ids is not None else inputs_embeds
-        if (not self.decode_steps or not cache.rows or cache.paged or cache.recording or torch.is_grad_enabled() or not all(cache.seen)
-                or not isinstance(source, torch.Tensor) or tuple(source.shape[:2]) != (cache.rows, 1)):
+        if (not self.decode_steps or not cache.rows or cache.paged or cache.recording or torch.is_grad_enabled()
+                or not all(cache.seen) or not isinstance(source, torch.Tensor)
+                or tuple(source.shape[:2]) != (cache.rows, 1)):
             return None
         check_input_ids(input_ids, inputs_embeds, self.config.vocab_size, cache)
         valid = real_tokens(attention_mask, cache.rows, 1, cache.columns, source.device)
