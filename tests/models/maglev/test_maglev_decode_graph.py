@@ -30,6 +30,17 @@ def prompted(model, ids, mask) -> tuple[MaglevCache, torch.Tensor]:
     return cache, logits[:, -1:].argmax(-1)
 
 
+def counting_compile(forward):
+    """`torch.compile(forward, fullgraph=True)` with a backend that keeps each graph it compiles (run as traced)."""
+    graphs = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    return torch.compile(forward, backend=backend, fullgraph=True), graphs
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("overrides", [{}, {"use_memory": False}], ids=["memory", "memory_off"])
 def test_decode_step_traces_without_graph_breaks(overrides):
@@ -43,19 +54,14 @@ def test_decode_step_traces_without_graph_breaks(overrides):
     assert explained.graph_count == 1
 
 
+
 @torch.no_grad()
 def test_fullgraph_decode_steps_equal_eager_and_compile_once():
     """Five decode steps of a left-padded batch through `torch.compile(forward, fullgraph=True)` give eager's logits
     and tokens; the growing attention mask does not recompile (one graph for all the steps)."""
     model = tiny_model()
     ids, mask = left_padded_prompt()
-    graphs = []
-
-    def backend(graph: torch.fx.GraphModule, example_inputs):
-        graphs.append(graph)
-        return graph.forward
-
-    compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+    compiled, graphs = counting_compile(model.forward)
     torch._dynamo.reset()
     runs = {}
     for name, forward in (("eager", model.forward), ("compiled", compiled)):
@@ -79,13 +85,7 @@ def test_a_new_batch_size_recompiles_once():
     """Decode steps of batches of 2, 3 and 4 rows: the second size makes the batch a dynamic dimension, the third
     reuses that graph."""
     model = tiny_model()
-    graphs = []
-
-    def backend(graph: torch.fx.GraphModule, example_inputs):
-        graphs.append(graph)
-        return graph.forward
-
-    compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+    compiled, graphs = counting_compile(model.forward)
     torch._dynamo.reset()
     for batch in (2, 3, 4):
         ids = random_ids(batch, 9, seed=batch)
@@ -190,13 +190,7 @@ def test_fullgraph_prefiller_prompts_equal_eager_and_recompile_once():
     """Left-padded prompts of 12, 10 and 7 tokens read by the prefiller under `torch.compile(forward,
     fullgraph=True)`: eager's logits and cache; the second length makes the length dynamic, the third reuses it."""
     model = tiny_model(**PREFILLER)
-    graphs = []
-
-    def backend(graph: torch.fx.GraphModule, example_inputs):
-        graphs.append(graph)
-        return graph.forward
-
-    compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+    compiled, graphs = counting_compile(model.forward)
     torch._dynamo.reset()
     for length in (12, 10, 7):
         ids = random_ids(2, length, seed=length)
