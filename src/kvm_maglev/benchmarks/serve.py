@@ -478,10 +478,15 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every engine")
     parser.add_argument("--in-process", action="store_true",
                         help="run the engines in this process (for profilers) rather than one process each")
+    add_output_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--out` (the run's JSON) and the hidden `--job`/`--job-out` a run passes to each engine's own process."""
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--job-out", type=Path, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict | None:

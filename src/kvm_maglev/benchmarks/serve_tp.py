@@ -88,9 +88,7 @@ def parse_args(argv: list[str] | None):
                         help="the first N requests of serve.py's long workload (default: all 16)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--job", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--job-out", type=Path, help=argparse.SUPPRESS)
+    serve.add_output_arguments(parser)
     return parser.parse_args(argv)
 
 

@@ -94,15 +94,20 @@ def decode_step(config, seen: list[int], device) -> DecodeStep:
 
 
 # ---- before the forward: the folds this step's tokens read -------------------------------------------------
-def fold_due_blocks(attention, cache_layer, seen: list[int]) -> None:
-    """Fold into their rows' states the blocks that leave the window when rows at `seen` read their next token
-    (a row whose token starts chunk c >= window_chunks + 1 folds block c - window_chunks, all in the ring), then
-    advance the fold computed ahead for the next boundary (runtime_kvm). Eager: runs before the traced step."""
-    config, chunk = attention.config, attention.config.chunk_size
-    due = [row for row, p in enumerate(seen) if folded_blocks(config, p + 1) > folded_blocks(config, p)]
+def rows_folding(config, seen: list[int]) -> dict[int, int]:
+    """The rows at `seen` whose next token folds a block into their state, with that block: a token starting chunk
+    c >= window_chunks + 1 folds block c - window_chunks (all of it in the ring). The same for every KVM layer."""
+    return {row: p // config.chunk_size - config.window_chunks for row, p in enumerate(seen)
+            if folded_blocks(config, p + 1) > folded_blocks(config, p)}
+
+
+def fold_due_blocks(attention, cache_layer, seen: list[int], folding: dict[int, int]) -> None:
+    """Fold the blocks `folding` (row -> block, `rows_folding`) of rows at `seen` into their states, then advance
+    the fold computed ahead for the next boundary (runtime_kvm). Eager: runs before the traced step."""
+    config = attention.config
     dtype = cache_layer.tensors["window_keys"].dtype
-    if due:
-        blocks = [seen[row] // chunk - config.window_chunks for row in due]
+    if folding:
+        due, blocks = list(folding), list(folding.values())
         table = slots_after_folds(config, max(blocks))
         capacity = max(table[block] for block in blocks)
         rows = torch.tensor(due, dtype=torch.long, device=cache_layer.tensors["window_keys"].device)

@@ -30,7 +30,7 @@ from ..common.hub_save import HubCodeSaveMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
 from .decode_attention_kvm import at_least_float32
 from .decode_step_kvm import (DecodeStep, decode_kvm_attention, decode_sliding_attention, decode_step,
-                              decode_token_shift, fold_due_blocks, make_room_for_first_chunk)
+                              decode_token_shift, fold_due_blocks, make_room_for_first_chunk, rows_folding)
 from ..common.conventions import (SdpaOrEagerMixin, check_position_ids, config_default,
                           refuse_attention_weights)
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
@@ -970,9 +970,10 @@ class KVMModel(KVMPreTrainedModel):
     def decoding_step(self, cache: KVMCache, seen: list[int], device) -> DecodeStep:
         """The `DecodeStep` of rows at `seen` (> 0) reading one token each, with the folds their tokens read done
         and dense storage made room in: the host work of a decoding step, before its forward."""
+        folding = rows_folding(self.config, seen)
         for layer, cache_layer in zip(self.layers, cache.layers):
             if not layer.sliding:
-                fold_due_blocks(layer.self_attn, cache_layer, seen)
+                fold_due_blocks(layer.self_attn, cache_layer, seen, folding)
                 make_room_for_first_chunk(cache_layer, seen)
         return decode_step(self.config, seen, device)
 
