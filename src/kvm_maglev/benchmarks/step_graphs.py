@@ -1,5 +1,5 @@
 """One cached decode step under generate()'s cache, seen the way a compiler and a GPU see it: dynamo's graphs and
-graph breaks, the aten calls an eager step makes (each one a kernel launch on a GPU: leaf calls under a
+graph breaks (and those of a prompt forward), the aten calls an eager step makes (each one a kernel launch on a GPU: leaf calls under a
 TorchDispatchMode, and the profiler's aten events, nested ones included), and the median time (wall and the
 process's CPU time) of an eager and a `torch.compile`d step after a prompt.
 
@@ -140,6 +140,24 @@ def graph_breaks(loop: DecodeLoop) -> dict:
             "reasons": sorted({str(reason.reason).splitlines()[0][:160] for reason in explained.break_reasons})}
 
 
+def prompt_graph_breaks(model: torch.nn.Module, tokens: int) -> dict:
+    """dynamo's view of a prompt forward of `tokens` tokens on a fresh cache, prepared as generate() prepares its
+    first forward. `ops` counts what the graphs hold: a forward that opts out of compilation (Maglev's recurrent
+    prompt) is one graph of a few operations."""
+    ids = torch.randint(1, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
+    cache = new_cache(model, tokens + 16)
+    slicing = {"next_sequence_length": tokens} if NEXT_LENGTH else {"cache_position": torch.arange(tokens)}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        inputs = model.prepare_inputs_for_generation(ids, **{GENERATE_CACHE_KWARG: cache}, use_cache=True,
+                                                     attention_mask=torch.ones_like(ids), **slicing)
+        inputs.pop("cache_position", None)
+        explained = torch._dynamo.explain(model)(**inputs)
+    return {"tokens": tokens, "graphs": explained.graph_count, "breaks": explained.graph_break_count,
+            "ops": explained.op_count,
+            "reasons": sorted({str(reason.reason).splitlines()[0][:160] for reason in explained.break_reasons})}
+
+
 def median_step_ms(loop: DecodeLoop, forward: Callable | None, steps: int) -> dict:
     """Median wall and CPU (this process's: other jobs move it less) milliseconds of `steps` decode steps."""
     wall, cpu = [], []
@@ -151,11 +169,13 @@ def median_step_ms(loop: DecodeLoop, forward: Callable | None, steps: int) -> di
     return {"wall_ms": round(1000 * statistics.median(wall), 3), "cpu_ms": round(1000 * statistics.median(cpu), 3)}
 
 
-def measure(name: str, context: int, steps: int, compiled: bool, shape: str = "serving") -> dict:
+def measure(name: str, context: int, steps: int, compiled: bool, shape: str = "serving",
+            prompt: int = 1024) -> dict:
     model = build(name, shape)
+    result = {"model": name, "prompt_chunk": prompt_graph_breaks(model, prompt)}
     loop = DecodeLoop(model, context, max_len=context + 2 * steps + 16)  # every step this measure takes
     loop.step()  # the first decode step may allocate
-    result = {"model": name, "aten_calls": aten_calls(loop), **graph_breaks(loop)}
+    result |= {"aten_calls": aten_calls(loop), **graph_breaks(loop)}
     torch._dynamo.reset()
     result["eager_step"] = median_step_ms(loop, None, steps)
     if compiled:
@@ -173,12 +193,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="serving")
     parser.add_argument("--context", type=int, default=4096, help="prompt tokens before the measured steps")
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed per arm (median)")
+    parser.add_argument("--prompt", type=int, default=1024, help="tokens of the prompt forward explained")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile arm")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    results = [measure(name, args.context, args.steps, not args.no_compile, args.shape) for name in args.models]
+    results = [measure(name, args.context, args.steps, not args.no_compile, args.shape, args.prompt)
+               for name in args.models]
     for result in results:
         print(json.dumps(result))
     if args.out:

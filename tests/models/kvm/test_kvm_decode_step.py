@@ -1,6 +1,8 @@
 """KVM's decoding step as one graph (decode_step_kvm) against the general path, its reference: the same tokens,
 logits and cache, through first chunks, folds and sliding-window layers in left-padded batches; no graph break in
-a step prepared as generate() prepares it; a bounded number of compilations over a generation."""
+a step prepared as generate() prepares it; a bounded number of compilations over a generation. Prompt chunks
+prepared the same way (`PromptStep`) are one graph each, and compiled they equal eager; so does generate() with a
+compiled forward."""
 
 from __future__ import annotations
 
@@ -70,17 +72,19 @@ def test_decoding_steps_equal_the_general_path(variant):
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-5)
 
 
-def test_generate_takes_the_decoding_step():
-    """Every step after the prompt runs as a DecodeStep (a test that the path above is the one exercised)."""
+def test_generate_takes_the_prepared_steps():
+    """The prompt runs as a PromptStep and every step after it as a DecodeStep, each prepared before its forward
+    (a test that the paths above are the ones exercised)."""
     model = build("grouped_fixed")
     taken = []
-    original = type(model.model).decode
-    type(model.model).decode = lambda self, *args, **kwargs: taken.append(1) or original(self, *args, **kwargs)
+    original = type(model.model).run_step
+    type(model.model).run_step = lambda self, step, *args: taken.append(type(step).__name__) or original(self, step,
+                                                                                                         *args)
     try:
         out, _ = generate(model, decode_steps=True)
     finally:
-        type(model.model).decode = original
-    assert len(taken) == len(out.scores) - 1
+        type(model.model).run_step = original
+    assert taken == ["PromptStep"] + ["DecodeStep"] * (len(out.scores) - 1)
 
 
 class Stepper:
@@ -132,3 +136,77 @@ def test_compiled_steps_equal_eager_and_compile_a_bounded_number_of_times():
     assert torch.equal(compiled.ids, eager.ids)
     # 3 here: the first chunk's end, the state's room, the room as a dynamic dimension
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames <= 4
+
+
+def prompt_chunk_inputs(model: KVMForCausalLM, cache: KVMCache, ids: torch.Tensor, mask: torch.Tensor,
+                        part: slice) -> dict:
+    """A forward over prompt columns `part` on `cache`, prepared as generate() prepares one (its PromptStep in the
+    cache)."""
+    prepared = model.prepare_inputs_for_generation(
+        ids[:, :part.stop], **{GENERATE_CACHE_KWARG: cache}, attention_mask=mask[:, :part.stop], use_cache=True,
+        next_sequence_length=part.stop - part.start, cache_position=torch.arange(part.start, part.stop))
+    return {"input_ids": ids[:, part], "attention_mask": mask[:, :part.stop], GENERATE_CACHE_KWARG: cache,
+            "use_cache": True} | {key: prepared[key] for key in ("input_ids",) if key in prepared}
+
+
+def long_prompts(padded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows of 21 tokens, or of 21, 16 and 12 real tokens left-padded: read in two chunks, the second reads
+    the first's window and folds blocks into the state (unpadded rows also fold ahead, eagerly)."""
+    ids = torch.randint(1, BASE["vocab_size"], (3, 21), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :5] = 0
+        mask[2, :9] = 0
+    return ids * mask, mask
+
+
+def test_prepared_prompt_chunks_trace_whole():
+    """As generate() prepares them, a first chunk and one that reads its window and folds are each one graph."""
+    model = build("sliding_layers_initial_gate")
+    ids, mask = long_prompts()
+    cache = KVMCache(model.config)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for part in (slice(0, 9), slice(9, 21)):
+            inputs = prompt_chunk_inputs(model, cache, ids, mask, part)
+            assert type(cache.prepared_step).__name__ == "PromptStep"
+            explained = torch._dynamo.explain(model)(**inputs)
+            assert explained.graph_break_count == 0, [str(reason.reason) for reason in explained.break_reasons]
+            assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("variant,padded", [("power_law_gated_temperatures", True),
+                                            ("sliding_layers_initial_gate", False)])
+def test_compiled_prompt_chunks_equal_eager(variant, padded):
+    """fullgraph: a break would raise. Two chunks of a batch give eager's logits and leave its cache."""
+    model = build(variant)
+    ids, mask = long_prompts(padded)
+    eager_cache, compiled_cache = KVMCache(model.config), KVMCache(model.config)
+    torch._dynamo.reset()
+    forward = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        for part in (slice(0, 9), slice(9, 21)):
+            expected = model(**prompt_chunk_inputs(model, eager_cache, ids, mask, part)).logits
+            got = forward(**prompt_chunk_inputs(model, compiled_cache, ids, mask, part)).logits
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    assert compiled_cache.row_lengths() == eager_cache.row_lengths()
+    for row in range(3):
+        for ours, theirs in zip(compiled_cache.row_tensors(row), eager_cache.row_tensors(row)):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_generate_with_a_compiled_forward_equals_eager():
+    """generate() with the model's forward compiled whole (fullgraph): the prompt and every decoding step, prepared
+    outside the graph, give eager's tokens. Dynamo's own backend: the graphs are under test here (inductor's
+    numerics above), and inductor would spend minutes compiling the dynamic-shape step on 2 cores."""
+    model = build("power_law_gated_temperatures")
+    ids, mask = long_prompts()
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **kwargs, **{GENERATE_CACHE_KWARG: KVMCache(model.config)})
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+    try:
+        got = model.generate(ids, **kwargs, **{GENERATE_CACHE_KWARG: KVMCache(model.config)})
+    finally:
+        del model.forward
+    assert torch.equal(got, expected)

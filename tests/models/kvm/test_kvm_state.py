@@ -122,7 +122,7 @@ def fold_of(state, block: Overflow, n_append: int, sink: int, norm, value_norms:
     """state_kvm's Fold of `block` into `state` for every row, the state padded to `capacity`."""
     slots = state[0].shape[2]
     capacity = capacity or slots + block.keys.shape[2]
-    return state_kvm.Fold(padded(state, capacity), counts(slots), None, block, counts(n_append), sink, norm,
+    return state_kvm.Fold(padded(state, capacity), counts(slots), None, block, [n_append] * B, sink, norm,
                           value_norms)
 
 
@@ -216,7 +216,7 @@ def test_rows_fold_together_as_each_folds_alone():
     for state, (keys, values), (slots, appends) in zip(states, blocks, rows):
         block = Overflow(keys[:1], keys[:1], values[:1], keys[:1], values[:1])
         one = state_kvm.Fold(padded(tuple(t[:1] for t in state), capacity), torch.tensor([slots]), None, block,
-                             torch.tensor([appends]), 1, norm, True)
+                             [appends], 1, norm, True)
         alone.append(state_kvm.run_fold(one))
     batch_state = tuple(torch.cat([padded(tuple(t[:1] for t in state), capacity)[i] for state in states])
                         for i in range(3))
@@ -224,7 +224,7 @@ def test_rows_fold_together_as_each_folds_alone():
     values = torch.cat([v[:1] for _, v in blocks])
     together = state_kvm.run_fold(state_kvm.Fold(
         batch_state, torch.tensor([slots for slots, _ in rows]), None, Overflow(keys, keys, values, keys, values),
-        torch.tensor([appends for _, appends in rows]), 1, norm, True))
+        [appends for _, appends in rows], 1, norm, True))
     for row, ((slots, appends), one) in enumerate(zip(rows, alone)):
         live = slots + min(appends, 16)
         for a, b in zip(together, one):

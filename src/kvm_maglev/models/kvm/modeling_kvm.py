@@ -43,7 +43,8 @@ from .state_kvm import Fold, Overflow, readable_state, run_fold, slot_norms, sta
 from ..common.step_plan import (EngineStep, RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket,
                         length_buckets,
                         packed_documents, real_tokens, refuse_packed_cache, scatter_outputs)
-from .step_plan_kvm import Pieces, StateSchedule, chunk_pieces, ring_positions, sliding_pieces, state_schedule
+from .step_plan_kvm import (Pieces, PromptStep, StateSchedule, chunk_pieces, ring_positions, sliding_pieces,
+                            state_schedule)
 from ..common.tensor_parallel import full_tensor, local_tensor
 
 logger = logging.get_logger(__name__)
@@ -115,7 +116,8 @@ def token_shift(tokens: RowTokens, x: torch.Tensor, mix: torch.Tensor, cache_lay
     source = torch.cat([carried, flat.new_zeros(1, flat.shape[1]), flat])
     previous_index, last_index = tokens.predecessors(first)
     if cache_layer is not None:
-        reading = tokens.once("reading rows", lambda: tokens.count.nonzero().squeeze(1))
+        reading = tokens.once("reading rows", lambda: torch.tensor(
+            [row for row, count in enumerate(tokens.counts) if count], dtype=torch.long, device=tokens.device))
         cache_layer.write(carry, reading, source[last_index[reading]].detach())
         if cache_layer.journal is not None:
             cache_layer.journal.shifts[name] = flat.detach()
@@ -374,13 +376,20 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
             return self.output(tokens.attention(q, k, v, None, cache_layer))
         return self.output(self.attend_tokens(q, k, v, None, tokens, cache_layer))
 
+    def step_plan(self, tokens: RowTokens) -> Pieces:
+        """The forward's sliding-window pieces, made once and shared by the layers of this window."""
+        def plan():
+            pieces = sliding_pieces(self.window, tokens)
+            pieces.by_width(tokens)
+            return pieces
+        return tokens.once(("sliding pieces", self.window), plan)
+
     def attend_tokens(self, q, k, v, gate: None, tokens: RowTokens | DecodeStep, cache_layer) -> torch.Tensor:
         """Each token's queries over the keys of its last `sliding_window` positions (no merge gates: `gate` is
         None), the newest written into the ring; a decoding step's in one graph (decode_step_kvm)."""
         if isinstance(tokens, DecodeStep):
             return decode_sliding_attention(self, q, k, v, tokens, cache_layer)
-        pieces = tokens.once(("sliding pieces", self.window), lambda: sliding_pieces(self.window, tokens))
-        groups = pieces.by_width(tokens)
+        groups = self.step_plan(tokens).by_width(tokens)
         y = q.new_empty(q.shape[0], q.shape[1], v.shape[-1]) if len(groups) > 1 else None
         for _, group in groups:
             key_sets = window_key_sets(k, v, tokens, group, cache_layer, WINDOW, None)
@@ -416,8 +425,8 @@ class KVMAttention(KVMAttentionBase):
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
 
-    # Without autograd a decoding forward on a dense cache computes the next fold ahead (runtime_kvm.PacedFold);
-    # False folds at the chunk boundary instead (the same tensors).
+    # Without autograd, eager, a decoding forward on a dense cache computes the next fold ahead
+    # (runtime_kvm.PacedFold); False folds at the chunk boundary instead (the same tensors).
     paced_folds = True
 
     def temperature(self, name: str) -> torch.Tensor | None:
@@ -437,12 +446,16 @@ class KVMAttention(KVMAttentionBase):
         decoding step's in one graph (decode_step_kvm)."""
         if isinstance(tokens, DecodeStep):
             return decode_kvm_attention(self, q, k, v, gate, tokens, cache_layer)
-        pieces, schedule = tokens.once("chunk pieces", lambda: self.plan(tokens))
+        pieces, schedule = self.step_plan(tokens)
         return self.attend(q, k, v, gate, tokens, pieces, schedule, cache_layer)
 
-    def plan(self, tokens: RowTokens) -> tuple[Pieces, StateSchedule]:
-        pieces = chunk_pieces(self.config, tokens)
-        return pieces, state_schedule(self.config, tokens, pieces)
+    def step_plan(self, tokens: RowTokens) -> tuple[Pieces, StateSchedule]:
+        """The forward's chunk pieces and state schedule, made once and shared by the KVM layers."""
+        def plan():
+            pieces = chunk_pieces(self.config, tokens)
+            pieces.by_width(tokens)
+            return pieces, state_schedule(self.config, tokens, pieces)
+        return tokens.once("chunk pieces", plan)
 
     def attend(self, q, k, v, gate, tokens: RowTokens, pieces: Pieces, schedule: StateSchedule,
                cache_layer) -> torch.Tensor:
@@ -462,7 +475,8 @@ class KVMAttention(KVMAttentionBase):
             y = gathered(y, attend_pieces(q[group.query_index], key_sets, self.groups, self.eager), group)
         if cache_layer is not None:
             write_ring(cache_layer, tokens, names, [k, v] + ([gate] if self.gated else []))
-            if self.paced_folds and cache_layer.index is None and not torch.is_grad_enabled():
+            if (self.paced_folds and cache_layer.index is None and not torch.is_grad_enabled()
+                    and not torch.compiler.is_compiling()):  # an eager speed-up: a graph folds at the boundary
                 prepare_next_fold(cache_layer, tokens.starts, tokens.counts, self.config,
                                   partial(self.ring_fold, cache_layer), partial(self.readable, dtype=k.dtype))
         return y
@@ -476,7 +490,7 @@ class KVMAttention(KVMAttentionBase):
         folds into it (once a chunk); without one, the states are built here from empty."""
         state_dtype = state_dtype_for(k.dtype)
         versions: dict[int, list[int]] = {}  # version -> pieces reading it
-        for index, (version, slots) in enumerate(zip(schedule.piece_version, schedule.piece_slots.tolist())):
+        for index, (version, slots) in enumerate(zip(schedule.piece_version, schedule.piece_slot_list)):
             if slots:
                 versions.setdefault(version, []).append(index)
         reads = []  # (piece indices, [r, Hkv, slots, d] keys and values of those pieces' rows)
@@ -497,7 +511,7 @@ class KVMAttention(KVMAttentionBase):
                 reads.append((versions[0], self.readable(tuple(t[local] for t in working), k.dtype)))
         folded_rows: set[int] = set(range(len(schedule.rows))) if cache_layer is not None and not in_place else set()
         for round_index, fold in enumerate(schedule.folds, start=1):
-            ahead = None if cache_layer is None else take_fold_ahead(cache_layer, fold.blocks, fold.members.tolist(),
+            ahead = None if cache_layer is None else take_fold_ahead(cache_layer, fold.blocks, fold.member_list,
                                                                      schedule.capacity)
             if ahead is None:
                 block = self.block_tokens(k, v, gate, fold, cache_layer)
@@ -507,14 +521,14 @@ class KVMAttention(KVMAttentionBase):
             else:
                 folded, read = ahead
             working = tuple(t.index_copy(0, fold.rows, new) for t, new in zip(working, folded))
-            folded_rows.update(fold.rows.tolist())
+            folded_rows.update(fold.row_list)
             readers = versions.get(round_index, [])
             if readers:
-                position = {local: i for i, local in enumerate(fold.rows.tolist())}
+                position = {local: i for i, local in enumerate(fold.row_list)}
                 picks = torch.tensor([position[schedule.local[pieces.rows[p]]] for p in readers], device=k.device)
                 read = self.readable(folded, k.dtype) if read is None else read
                 reads.append((readers, tuple(t[picks] for t in read)))
-            self.journal_folds(cache_layer, [schedule.rows[i] for i in fold.rows.tolist()], fold, working, k.dtype)
+            self.journal_folds(cache_layer, [schedule.rows[i] for i in fold.row_list], fold, working, k.dtype)
         if cache_layer is not None and folded_rows:
             self.store_state(cache_layer, tokens.batch, schedule, sorted(folded_rows), working, k.dtype)
         if not reads:
@@ -568,7 +582,7 @@ class KVMAttention(KVMAttentionBase):
         tokens entered, one slot each."""
         heads, capacity = k.shape[1], schedule.capacity
         shapes = ((k.shape[2], state_dtype), (v.shape[2], state_dtype), (1, torch.float32))
-        if cache_layer is not None and not bool(schedule.fresh.all()):
+        if cache_layer is not None and not schedule.all_fresh:
             working = [torch.where(schedule.fresh[:, None, None, None], 0, t)
                        for t in self.stored_state(cache_layer, schedule)]
         else:
@@ -587,17 +601,17 @@ class KVMAttention(KVMAttentionBase):
         block = []
         for name, new in zip(WINDOW if self.gated else WINDOW[:2], (k, v, gate)):
             tokens = new[fold.new_index].transpose(1, 2)
-            if bool(fold.source_ring.any()):
+            if fold.reads_ring:
                 ring = cache_layer.read(name, fold.members)
                 cached = ring.gather(2, fold.ring_slot[:, None, :, None].expand(-1, ring.shape[1], -1, ring.shape[3]))
                 tokens = torch.where(fold.source_ring[:, None, :, None], cached.to(tokens.dtype), tokens)
             block.append(tokens)
         return block
 
-    def fold_of(self, state: tuple, slots: torch.Tensor, block: list[torch.Tensor], appends: torch.Tensor,
+    def fold_of(self, state: tuple, slots: torch.Tensor, block: list[torch.Tensor], appends: list[int],
                 state_dtype: torch.dtype) -> Fold:
         """The fold of blocks (keys, values, gates) into `state`: the block as the state takes it (the merge gate
-        applied where the config says), the budget's appends, the routing dtype."""
+        applied where the config says), the budget's appends (a count per row), the routing dtype."""
         config = self.config
         keys = state_keys(block[0].to(state_dtype), config.rotary_dim, self.state_key_norm)
         values = block[1].to(state_dtype)
@@ -608,7 +622,7 @@ class KVMAttention(KVMAttentionBase):
             overflow = Overflow(keys, merge_keys, merge_values, merge_keys, merge_values)
         else:
             overflow = Overflow(keys, keys, values, merge_keys, merge_values)
-        return Fold(state, slots, None, overflow, appends, config.sink_slots, self.state_key_norm,
+        return Fold(state, slots, None, overflow, list(appends), config.sink_slots, self.state_key_norm,
                     config.state_value_norms, self.merge_score_dtype(block[0].dtype))
 
     def ring_fold(self, cache_layer, block: int, slots: int, appends: int, capacity: int) -> Fold:
@@ -622,7 +636,7 @@ class KVMAttention(KVMAttentionBase):
         state = tuple(fit_slots(cache_layer.read(name), capacity) for name in STATE)
         rows = state[0].shape[0]
         count = lambda value: torch.full((rows,), value, dtype=torch.long, device=state[0].device)  # noqa: E731
-        return self.fold_of(state, count(slots), tokens, count(appends), state[0].dtype)
+        return self.fold_of(state, count(slots), tokens, [appends] * rows, state[0].dtype)
 
     def ring_blocks_fold(self, cache_layer, rows: torch.Tensor, blocks: list[int], table: list[int]) -> Fold:
         """The fold of window block `blocks[i]` of storage row `rows[i]`, its tokens all in the ring, into the
@@ -638,7 +652,7 @@ class KVMAttention(KVMAttentionBase):
         state = tuple(fit_slots(cache_layer.read(name, rows), capacity) for name in STATE)
         count = lambda values: torch.tensor(values, dtype=torch.long, device=rows.device)  # noqa: E731
         return self.fold_of(state, count([table[block - 1] for block in blocks]), tokens,
-                            count([table[block] - table[block - 1] for block in blocks]), state[0].dtype)
+                            [table[block] - table[block - 1] for block in blocks], state[0].dtype)
 
     def merge_score_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """dtype the merge routing is scored in (config.merge_routing_dtype): float32 or the finer state dtype,
@@ -860,20 +874,19 @@ class KVMModel(KVMPreTrainedModel):
         cache = take_cache(past_key_values, cache)
         if cache is not None:
             check_cache(cache, KVMCache, self.config)
-            step = cache.take_prepared_step() or self.prepare_decode_step(cache, input_ids, inputs_embeds,
-                                                                          attention_mask, position_ids)
+            step = cache.take_prepared_step() or self.prepare_step(cache, input_ids, inputs_embeds, attention_mask,
+                                                                   position_ids, kwargs)
             if step is not None:
                 refuse_attention_weights(output_attentions, self.config, KVM_NO_WEIGHTS)
-                return self.decode(step, input_ids, inputs_embeds, position_ids, cache,
-                                   config_default(output_hidden_states, self.config, "output_hidden_states"),
-                                   config_default(use_cache, self.config, "use_cache"))
+                return self.run_step(step, input_ids, inputs_embeds, position_ids, cache,
+                                     config_default(output_hidden_states, self.config, "output_hidden_states"),
+                                     config_default(use_cache, self.config, "use_cache"))
         source = input_ids if input_ids is not None else inputs_embeds
         documents = packed_documents(position_ids, attention_mask, kwargs, *source.shape[:2], "KVM") \
             if isinstance(source, torch.Tensor) and source.ndim >= 2 else None
         if documents is not None:
             refuse_packed_cache(use_cache, cache, "KVM")
             return self.packed_forward(documents, input_ids, inputs_embeds, output_attentions, output_hidden_states)
-        check_input_ids(input_ids, inputs_embeds, self.config.vocab_size, cache)
         refuse_attention_weights(output_attentions, self.config, KVM_NO_WEIGHTS)
         output_hidden_states = config_default(output_hidden_states, self.config, "output_hidden_states")
         use_cache = config_default(use_cache, self.config, "use_cache")
@@ -881,36 +894,14 @@ class KVMModel(KVMPreTrainedModel):
             use_cache, cache = False, None  # the cache would be updated again by the recomputation
         if use_cache and cache is None:
             cache = KVMCache(self.config)
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        x0 = self.embed_norm(inputs_embeds)
-        batch, length = x0.shape[:2]
-        cached = cache.columns if cache is not None else 0
-        if self.training and torch.is_grad_enabled() and cached + length < state_training_length(self.config):
+        step = self.prompt_step(cache, source, input_ids, inputs_embeds, attention_mask, position_ids)
+        seen = (cache.columns if cache is not None else 0) + step.columns
+        if self.training and torch.is_grad_enabled() and seen < state_training_length(self.config):
             logger.warning_once(
-                f"Training KVM on {cached + length}-token sequences: blocks enter the state only once a chunk has left "
+                f"Training KVM on {seen}-token sequences: blocks enter the state only once a chunk has left "
                 f"the attention window, so the merge gate and state norm get no gradient below "
                 f"{state_training_length(self.config)} tokens ((window_chunks + 1) * chunk_size + 2).")
-        valid = real_tokens(attention_mask, batch, length, cached, x0.device)
-        if valid is not None and bool(valid.all()):
-            valid = None  # all tokens real: the unpadded path
-        starts = cache.row_starts(batch) if cache is not None else [0] * batch
-        tokens = RowTokens.from_batch(starts, valid, batch, length, x0.device)
-        positions = None
-        if position_ids is not None:
-            own = StepPlan(tokens.start, valid, length).query_positions
-            check_position_ids(position_ids, own, valid, batch, "KVM", "state and token shifts")
-            positions = tokens.flatten(position_ids.to(x0.device).expand(batch, length)[..., None])[:, 0]
-        if cache is not None:
-            cache.prepare(tokens)
-        hidden, all_hidden = self.run_layers(tokens.flatten(x0), tokens, cache, positions, output_hidden_states)
-        if cache is not None:
-            cache.advance(tokens, length)
-        return BaseModelOutputWithPast(
-            last_hidden_state=all_hidden[-1] if output_hidden_states else tokens.unflatten(hidden),
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            **{CACHE_NAME: cache if use_cache else None},
-        )
+        return self.run_step(step, input_ids, inputs_embeds, position_ids, cache, output_hidden_states, use_cache)
 
     def run_layers(self, x0: torch.Tensor, tokens: RowTokens | DecodeStep, cache: KVMCache | None,
                    positions: torch.Tensor | None = None, output_hidden_states: bool = False):
@@ -944,15 +935,26 @@ class KVMModel(KVMPreTrainedModel):
             hidden_states = tokens.flatten(all_hidden[-1])
         return hidden_states, all_hidden
 
-    def prepare_decode_step(self, cache: KVMCache, input_ids, inputs_embeds, attention_mask,
-                            position_ids) -> DecodeStep | None:
-        """The `DecodeStep` of a forward that reads one real token in every row of `cache`, without autograd, with
-        the folds its tokens read done and the rows advanced; None for any other forward (the general path
-        runs it). Eager work, before the step: generate() runs it from `prepare_inputs_for_generation`, so that
-        a compiled forward has none left."""
+    def prepare_step(self, cache: KVMCache, input_ids, inputs_embeds, attention_mask, position_ids,
+                     kwargs: dict) -> DecodeStep | PromptStep | None:
+        """The prepared step of a cached forward without autograd - a `DecodeStep` when every row reads one real
+        token, else a `PromptStep` - with its host work done: checks, the rows' geometry and plans, folds a
+        decoding token reads, bookkeeping. None for a forward the general path runs (autograd, recording, a
+        serving engine's pages, packed documents). generate() runs it from `prepare_inputs_for_generation`, so
+        that a compiled forward has no host work left."""
         source = input_ids if input_ids is not None else inputs_embeds
-        if (not self.decode_steps or not cache.rows or cache.paged or cache.recording or torch.is_grad_enabled()
-                or not all(cache.seen) or not isinstance(source, torch.Tensor)
+        if (cache.paged or cache.recording or torch.is_grad_enabled() or not isinstance(source, torch.Tensor)
+                or source.ndim < 2):
+            return None
+        return (self.prepare_decode_step(cache, source, input_ids, inputs_embeds, attention_mask, position_ids)
+                or self.prepare_prompt_step(cache, source, input_ids, inputs_embeds, attention_mask, position_ids,
+                                            kwargs))
+
+    def prepare_decode_step(self, cache: KVMCache, source: torch.Tensor, input_ids, inputs_embeds, attention_mask,
+                            position_ids) -> DecodeStep | None:
+        """The `DecodeStep` of a forward that reads one real token in every row of `cache`, with the folds its
+        tokens read done and the rows advanced; None for any other forward."""
+        if (not self.decode_steps or not cache.rows or not all(cache.seen)
                 or tuple(source.shape[:2]) != (cache.rows, 1)):
             return None
         check_input_ids(input_ids, inputs_embeds, self.config.vocab_size, cache)
@@ -967,6 +969,36 @@ class KVMModel(KVMPreTrainedModel):
         cache.advance_decoding()
         return step
 
+    def prepare_prompt_step(self, cache: KVMCache, source: torch.Tensor, input_ids, inputs_embeds, attention_mask,
+                            position_ids, kwargs: dict) -> PromptStep | None:
+        """The `PromptStep` of any other cached forward (prompts, chunks of them, rows at different positions);
+        None for packed documents."""
+        if packed_documents(position_ids, attention_mask, kwargs, *source.shape[:2], "KVM") is not None:
+            return None
+        return self.prompt_step(cache, source, input_ids, inputs_embeds, attention_mask, position_ids)
+
+    def prompt_step(self, cache: KVMCache | None, source: torch.Tensor, input_ids, inputs_embeds, attention_mask,
+                    position_ids) -> PromptStep:
+        """A forward's rows and rotary positions from the mask and the cache (if any), the cache made ready and
+        each layer's plan (pieces, state schedule) made."""
+        check_input_ids(input_ids, inputs_embeds, self.config.vocab_size, cache)
+        batch, length = source.shape[:2]
+        valid = real_tokens(attention_mask, batch, length, cache.columns if cache is not None else 0, source.device)
+        if valid is not None and bool(valid.all()):
+            valid = None  # all tokens real: the unpadded path
+        starts = cache.row_starts(batch) if cache is not None else [0] * batch
+        tokens = RowTokens.from_batch(starts, valid, batch, length, source.device)
+        positions = None
+        if position_ids is not None:
+            own = StepPlan(tokens.start, valid, length).query_positions
+            check_position_ids(position_ids, own, valid, batch, "KVM", "state and token shifts")
+            positions = tokens.flatten(position_ids.to(source.device).expand(batch, length)[..., None])[:, 0]
+        if cache is not None:
+            cache.prepare(tokens)
+        for layer in self.layers:
+            layer.self_attn.step_plan(tokens)
+        return PromptStep(tokens, positions, length)
+
     def decoding_step(self, cache: KVMCache, seen: list[int], device) -> DecodeStep:
         """The `DecodeStep` of rows at `seen` (> 0) reading one token each, with the folds their tokens read done
         and dense storage made room in: the host work of a decoding step, before its forward."""
@@ -977,16 +1009,22 @@ class KVMModel(KVMPreTrainedModel):
                 make_room_for_first_chunk(cache_layer, seen)
         return decode_step(self.config, seen, device)
 
-    def decode(self, step: DecodeStep, input_ids, inputs_embeds, position_ids, cache: KVMCache,
-               output_hidden_states: bool, use_cache: bool) -> BaseModelOutputWithPast:
-        """A decoding step on its prepared `DecodeStep`: from here on nothing waits on the host."""
+    def run_step(self, step: DecodeStep | PromptStep, input_ids, inputs_embeds, position_ids, cache: KVMCache | None,
+                 output_hidden_states: bool, use_cache: bool) -> BaseModelOutputWithPast:
+        """A forward on its prepared step: from here on nothing waits on the host."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         x0 = self.embed_norm(inputs_embeds)
-        positions = None if position_ids is None else position_ids[:, -1].to(x0.device).expand(step.batch)
-        hidden, all_hidden = self.run_layers(step.flatten(x0), step, cache, positions, output_hidden_states)
+        if isinstance(step, PromptStep):
+            tokens, positions = step.tokens, step.positions
+        else:
+            tokens = step
+            positions = None if position_ids is None else position_ids[:, -1].to(x0.device).expand(step.batch)
+        hidden, all_hidden = self.run_layers(tokens.flatten(x0), tokens, cache, positions, output_hidden_states)
+        if isinstance(step, PromptStep) and cache is not None:
+            cache.advance(tokens, step.columns)
         return BaseModelOutputWithPast(
-            last_hidden_state=all_hidden[-1] if output_hidden_states else step.unflatten(hidden),
+            last_hidden_state=all_hidden[-1] if output_hidden_states else tokens.unflatten(hidden),
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             **{CACHE_NAME: cache if use_cache else None},
         )
@@ -1059,9 +1097,9 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
         inputs = super().prepare_inputs_for_generation(*args, **kwargs)
         cache = inputs.get(GENERATE_CACHE_KWARG)
         if isinstance(cache, KVMCache) and cache.prepared_step is None:
-            cache.prepared_step = self.model.prepare_decode_step(
+            cache.prepared_step = self.model.prepare_step(
                 cache, inputs.get("input_ids"), inputs.get("inputs_embeds"), inputs.get("attention_mask"),
-                inputs.get("position_ids"))
+                inputs.get("position_ids"), inputs)
         return inputs
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,8 @@ class Fold:
     computed for the next.
 
     `state` is padded to a capacity that holds every row's slots after the fold; `slots` [B] are the live slots
-    before it and `n_append` [B] the block tokens each row appends. `reference` holds the layer-normed keys of
+    before it and `appends` the block tokens each row appends (Python ints: they choose the stages, so that no stage
+    waits on a tensor's value). `reference` holds the layer-normed keys of
     the state's slots; None until the first stage that needs them norms them with `normalize`. Similarities run
     in `similarity_rows` blocks, each its own stage, so that the stages of a fold computed at once or one per step
     are the same products.
@@ -115,7 +116,7 @@ class Fold:
     slots: torch.Tensor
     reference: torch.Tensor | None
     block: Overflow
-    n_append: torch.Tensor
+    appends: list[int]
     sink_slots: int
     normalize: Callable[[torch.Tensor], torch.Tensor]
     value_norms: bool
@@ -133,6 +134,11 @@ class Fold:
         return self.state[0].shape[2]
 
     @property
+    def n_append(self) -> torch.Tensor:
+        """[B]: the block tokens each row appends."""
+        return torch.tensor(self.appends, dtype=torch.long, device=self.slots.device)
+
+    @property
     def slots_after(self) -> torch.Tensor:
         """[B]: live slots once the chosen tokens are appended."""
         return self.slots + self.n_append.clamp(0, self.tokens)
@@ -147,7 +153,7 @@ class Fold:
         """The fold of key/value heads `heads` alone (before any stage has run)."""
         return Fold(tuple(t[:, heads] for t in self.state), self.slots,
                     None if self.reference is None else self.reference[:, heads], self.block.heads(heads),
-                    self.n_append, self.sink_slots, self.normalize, self.value_norms, self.score_dtype)
+                    self.appends, self.sink_slots, self.normalize, self.value_norms, self.score_dtype)
 
 
 def score_overflow(fold: Fold, rows: slice) -> None:
@@ -213,14 +219,14 @@ def fold_stages(fold: Fold) -> list[Callable[[], None]]:
     """The stages of `fold` in order: novelty row blocks (when a row appends some but not all tokens), the
     choice, the append (when a row appends), routing row blocks (when a row merges), the merge."""
     tokens, capacity = fold.tokens, fold.capacity
-    appends = fold.n_append.clamp(0, tokens)
+    appends = [min(max(count, 0), tokens) for count in fold.appends]
     stages: list[Callable[[], None]] = []
-    if bool(((appends > 0) & (appends < tokens)).any()):
+    if any(0 < count < tokens for count in appends):
         stages += [partial(score_overflow, fold, rows) for rows in similarity_rows(tokens, capacity)]
     stages.append(partial(choose_appends, fold))
-    if bool((appends > 0).any()):
+    if any(count > 0 for count in appends):
         stages.append(partial(append, fold))
-    if bool((appends < tokens).any()):
+    if any(count < tokens for count in appends):
         stages += [partial(route_merges, fold, rows) for rows in similarity_rows(tokens, capacity)]
         stages.append(partial(merge, fold))
     return stages

@@ -41,6 +41,7 @@ class Pieces:
     identity_rows: bool  # one piece per row of the batch, in row order: per-row tensors line up with the pieces
     spans: list[tuple[int, int, int, int]]  # (row, first position, last position, lowest key position) per piece
     sliding: int | None
+    groups: list[tuple[torch.Tensor | None, "Pieces"]] | None = None  # `by_width`'s, once made
 
     @property
     def count(self) -> int:
@@ -54,13 +55,14 @@ class Pieces:
     def by_width(self, tokens: RowTokens) -> list[tuple[torch.Tensor | None, "Pieces"]]:
         """The pieces in groups that attend in one call each - pieces of one query (decoding rows) apart from
         longer ones (prompt chunks), so that no decoding row is padded to a prompt chunk's queries and keys - with
-        each group's piece indices (None: all the pieces, in order)."""
-        single = [index for index, span in enumerate(self.spans) if span[1] == span[2]]
-        if not single or len(single) == len(self.spans):
-            return [(None, self)]
-        longer = [index for index in range(len(self.spans)) if self.spans[index][1] != self.spans[index][2]]
-        return [(torch.tensor(indices, device=tokens.device),
+        each group's piece indices (None: all the pieces, in order). Made once, by the forward's plan."""
+        if self.groups is None:
+            single = [index for index, span in enumerate(self.spans) if span[1] == span[2]]
+            longer = [index for index in range(len(self.spans)) if self.spans[index][1] != self.spans[index][2]]
+            self.groups = [(None, self)] if not single or not longer else [
+                (torch.tensor(indices, device=tokens.device),
                  cut_pieces(tokens, [self.spans[i] for i in indices], self.sliding)) for indices in (single, longer)]
+        return self.groups
 
 
 def cut_pieces(tokens: RowTokens, spans: list[tuple[int, int, int, int]], sliding: int | None) -> Pieces:
@@ -87,7 +89,8 @@ def cut_pieces(tokens: RowTokens, spans: list[tuple[int, int, int, int]], slidin
     new_pos = new_first[:, None] + key_steps
     new_valid = new_pos <= last[:, None]
     new_index = torch.where(new_valid, offset[:, None] + new_pos - start[:, None], 0)
-    order = query_valid.reshape(-1).nonzero().squeeze(1)
+    order = torch.tensor([index * width + step for index, span in enumerate(spans)
+                          for step in range(span[2] - span[1] + 1)], dtype=torch.long, device=device)
     reads_ring = any(tokens.starts[r] > 0 for r in set(rows))
     return Pieces(rows, row, query_index, query_pos, query_valid, query_low.clamp(min=0), new_index,
                   torch.where(new_valid, new_pos, -1), reads_ring, order, rows == list(range(tokens.batch)), spans,
@@ -128,16 +131,20 @@ class FoldRound:
     """One round of folds: rows `rows` (indices into the schedule's `rows`; `members`: the forward's rows) each fold
     block `blocks[i]` into a state of `slots[i]` live slots, appending `appends[i]` of its tokens. `source_ring`
     [rows, chunk] says which of the block's tokens are in the cached window (slot `ring_slot`) and which are this
-    forward's (`new_index`)."""
+    forward's (`new_index`); `reads_ring`: some are. The Python lists repeat what the forward decides by, so that
+    it reads no tensor to decide."""
 
     rows: torch.Tensor
     members: torch.Tensor
     blocks: list[int]
     slots: torch.Tensor
-    appends: torch.Tensor
+    appends: list[int]
     source_ring: torch.Tensor
     ring_slot: torch.Tensor
     new_index: torch.Tensor
+    row_list: list[int]
+    member_list: list[int]
+    reads_ring: bool
 
 
 @dataclass
@@ -149,7 +156,8 @@ class StateSchedule:
     tokens: `initial_rows` (indices into `rows`), their flat tokens `initial_index` [r, n] entering slots
     `initial_slot` (one past the end where none), and as flat lists (`first_chunk_*`). `folds` run in rounds. A piece reads state version
     `piece_version[p]` of its row (0: the state before this forward's folds, k: after its k-th fold) with
-    `piece_slots[p]` live slots (0: a piece in the front window reads no state)."""
+    `piece_slots[p]` live slots (0: a piece in the front window reads no state; `piece_slot_list` the same
+    counts as Python ints)."""
 
     rows: list[int]
     local: dict[int, int]  # row -> index in `rows`
@@ -165,8 +173,10 @@ class StateSchedule:
     folds: list[FoldRound]
     piece_version: list[int]
     piece_slots: torch.Tensor
+    piece_slot_list: list[int]
     read_slots: int  # the most slots a piece reads
     entered: set[int]  # rows whose state first-chunk tokens entered in this forward (version 0 is not the stored one)
+    all_fresh: bool  # every row in `rows` starts from an empty state
 
 
 def state_schedule(config, tokens: RowTokens, pieces: Pieces) -> StateSchedule:
@@ -205,13 +215,14 @@ def state_schedule(config, tokens: RowTokens, pieces: Pieces) -> StateSchedule:
         positions = torch.tensor([[block * chunk + i for i in range(chunk)] for block in blocks], device=device)
         member = torch.tensor(members, dtype=torch.long, device=device)
         start = tokens.start[member][:, None]
-        folds.append(FoldRound(torch.tensor([local[row] for row in members], device=device), member, blocks,
-                          torch.tensor(slots, device=device), torch.tensor(appends, device=device),
-                          positions < start, positions % size,
-                          (tokens.offset[member][:, None] + positions - start).clamp(min=0)))
+        local_rows = [local[row] for row in members]
+        folds.append(FoldRound(torch.tensor(local_rows, device=device), member, blocks,
+                               torch.tensor(slots, device=device), appends, positions < start, positions % size,
+                               (tokens.offset[member][:, None] + positions - start).clamp(min=0), local_rows, members,
+                               any(tokens.starts[row] > block * chunk for row, block in zip(members, blocks))))
 
     versions, piece_slots = [], []
-    for row, position in zip(pieces.rows, pieces.query_pos[:, 0].tolist()):
+    for row, position in zip(pieces.rows, (span[1] for span in pieces.spans)):
         index = position // chunk
         if index < window_chunks:
             versions.append(0)
@@ -234,4 +245,15 @@ def state_schedule(config, tokens: RowTokens, pieces: Pieces) -> StateSchedule:
         rows, local, as_tensor([tokens.starts[row] == 0 for row in rows]).bool(), capacity,
         as_tensor([local[row] for row in initial]), as_tensor(initial_index, width), as_tensor(initial_slot, width),
         as_tensor(first_rows), as_tensor(first_tokens), as_tensor(first_slots), max(first_slots, default=-1) + 1,
-        folds, versions, as_tensor(piece_slots), max(piece_slots, default=0), set(initial))
+        folds, versions, as_tensor(piece_slots), piece_slots, max(piece_slots, default=0), set(initial),
+        all(tokens.starts[row] == 0 for row in rows))
+
+
+@dataclass
+class PromptStep:
+    """A cached forward other than a decoding step, prepared before it: its rows' tokens (with the layers' plans
+    made in them), the rotary positions when the caller gave them, and the columns the cache advances by."""
+
+    tokens: RowTokens
+    positions: torch.Tensor | None
+    columns: int
