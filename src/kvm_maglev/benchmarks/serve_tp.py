@@ -8,8 +8,9 @@ default) or "long-prompt" (8-16k).
     python -m kvm_maglev.benchmarks.serve_tp --engines maglev mistral --workload long-prompt --repeats 1
 
 Each (engine, size) runs in its own process, is warmed up, then times the workload `--repeats` times (median wall
-time, and the best run's: on a shared machine other jobs' turns on the cores lengthen some runs; the ranks' compute
-runs in vLLM's worker processes, so only wall time counts it). On CPU every rank
+time, and the best run's: on a shared machine other jobs' turns on the cores lengthen some runs), and the CPU seconds
+of each run in the engine's process and in each rank's process (at size 1 the rank runs in the engine's process; on
+a loaded machine CPU seconds show whether a rank's work halved when the wall clock cannot). On CPU every rank
 is one thread on its own core (`VLLM_CPU_OMP_THREADS_BIND`), so size 2 uses two cores where size 1 uses one.
 """
 
@@ -50,20 +51,30 @@ def run_job(job: dict) -> dict:
 
     generate([serve.Request(**r) for r in job["warmup"]])
     requests = [serve.Request(**r) for r in job["requests"]]
-    walls = []
+    walls, cpus, rank_cpus = [], [], []
     for _ in range(job["repeats"]):
-        start = time.perf_counter()
+        start, cpu, ranks = time.perf_counter(), time.process_time(), llm.collective_rpc(rank_cpu_seconds)
         generate(requests)
         walls.append(time.perf_counter() - start)
+        cpus.append(round(time.process_time() - cpu, 2))
+        rank_cpus.append([round(end - begin, 2) for begin, end in zip(ranks, llm.collective_rpc(rank_cpu_seconds))])
     wall = statistics.median(walls)
     return {"wall_s": round(wall, 3), "best_wall_s": round(min(walls), 3), "walls_s": [round(w, 3) for w in walls],
+            "engine_cpu_s": cpus, "rank_cpu_s": rank_cpus,
             **{k: round(v, 2) for k, v in serve.rates(requests, wall).items()},
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
+def rank_cpu_seconds(worker) -> float:
+    """CPU seconds of the process a rank runs in (vLLM's `collective_rpc` calls this in every rank)."""
+    return time.process_time()
+
+
 def child_environment(tp_size: int) -> dict:
-    """One torch thread per rank, each rank bound to its own core; the engine core in the launched process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    """One torch thread per rank, each rank bound to its own core; the engine core in the launched process; the ranks
+    may run this module's `rank_cpu_seconds` (vLLM sends a function to its workers only with this set)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     if tp_size > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in sorted(os.sched_getaffinity(0))[:tp_size])
     return env
