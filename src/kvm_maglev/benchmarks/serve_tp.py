@@ -1,11 +1,16 @@
-"""Tensor-parallel speed-up on vLLM: KVM (the kvm_maglev.vllm plugin) and vLLM's own Llama of the same shape, each at
-tensor_parallel_size 1 and 2, on serve.py's long-prompt workload (its models, folders and engine settings).
+"""Tensor-parallel speed-up on vLLM: our models and vLLM's Llama and Mistral at tensor_parallel_size 1 and 2.
+
+Our models are KVM and Maglev (the kvm_maglev.vllm plugin), vLLM's own Llama and Mistral of the same shape; the
+workload is one of serve.py's long ones (its models, folders and engine settings): "long" (prompts 2-4k, the
+default) or "long-prompt" (8-16k).
 
     python -m kvm_maglev.benchmarks.serve_tp --requests 8 --repeats 2 --out docs/bench_serve_tp_cpu.json
+    python -m kvm_maglev.benchmarks.serve_tp --engines maglev mistral --workload long-prompt --repeats 1
 
 Each (engine, size) runs in its own process, is warmed up, then times the workload `--repeats` times (median wall
-time, and the best run's: on a shared machine other jobs' turns on the cores lengthen some runs; the ranks' compute
-runs in vLLM's worker processes, so only wall time counts it). On CPU every rank
+time, and the best run's: on a shared machine other jobs' turns on the cores lengthen some runs), and the CPU seconds
+of each run in the engine's process and in each rank's process (at size 1 the rank runs in the engine's process; on
+a loaded machine CPU seconds show whether a rank's work halved when the wall clock cannot). On CPU every rank
 is one thread on its own core (`VLLM_CPU_OMP_THREADS_BIND`), so size 2 uses two cores where size 1 uses one.
 """
 
@@ -25,7 +30,8 @@ from pathlib import Path
 
 from kvm_maglev.benchmarks import serve
 
-ENGINES = ("kvm", "llama")
+ENGINES = ("kvm", "maglev", "maglev-prefiller", "llama", "mistral")
+DEFAULT_ENGINES = ("kvm", "llama")  # what a run without --engines measures (the first runs' pair)
 
 
 def run_job(job: dict) -> dict:
@@ -45,20 +51,30 @@ def run_job(job: dict) -> dict:
 
     generate([serve.Request(**r) for r in job["warmup"]])
     requests = [serve.Request(**r) for r in job["requests"]]
-    walls = []
+    walls, cpus, rank_cpus = [], [], []
     for _ in range(job["repeats"]):
-        start = time.perf_counter()
+        start, cpu, ranks = time.perf_counter(), time.process_time(), llm.collective_rpc(rank_cpu_seconds)
         generate(requests)
         walls.append(time.perf_counter() - start)
+        cpus.append(round(time.process_time() - cpu, 2))
+        rank_cpus.append([round(end - begin, 2) for begin, end in zip(ranks, llm.collective_rpc(rank_cpu_seconds))])
     wall = statistics.median(walls)
     return {"wall_s": round(wall, 3), "best_wall_s": round(min(walls), 3), "walls_s": [round(w, 3) for w in walls],
+            "engine_cpu_s": cpus, "rank_cpu_s": rank_cpus,
             **{k: round(v, 2) for k, v in serve.rates(requests, wall).items()},
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
+def rank_cpu_seconds(worker) -> float:
+    """CPU seconds of the process a rank runs in (vLLM's `collective_rpc` calls this in every rank)."""
+    return time.process_time()
+
+
 def child_environment(tp_size: int) -> dict:
-    """One torch thread per rank, each rank bound to its own core; the engine core in the launched process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    """One torch thread per rank, each rank bound to its own core; the engine core in the launched process; the ranks
+    may run this module's `rank_cpu_seconds` (vLLM sends a function to its workers only with this set)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     if tp_size > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in sorted(os.sched_getaffinity(0))[:tp_size])
     return env
@@ -71,9 +87,10 @@ def report(command: str, args, shape, requests: list[serve.Request], results: di
     speedups = {f"{key}_{engine}": {f"tp{size}/{base}": round(by_size[base][key] / by_size[f"tp{size}"][key], 3)
                                     for size in args.tp_sizes[1:] if f"tp{size}" in by_size}
                 for engine, by_size in results.items() if base in by_size for key in ("wall_s", "best_wall_s")}
-    return {"command": command, "workload": {**asdict(serve.WORKLOADS["long"]), "requests": len(requests),
+    return {"command": command, "workload": {**asdict(serve.WORKLOADS[args.workload]), "requests": len(requests),
                                              **serve.workload_tokens(requests)},
-            "settings": {"vllm": serve.vllm_settings(shape), "hidden": shape.hidden, "layers": shape.layers,
+            "settings": {"vllm": {engine: serve.vllm_settings(shape, engine) for engine in results},
+                         "window": shape.window, "hidden": shape.hidden, "layers": shape.layers,
                          "heads": shape.heads, "kv_heads": shape.kv_heads, "vocab": shape.vocab,
                          "repeats": args.repeats, "threads_per_rank": 1},
             "code": serve.code_version(), "machine": {"cpus": os.cpu_count()},
@@ -82,10 +99,11 @@ def report(command: str, args, shape, requests: list[serve.Request], results: di
 
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(DEFAULT_ENGINES))
+    parser.add_argument("--workload", choices=("long", "long-prompt"), default="long")
     parser.add_argument("--tp-sizes", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--requests", type=int, default=None,
-                        help="the first N requests of serve.py's long workload (default: all 16)")
+                        help="the first N requests of the workload (default: all of them)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     serve.add_output_arguments(parser)
@@ -100,16 +118,16 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     command = "python -m kvm_maglev.benchmarks.serve_tp " + shlex.join(sys.argv[1:] if argv is None else argv)
     shape = serve.parse_args(["--seed", str(args.seed)])  # serve.py's models and engine settings
-    requests = serve.make_requests(serve.WORKLOADS["long"], args.seed, shape.vocab)[:args.requests]
+    requests = serve.make_requests(serve.WORKLOADS[args.workload], args.seed, shape.vocab)[:args.requests]
     results: dict[str, dict] = {}
     payload: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for engine in args.engines:
-            folder = str(serve.make_folder(engine, Path(tmp) / engine, shape))
+            folder = str(serve.make_folder(serve.FOLDER_OF[engine], Path(tmp) / engine, shape))
             results[engine] = {}
             for tp_size in args.tp_sizes:
                 job = {"engine": engine, "folder": folder, "seed": args.seed, "tp_size": tp_size,
-                       "repeats": args.repeats, "vllm": serve.vllm_settings(shape),
+                       "repeats": args.repeats, "vllm": serve.vllm_settings(shape, engine),
                        "warmup": [asdict(r) for r in serve.warmup_requests(args.seed, shape.vocab)],
                        "requests": [asdict(r) for r in requests]}
                 job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"

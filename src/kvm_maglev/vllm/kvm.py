@@ -35,7 +35,7 @@ from kvm_maglev.models.common.step_plan import RowTokens
 from kvm_maglev.models.kvm.decode_step_kvm import DecodeStep
 from kvm_maglev.vllm.engine_ops import PagedStep
 from kvm_maglev.vllm.pages import PagedStateModel, page_layers, scheduled_step
-from kvm_maglev.vllm.tensor_parallel import rank_slice, shard_by_plan
+from kvm_maglev.vllm.tensor_parallel import shard_by_plan
 
 
 def page_layout(config: KVMConfig, model: KVMModel, max_len: int, dtype: torch.dtype) -> list[list[tuple]]:
@@ -81,7 +81,9 @@ class VllmKVMForCausalLM(PagedStateModel):
         with torch.device("meta"):  # no rank holds the whole model, not even while building it
             self.build(vllm_config, KVMConfig, KVMModel, OneDNNLinear, "vocab_size")
         dtype = vllm_config.model_config.dtype
-        self.split_vocabulary(dtype)
+        # KVM's head has exactly vocab_size rows; vLLM applies the soft cap
+        self.split_vocabulary(dtype, self.config.vocab_size, self.config.vocab_size, self.config.vocab_size,
+                              self.config.logit_softcap or None)
         self.shards = shard_by_plan(self, self.config.base_model_tp_plan, device)
         self.split_heads()
         self.layout = page_layout(self.config, self.model, vllm_config.model_config.max_model_len, dtype)
@@ -101,26 +103,6 @@ class VllmKVMForCausalLM(PagedStateModel):
             attention = layer.self_attn
             attention.num_heads = attention.q_proj.out_features // attention.head_dim
             attention.kv_heads = attention.k_proj.out_features // attention.head_dim
-
-    def split_vocabulary(self, dtype: torch.dtype) -> None:
-        """Embeddings and head as vLLM's vocabulary-parallel layers (tied when the config ties them), the logits
-        gathered over the ranks and soft-capped by vLLM's logits processor."""
-        from vllm.model_executor.layers.logits_processor import LogitsProcessor
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-        config = self.config
-        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=dtype,
-                                                         prefix="model.embed_tokens")
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=dtype, prefix="lm_head")
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.logit_softcap or None)
-
-    def load_weights(self, weights):
-        """The checkpoint's tensors, each planned one sliced to this rank's share (vocabulary-parallel layers slice
-        their own)."""
-        return super().load_weights((name, rank_slice(tensor, self.shards[name]) if name in self.shards else tensor)
-                                    for name, tensor in weights)
 
     def named_pages(self) -> list[dict[str, torch.Tensor]]:
         """Each layer's page tensors under a KVMCache layer's names; the carry vector's streams as column views."""

@@ -18,18 +18,27 @@ own, as generate()'s first forward: Q reads the prompt in parallel and P runs on
 leaving P's rings and carries in the pages; the other requests continue recurrently in one more forward. The
 engine schedules every prompt whole and recomputes a preempted request from its prompt first
 (`serving_config.whole_prompt_scheduling`), so a prompt-starting request reads exactly its prompt.
+
+Tensor parallelism (`kvm_maglev.vllm.tensor_parallel`): each rank holds the share of P's (and Q's) heads, memory
+projections, gates and MLP units that `MaglevConfig.base_model_tp_plan` gives it, its heads' columns of the value
+embeddings and its share of the vocabulary; its pages hold its key/value heads' rings and its channels of the carry.
+The residual stream, and so the memory vector and smear's embedding, is whole on every rank (the rowwise outputs are
+all-reduced): each rank stores its channels of the carry and the step gathers the whole from the ranks, one small
+all-gather per forward.
 """
 
 from __future__ import annotations
 
 import torch
 from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
-from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM, MaglevModel
+from kvm_maglev.models.maglev.modeling_maglev import MaglevModel
 from kvm_maglev.models.common.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.pages import PagedStateModel, ScheduledStep, page_layers
+from kvm_maglev.vllm.tensor_parallel import plan_rule, rank_slice, shard_by_plan, split_table_columns
 
 MEMORY, EMBEDDING = 0, 1  # rows of the carry state
 
@@ -41,7 +50,8 @@ def ring_slots(config: MaglevConfig, max_model_len: int) -> list[int]:
 
 
 class VllmMaglevForCausalLM(PagedStateModel):
-    """`MaglevForCausalLM` for vLLM: our model and head, a `StatePages` per decoder layer."""
+    """`MaglevForCausalLM` for vLLM: our model, vLLM's vocabulary-parallel embeddings and head, a `StatePages` per
+    decoder layer; under tensor parallelism each rank holds its share of the heads, the MLP and the vocabulary."""
 
     MODEL_NAME = "Maglev"
     PROMPT_EMBEDDINGS_REFUSED = "smear and value embeddings index token ids"
@@ -49,12 +59,43 @@ class VllmMaglevForCausalLM(PagedStateModel):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        self.build(vllm_config, MaglevConfig, MaglevModel, OneDNNLinear, "head_rows")
+        device = torch.empty(0).device  # where vLLM builds the model (its default device)
+        self.tp_size = get_tensor_model_parallel_world_size()
+        with torch.device("meta"):  # no rank holds the whole model, not even while building it
+            self.build(vllm_config, MaglevConfig, MaglevModel, OneDNNLinear, "head_rows")
+            table_shards = self.split_value_embeddings()
         config, dtype = self.config, vllm_config.model_config.dtype
+        # float32 logits, then the cap (compute_logits), as MaglevForCausalLM.logits: no cap in vLLM's processor
+        self.split_vocabulary(dtype, config.embedding_rows, config.head_rows, config.vocab_size, soft_cap=None)
+        self.shards = shard_by_plan(self, config.base_model_tp_plan, device) | table_shards
+        self.split_heads()
         slots = ring_slots(config, vllm_config.model_config.max_model_len)
-        # per layer: its ring of keys and values, and the request's carry (used in layer 0's page only)
-        shapes = [[(config.num_key_value_heads, n, config.head_dim)] * 2 + [(2, config.hidden_size)] for n in slots]
+        kv_heads, carry = config.num_key_value_heads // self.tp_size, config.hidden_size // self.tp_size
+        # per layer: its ring of the rank's key/value heads, and the rank's channels of the request's carry (used
+        # in layer 0's page only)
+        shapes = [[(kv_heads, n, config.head_dim)] * 2 + [(2, carry)] for n in slots]
         self.state_layers = page_layers(prefix, shapes, [[dtype] * 3 for _ in slots])
+
+    def split_value_embeddings(self) -> dict[str, int]:
+        """Under tensor parallelism, each value-embedding table as the rank's columns: layer i's table is added to
+        its values head by head, so a rank whose `v_proj` is colwise (the plan) reads only its heads' columns (the
+        model's `local_columns` then takes the table as it is). Returns the checkpoint slicing of the tables."""
+        tables, plan = self.model.value_embeddings, self.config.base_model_tp_plan
+        if self.tp_size == 1 or not tables:
+            return {}
+        if any(plan_rule(plan, f"layers.{key}.self_attn.v_proj") != "colwise" for key in tables):
+            raise ValueError("Maglev on vLLM: the plan does not split v_proj colwise, so the value embeddings' columns "
+                             "do not follow the rank's heads")
+        return split_table_columns(tables, "model.value_embeddings", self.tp_size)
+
+    def split_heads(self) -> None:
+        """Each attention's head counts as this rank's, read from its sharded projections (the forward reads its
+        heads from the projections' shapes; these keep the attributes true)."""
+        for layers in (self.model.layers, self.model.prefiller_layers or []):
+            for block in layers:
+                attention = block.self_attn
+                attention.num_heads = attention.q_proj.out_features // attention.head_dim
+                attention.num_kv_heads = attention.k_proj.out_features // attention.head_dim
 
     def run_step(self, input_ids: torch.Tensor, step: ScheduledStep) -> torch.Tensor:
         """Head inputs of the step's tokens: one forward over all requests, or, with the prefiller, one forward per
@@ -95,7 +136,7 @@ class VllmMaglevForCausalLM(PagedStateModel):
         rows[columns] = input_ids
         valid = torch.zeros_like(rows, dtype=torch.bool)
         valid[columns] = True
-        carry = self.page_tensors(0)[2][step.pages[0]]
+        carry = self.read_carries(step.pages[0])
         cache = MaglevCache.over_pages(
             self.config, [{"keys": self.page_tensors(i)[0], "values": self.page_tensors(i)[1]}
                           for i in range(len(self.state_layers))],
@@ -103,12 +144,31 @@ class VllmMaglevForCausalLM(PagedStateModel):
         ragged = min(step.counts) < width
         outputs = self.model(input_ids=rows.view(-1, width), past_key_values=cache, use_cache=True, return_dict=True,
                              attention_mask=valid.view(-1, width).long() if ragged else None)
-        pages = self.page_tensors(0)[2]
-        if cache.last_memory is not None:
-            pages[step.pages[0], MEMORY] = cache.last_memory[:, 0].to(pages.dtype)
-        pages[step.pages[0], EMBEDDING] = cache.previous_embedding[:, 0].to(pages.dtype)
+        self.write_carries(step.pages[0], cache)
         return outputs.last_hidden_state.reshape(-1, outputs.last_hidden_state.shape[-1])[columns]
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Our head: lm_head, padded rows sliced away, float32, soft-capped (MaglevForCausalLM.logits)."""
-        return MaglevForCausalLM.logits(self, hidden_states)
+    def read_carries(self, pages: torch.Tensor) -> torch.Tensor:
+        """The carries [requests, 2, hidden] of the requests on `pages` (layer 0's), whole: under tensor parallelism
+        gathered from the ranks' channels."""
+        carry = self.page_tensors(0)[2][pages]
+        return carry if self.tp_size == 1 else tensor_model_parallel_all_gather(carry, dim=-1)
+
+    def write_carries(self, pages: torch.Tensor, cache: MaglevCache) -> None:
+        """Each request's carries after the forward into its page (layer 0's): this rank's channels of them."""
+        tensors = self.page_tensors(0)[2]
+
+        def mine(vector: torch.Tensor) -> torch.Tensor:
+            return (vector if self.tp_size == 1 else rank_slice(vector, -1)).to(tensors.dtype)
+        if cache.last_memory is not None:
+            tensors[pages, MEMORY] = mine(cache.last_memory[:, 0])
+        tensors[pages, EMBEDDING] = mine(cache.previous_embedding[:, 0])
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The head's logits over the vocabulary (gathered from the ranks, the head's padding rows dropped by vLLM's
+        logits processor), float32, then soft-capped, as MaglevForCausalLM.logits; None on a rank that vLLM's
+        gather leaves without them."""
+        logits = self.logits_processor(self.lm_head, hidden_states)
+        if logits is None:
+            return None
+        logits, cap = logits.float(), self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)

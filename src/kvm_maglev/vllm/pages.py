@@ -22,6 +22,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from kvm_maglev.models.common.step_plan import RowTokens
 from kvm_maglev.models.common.tensor_parallel import local_tensor
+from kvm_maglev.vllm.tensor_parallel import rank_slice
 
 
 class StatePages(nn.Module, MambaBase):
@@ -113,6 +114,9 @@ class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
     PROMPT_EMBEDDINGS_REFUSED = ""  # why prompt embeddings are refused
     # checkpoint tensors the served model does not hold (prefixes), skipped when loading
     SKIPPED_WEIGHTS: tuple[str, ...] = ()
+    # per checkpoint tensor split across tensor-parallel ranks, the dimension to slice to this rank's share
+    # (`tensor_parallel.shard_by_plan`); empty: every tensor loaded whole
+    shards: dict[str, int] = {}
     speedups: contextlib.ExitStack | None = None  # the model's runtime speed-ups, held open (`hold_speedups`)
 
     def build(self, vllm_config, config_class: type, model_class: type, head_class: type, head_rows: str) -> None:
@@ -128,6 +132,22 @@ class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
         self.lm_head = head_class(config.hidden_size, getattr(config, head_rows), bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def split_vocabulary(self, dtype: torch.dtype, embedding_rows: int, head_rows: int, vocab_size: int,
+                         soft_cap: float | None) -> None:
+        """Embeddings and head as vLLM's vocabulary-parallel layers of the checkpoint's rows (tied when the config
+        ties them); vLLM's logits processor gathers the ranks' logits, keeps the first `vocab_size` (the head's
+        padding rows dropped) and applies `soft_cap` (None: none)."""
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        config = self.config
+        self.model.embed_tokens = VocabParallelEmbedding(embedding_rows, config.hidden_size, params_dtype=dtype,
+                                                         prefix="model.embed_tokens")
+        self.lm_head = ParallelLMHead(head_rows, config.hidden_size, params_dtype=dtype, prefix="lm_head")
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(head_rows, org_vocab_size=vocab_size, soft_cap=soft_cap)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (vLLM's interface; the forward reads token ids)."""
@@ -162,10 +182,13 @@ class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
             self.speedups.enter_context(type(self.model).runtime_speedups(self))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load a folder's safetensors into the parameters of the same names; a tied head counts as loaded."""
+        """Load a folder's safetensors into the parameters of the same names, each split one (`shards`) sliced to
+        this rank's share (vLLM's vocabulary-parallel layers slice their own); a tied head counts as loaded."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
+            if name in self.shards:
+                tensor = rank_slice(tensor, self.shards[name])
             if name not in params:
                 if name.startswith(self.SKIPPED_WEIGHTS) or name == "lm_head.weight":
                     continue

@@ -91,15 +91,13 @@ def prompt_splitting_flags(scheduler, max_len: int) -> list[str]:
 
 
 def check_tensor_parallel(architecture: str, config, tp_size: int) -> None:
-    """Raise a ValueError at start-up for a tensor-parallel size the model cannot be split by: any size above 1 for
-    Maglev (not split yet), for KVM one that does not divide its heads, key/value heads and MLP units."""
+    """Raise a ValueError at start-up for a tensor-parallel size that does not divide the model's heads, key/value
+    heads and MLP units (Maglev's separate prefiller Q has P's sizes, so the same check covers it)."""
     if tp_size == 1:
         return
-    if architecture == "MaglevForCausalLM":
-        raise ValueError(f"{architecture}: tensor_parallel_size={tp_size} is not supported on vLLM (the plugin's "
-                         "Maglev holds every head on every rank); serve it with tensor_parallel_size=1")
     from kvm_maglev.vllm.tensor_parallel import check_divisible
 
-    check_divisible(architecture, {"num_attention_heads": config.num_attention_heads,
-                                   "num_key_value_heads": config.kv_heads, "intermediate_size": config.ffn_size},
-                    tp_size)
+    kv_heads = config.kv_heads if architecture == "KVMForCausalLM" else config.num_key_value_heads
+    mlp_units = config.ffn_size if architecture == "KVMForCausalLM" else config.intermediate_size
+    check_divisible(architecture, {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": kv_heads,
+                                   "intermediate_size": mlp_units}, tp_size)

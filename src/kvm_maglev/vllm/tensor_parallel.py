@@ -1,6 +1,6 @@
-"""Tensor parallelism for the served KVM model: each rank holds and computes its share of the heads and of the MLP's
-hidden units, split as the model's transformers plan (`base_model_tp_plan`) says, so training and serving split
-the same weights the same way.
+"""Tensor parallelism for the served models (KVM, Maglev): each rank holds and computes its share of the heads and of
+the MLP's hidden units, split as the model's transformers plan (`base_model_tp_plan`) says, so training and serving
+split the same weights the same way.
 
 The plan names a module or a parameter and how it splits:
 - a linear layer "colwise": its output rows (weight dim 0) - a rank computes its own heads or hidden units;
@@ -10,9 +10,10 @@ The plan names a module or a parameter and how it splits:
   channels of the rank's heads. It stays a DTensor sharded over vLLM's tensor-parallel group, the form the model
   reads under transformers' tensor parallelism: `local_tensor` gives the rank's channels, and `full_tensor` the
   whole (the post-token-shift value gate mixes the whole input with all of `v_shift`).
-Whatever the plan leaves out is replicated: layer norms, the value gate's down projection (its input is the whole
-hidden state, its output a low rank that every head's gate reads), the MLP's token shift (it mixes the MLP's whole
-input before the up projection), the block lambdas.
+Whatever the plan leaves out is replicated (KVM: layer norms, the value gate's down projection, whose input is the
+whole hidden state and whose output a low rank that every head's gate reads, the MLP's token shift, which mixes the
+MLP's whole input before the up projection, the block lambdas; Maglev: its lambdas, smear gate, memory_init), except
+a table whose columns a colwise projection's heads read (`split_table_columns`: Maglev's value embeddings).
 
 Embeddings and head are split by vocabulary rows with vLLM's own layers (`VocabParallelEmbedding`,
 `ParallelLMHead` and its `LogitsProcessor`, which gathers the ranks' logits and soft-caps them).
@@ -120,6 +121,22 @@ def shard_by_plan(model: nn.Module, plan: dict[str, str], device: torch.device) 
             parameter = getattr(module, attribute)
             setattr(module, attribute, sharded_parameter(parameter, mesh))
             shards[name] = parameter.ndim - 1
+    return shards
+
+
+def split_table_columns(tables: nn.ModuleDict, prefix: str, tp_size: int) -> dict[str, int]:
+    """Replace each embedding table in `tables` (named `prefix.<key>`) by an empty one (on the current device) of this
+    rank's equal share of its columns, for a table that is added to a colwise projection's output head by head, so
+    that a rank reads only its heads' columns (transformers keeps such a table whole and reads the rank's columns
+    with `local_columns`; holding only them changes no number). Returns the checkpoint dimension to slice per
+    weight."""
+    shards = {}
+    for key, table in list(tables.items()):
+        if table.embedding_dim % tp_size:
+            raise ValueError(f"tensor parallelism on vLLM: {prefix}.{key} has {table.embedding_dim} columns, which "
+                             f"{tp_size} ranks cannot split evenly")
+        tables[key] = nn.Embedding(table.num_embeddings, table.embedding_dim // tp_size, dtype=table.weight.dtype)
+        shards[f"{prefix}.{key}.weight"] = 1
     return shards
 
 
