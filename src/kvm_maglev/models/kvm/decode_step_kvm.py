@@ -23,7 +23,7 @@ import torch
 from .cache_kvm import READ, STATE, WINDOW
 from .configuration_kvm import folded_blocks, slots_after_folds, state_dtype_for
 from .decode_attention_kvm import state_window_attention
-from .runtime_kvm import prepare_next_fold, take_fold_ahead
+from .runtime_kvm import paces_folds, prepare_next_fold, take_fold_ahead
 from .state_kvm import readable_state, run_fold
 from .step_plan_kvm import ring_positions
 
@@ -121,7 +121,7 @@ def fold_due_blocks(attention, cache_layer, seen: list[int], folding: dict[int, 
         cache_layer.ensure_state(len(seen), capacity, like)
         for name, tensor in zip(STATE + READ, state + read):
             cache_layer.write(name, rows, tensor)
-    if attention.paced_folds and cache_layer.index is None:
+    if paces_folds(attention, cache_layer):
         prepare_next_fold(cache_layer, seen, [1] * len(seen), config, partial(attention.ring_fold, cache_layer),
                           partial(attention.readable, dtype=dtype))
 

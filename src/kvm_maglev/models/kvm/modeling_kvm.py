@@ -37,7 +37,7 @@ from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGeneratio
 from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
 from ..common.onednn_linear import OneDNNLinear, sharing_parameters
 from ..common.row_block_loss import RowBlockLossMixin
-from .runtime_kvm import prepare_next_fold, take_fold_ahead
+from .runtime_kvm import paces_folds, prepare_next_fold, take_fold_ahead
 from ..common.runtime_switch import runtime_speedups
 from .state_kvm import Fold, Overflow, readable_state, run_fold, slot_norms, state_keys
 from ..common.step_plan import (EngineStep, RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket,
@@ -425,8 +425,8 @@ class KVMAttention(KVMAttentionBase):
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
 
-    # Without autograd, eager, a decoding forward on a dense cache computes the next fold ahead
-    # (runtime_kvm.PacedFold); False folds at the chunk boundary instead (the same tensors).
+    # A forward on a dense cache computes the next fold ahead (runtime_kvm.paces_folds says when); False folds at
+    # the chunk boundary instead (the same tensors).
     paced_folds = True
 
     def temperature(self, name: str) -> torch.Tensor | None:
@@ -475,8 +475,7 @@ class KVMAttention(KVMAttentionBase):
             y = gathered(y, attend_pieces(q[group.query_index], key_sets, self.groups, self.eager), group)
         if cache_layer is not None:
             write_ring(cache_layer, tokens, names, [k, v] + ([gate] if self.gated else []))
-            if (self.paced_folds and cache_layer.index is None and not torch.is_grad_enabled()
-                    and not torch.compiler.is_compiling()):  # an eager speed-up: a graph folds at the boundary
+            if paces_folds(self, cache_layer):
                 prepare_next_fold(cache_layer, tokens.starts, tokens.counts, self.config,
                                   partial(self.ring_fold, cache_layer), partial(self.readable, dtype=k.dtype))
         return y

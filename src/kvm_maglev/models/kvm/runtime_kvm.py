@@ -61,6 +61,13 @@ class PacedFold:
             self.advance()
 
 
+def paces_folds(attention, cache_layer) -> bool:
+    """The one place the paced fold is chosen: the attention's `paced_folds` flag (on by default), a dense cache,
+    eager and without autograd. Training, compiled graphs and a serving engine's pages fold at the boundary."""
+    return (attention.paced_folds and cache_layer.index is None and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
 def prepare_next_fold(cache_layer, starts: list[int], counts: list[int], config,
                       block_fold: Callable[[int, int, int, int], Fold], read: Callable[[tuple], tuple]) -> None:
     """After a decoding forward on a dense cache whose rows stand at one position: start or advance the fold of the
