@@ -376,6 +376,29 @@ def test_random_schedules_give_generates_tokens(folder, engines):
     check()
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_maglev_decoding_steps_run_compiled_at_vllms_default(tmp_path, monkeypatch, enforce_eager):
+    """At vLLM's default a Maglev engine runs each step in which every request decodes through its compiled graph
+    (rings in `kvm_maglev::ring_attention`), the others eager; `enforce_eager` compiles none. Tokens = generate()'s."""
+    from vllm import LLM
+
+    from kvm_maglev.vllm.maglev import VllmMaglevForCausalLM
+
+    taken = []
+    original = VllmMaglevForCausalLM.compiled_decoding
+    monkeypatch.setattr(VllmMaglevForCausalLM, "compiled_decoding",
+                        lambda self, *args: taken.append(1) or original(self, *args))
+    folder = MODELS["maglev"](tmp_path)
+    llm = LLM(model=str(folder), **(ENGINE | dict(enforce_eager=enforce_eager)))
+    batch = prompts()[:3]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy())
+    model = hf_model(folder)
+    for prompt, output in zip(batch, outputs):
+        assert list(output.outputs[0].token_ids) == hf_continuation(model, prompt)
+    assert (len(taken) > 0) != enforce_eager
+    del llm
+
+
 def test_a_steps_requests_select_their_tokens_and_pages():
     """`ScheduledStep.select`: a model that runs a step's requests in several forwards (Maglev's prefiller) takes
     each group's tokens out of the flat layout, and their starts, counts and pages, in the group's order."""

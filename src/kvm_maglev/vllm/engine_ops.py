@@ -1,5 +1,6 @@
 """The operators at which vLLM's compiled graph of a KVM model splits, as it splits its own models at attention:
-`kvm_maglev::token_shift` and `kvm_maglev::attention`, registered with torch.library.
+`kvm_maglev::token_shift` and `kvm_maglev::attention`, registered with torch.library; and Maglev's
+`kvm_maglev::ring_attention`, the attention of a compiled decoding step over a layer's ring pages.
 
 Everything that reads or writes a request's state - token-shift carries, window rings, the state and its folds -
 depends on the step's schedule (which requests, at which positions, which of them cross a chunk boundary), so it
@@ -13,7 +14,8 @@ from torch.library import Library
 from vllm.forward_context import get_forward_context
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from kvm_maglev.models.common.step_plan import EngineStep
+from kvm_maglev.models.common.step_plan import EngineStep, StepPlan
+from kvm_maglev.models.maglev.cache_maglev import EngineRing
 from kvm_maglev.models.kvm.modeling_kvm import token_shift as plain_token_shift
 
 LIBRARY = Library("kvm_maglev", "FRAGMENT")  # alive as long as the module: the operators' lifetime
@@ -51,6 +53,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Ten
             q[:count], k[:count], v[:count], None if gate is None else gate[:count], tokens, cache.layers[index])
 
 
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, output: torch.Tensor,
+                   layer_name: str) -> None:
+    """Maglev layer `layer_name`'s attention of one token per request at `positions` over its ring pages, the
+    token's keys and values then written into them (`MaglevAttention.attend` on the step's rings), into `output`."""
+    pages = get_forward_context().no_compile_layers[layer_name]
+    served, index = pages.served, pages.index
+    attention = served.model.layers[index].self_attn
+    output.copy_(attention.attend(q, k, v, served.config.decoder_windows[index], served.step_rings[index],
+                                  StepPlan(positions, None, 1)))
+
+
 def token_shift_fake(x, mix, positions, output, layer_name, stream, first) -> None:
     return None
 
@@ -59,9 +72,15 @@ def attention_fake(q, k, v, gate, positions, output, layer_name) -> None:
     return None
 
 
+def ring_attention_fake(q, k, v, positions, output, layer_name) -> None:
+    return None
+
+
 direct_register_custom_op("token_shift", token_shift, mutates_args=["output"], fake_impl=token_shift_fake,
                           target_lib=LIBRARY)
 direct_register_custom_op("attention", attention, mutates_args=["output"], fake_impl=attention_fake,
+                          target_lib=LIBRARY)
+direct_register_custom_op("ring_attention", ring_attention, mutates_args=["output"], fake_impl=ring_attention_fake,
                           target_lib=LIBRARY)
 SPLITTING_OPS = ["kvm_maglev::token_shift", "kvm_maglev::attention"]
 
@@ -82,4 +101,17 @@ class PagedStep(EngineStep):
                   cache_layer) -> torch.Tensor:
         output = v.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         torch.ops.kvm_maglev.attention(q, k, v, gate, self.positions, output, cache_layer.prefix)
+        return output
+
+
+class PagedRing(EngineRing):
+    """A Maglev layer's ring in a compiled decoding step: its attention goes to `kvm_maglev::ring_attention`, which
+    finds the step's ring over the pages (`step_rings` of the served model) through vLLM's forward context."""
+
+    def __init__(self, layer_name: str, positions: torch.Tensor) -> None:
+        self.layer_name, self.positions = layer_name, positions
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        output = torch.empty_like(q)
+        torch.ops.kvm_maglev.ring_attention(q, k, v, self.positions, output, self.layer_name)
         return output

@@ -19,6 +19,10 @@ leaving P's rings and carries in the pages; the other requests continue recurren
 engine schedules every prompt whole and recomputes a preempted request from its prompt first
 (`serving_config.whole_prompt_scheduling`), so a prompt-starting request reads exactly its prompt.
 
+vLLM's default compiles the steps in which every request decodes (one graph; each layer's ring read and written
+in the operator `kvm_maglev::ring_attention`, so that no page is an input of the graph); `enforce_eager`, tensor
+parallelism and steps that read prompts run eager.
+
 Tensor parallelism (`kvm_maglev.vllm.tensor_parallel`): each rank holds the share of P's (and Q's) heads, memory
 projections, gates and MLP units that `MaglevConfig.base_model_tp_plan` gives it, its heads' columns of the value
 embeddings and its share of the vocabulary; its pages hold its key/value heads' rings and its channels of the carry.
@@ -30,13 +34,14 @@ all-gather per forward.
 from __future__ import annotations
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import CompilationMode, VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevModel
 from kvm_maglev.models.common.onednn_linear import OneDNNLinear
+from kvm_maglev.vllm.engine_ops import PagedRing
 from kvm_maglev.vllm.pages import PagedStateModel, ScheduledStep, page_layers
 from kvm_maglev.vllm.tensor_parallel import plan_rule, rank_slice, shard_by_plan, split_table_columns
 
@@ -75,6 +80,16 @@ class VllmMaglevForCausalLM(PagedStateModel):
         # in layer 0's page only)
         shapes = [[(kv_heads, n, config.head_dim)] * 2 + [(2, carry)] for n in slots]
         self.state_layers = page_layers(prefix, shapes, [[dtype] * 3 for _ in slots])
+        for index, pages in enumerate(self.state_layers):  # how the ring operator finds the model (not a submodule)
+            pages.__dict__.update(served=self, index=index)
+        # vLLM compiles the models it serves unless told not to (enforce_eager). A Maglev engine step is one graph
+        # when every request decodes (P reads a prompt token after token): that step runs compiled, the batch a
+        # dynamic dimension, its rings read and written in `kvm_maglev::ring_attention`; the others run eager. A
+        # compiled function, not a module: the model's parameters stay registered once. One rank only: the split
+        # model's sharded parameters have not been traced (tensor parallelism runs eager).
+        compiles = vllm_config.compilation_config.mode != CompilationMode.NONE and self.tp_size == 1
+        self.compiled_forward = torch.compile(self.model.forward, dynamic=True) if compiles else None
+        self.step_rings: list | None = None  # a compiled step's rings over the pages, for the operator
 
     def split_value_embeddings(self) -> dict[str, int]:
         """Under tensor parallelism, each value-embedding table as the rank's columns: layer i's table is added to
@@ -142,10 +157,25 @@ class VllmMaglevForCausalLM(PagedStateModel):
                           for i in range(len(self.state_layers))],
             step.pages, step.starts, carry[:, MEMORY], carry[:, EMBEDDING], self.model.memory_init)
         ragged = min(step.counts) < width
-        outputs = self.model(input_ids=rows.view(-1, width), past_key_values=cache, use_cache=True, return_dict=True,
-                             attention_mask=valid.view(-1, width).long() if ragged else None)
+        if self.compiled_forward is not None and width == 1 and all(step.starts):
+            outputs = self.compiled_decoding(rows.view(-1, 1), cache)
+        else:
+            outputs = self.model(input_ids=rows.view(-1, width), past_key_values=cache, use_cache=True,
+                                 return_dict=True, attention_mask=valid.view(-1, width).long() if ragged else None)
         self.write_carries(step.pages[0], cache)
         return outputs.last_hidden_state.reshape(-1, outputs.last_hidden_state.shape[-1])[columns]
+
+    def compiled_decoding(self, input_ids: torch.Tensor, cache: MaglevCache):
+        """A step in which every request decodes, compiled: its host side done first (`prepare_step`), the rings
+        handed to the operator and the layers given `PagedRing`s in their place, so that the graph reads no page."""
+        if not self.model.prepare_step(input_ids, cache):
+            raise RuntimeError("Maglev on vLLM: a decoding step the model does not take as one")
+        self.step_rings, cache.layers = cache.layers, [PagedRing(pages.prefix, cache.positions)
+                                                       for pages in self.state_layers]
+        try:
+            return self.compiled_forward(input_ids=input_ids, past_key_values=cache, use_cache=True, return_dict=True)
+        finally:
+            cache.layers, self.step_rings = self.step_rings, None
 
     def read_carries(self, pages: torch.Tensor) -> torch.Tensor:
         """The carries [requests, 2, hidden] of the requests on `pages` (layer 0's), whole: under tensor parallelism

@@ -159,6 +159,16 @@ class MaglevCacheLayer(RowStorage):
         self.capacity = self.tensors["keys"].shape[2]
 
 
+class EngineRing:
+    """A layer's ring that a serving engine keeps in pages of its own, in place of a `MaglevCacheLayer` in a decoding
+    step: the attention over it and the write of the step's keys and values run in the engine's operator, outside
+    the traced forward, so that the pages are no input of a compiled graph."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`MaglevAttention.attend` of one token per row (q [B, H, 1, D], k and v [B, Hkv, 1, D]): [B, H, 1, D]."""
+        raise NotImplementedError
+
+
 class ColumnRecord(NamedTuple):
     """What one column changed: the row states before it and, per layer, the slots it overwrote."""
 

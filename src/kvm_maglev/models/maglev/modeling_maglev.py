@@ -19,7 +19,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
-from .cache_maglev import MaglevCache, MaglevCacheLayer
+from .cache_maglev import EngineRing, MaglevCache, MaglevCacheLayer
 from ..common.carried_card import CarriedCardMixin
 from ..common.hub_save import HubCodeSaveMixin
 from .configuration_maglev import MaglevConfig
@@ -231,6 +231,8 @@ class MaglevAttention(nn.Module):
         """The chunk's queries over the keys the layer's cache holds and the chunk's own; the chunk is stored."""
         if store is None:
             return windowed_attention(plan, q, k, v, window, self.eager)
+        if isinstance(store, EngineRing):  # a serving engine's pages: its operator attends and writes them
+            return store.attention(q, k, v)
         y = self.attend_ring(q, k, v, store, plan)
         store.write_tokens(k, v, plan)
         return y
