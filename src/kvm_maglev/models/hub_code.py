@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import hub_layout
+
 MODELS_DIR = Path(__file__).resolve().parent
 # model_type -> the prefix of its classes (KVMConfig, KVMForCausalLM, ...)
 CLASS_PREFIXES = {"kvm": "KVM", "maglev": "Maglev"}
@@ -213,8 +215,9 @@ def section(module: Module) -> str:
     return "\n".join(part for part in (title, comment, "", module.body) if part is not None)
 
 
-def generate(root: str, keep: set[str]) -> str:
-    """The text of the file `root` becomes: its closure inlined (runtime speed-ups last), imports merged."""
+def generate(root: str, keep: set[str], told_top_down: bool = False) -> str:
+    """The text of the file `root` becomes: its closure inlined (runtime speed-ups last), imports merged; in the
+    package's order (dependencies first) or `told_top_down` (`hub_layout`: the model first, the math last)."""
     modules = closure(root, keep)
     owners: dict[str, str] = {}
     for module in modules:
@@ -229,11 +232,14 @@ def generate(root: str, keep: set[str]) -> str:
             if target in keep:
                 siblings.setdefault(target.split(".")[-1], []).extend(names)
     top = modules[-1]
-    inlined = [m for m in modules[:-1] if m.name not in RUNTIME]
+    inlined = [m for m in modules[:-1] if m.name not in RUNTIME] + [Module(top.name, body=top.body)]
     runtime = [m for m in modules[:-1] if m.name in RUNTIME]
     parts = [HEADER + (f'"""{top.docstring}"""' if top.docstring else ""), "\n".join(import_lines(modules, siblings))]
-    parts += [section(m) for m in inlined]
-    parts.append(section(Module(top.name, body=top.body)))
+    if told_top_down:
+        parts += hub_layout.render(*hub_layout.top_down([(section(Module(m.name, m.docstring)), m.body)
+                                                        for m in inlined]))
+    else:
+        parts += [section(m) for m in inlined]
     if runtime:
         parts.append("# " + "=" * 116 + "\n# Optional runtime speed-ups: the model calls them only when they are switched on "
                      "(runtime_speedups(),\n# which generate() opens); the code above is the model without them.\n"
@@ -251,7 +257,7 @@ def hub_code_names(model_type: str) -> list[str]:
 def hub_code_files(model_type: str) -> dict[str, str]:
     """File name -> text of the two code files a Hub folder of `model_type` ships."""
     configuration = f"{model_type}.configuration_{model_type}"
-    texts = [generate(configuration, set()), generate(f"{model_type}.modeling_{model_type}", {configuration})]
+    texts = [generate(configuration, set()), generate(f"{model_type}.modeling_{model_type}", {configuration}, told_top_down=True)]
     return dict(zip(hub_code_names(model_type), texts))
 
 

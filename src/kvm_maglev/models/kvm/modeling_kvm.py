@@ -1029,7 +1029,11 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # when config.tie_word_embeddings
     _tp_plan = {"lm_head": "colwise_gather_output"}
-    cache_class = KVMCache
+
+    @property
+    def cache_class(self) -> type:
+        """The cache generate() makes (read when used: the generated file defines it further down)."""
+        return KVMCache
 
     def __init__(self, config: KVMConfig):
         super().__init__(config)

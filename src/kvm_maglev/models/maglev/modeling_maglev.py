@@ -916,7 +916,12 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # when config.tie_word_embeddings
     _tp_plan = {"lm_head": "colwise_gather_output"}
-    cache_class = MaglevCache
+
+    @property
+    def cache_class(self) -> type:
+        """The cache generate() makes (read when used: the generated file defines it further down)."""
+        return MaglevCache
+
     float32_logits = True  # nanochat's head: float32 logits, then the cap
 
     def __init__(self, config: MaglevConfig):
