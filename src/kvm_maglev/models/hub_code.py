@@ -2,11 +2,13 @@
 `configuration_<name>.py` and `modeling_<name>.py`, as transformers ships a model.
 
 Each is the package module of that name with every package module it imports inlined (transitively), so that a
-user who trusts remote code reads two files and the folder runs exactly the package's code. The modeling file
-imports its configuration from the sibling file; everything else it needs is in it, in the order the code depends
-on itself: shared helpers, geometry, state math, cache, the model; then, in a marked section at the end, the
-optional runtime speed-ups (oneDNN linears, one-query kernels, paced folds), which the model only calls at run
-time. Nothing is copied by hand and no generated file is checked in: `build_hub_folder` writes them.
+user who trusts remote code reads two files and the folder runs exactly the package's code, without what the
+package layer adds (`kvm_maglev/package_only`: publishing, saved caches, the row-block loss; see
+`without_package_layer`). The modeling file imports its configuration from the sibling file; everything else it
+needs is in it, top-down (`hub_layout`): the model, the decoder layer, attention, cache, the state math last; then,
+in a marked section at the end, the optional runtime speed-ups (oneDNN linears, one-query kernels, paced folds),
+which the model only calls at run time. Nothing is copied by hand and no generated file is checked in:
+`build_hub_folder` writes them.
 
     python -m kvm_maglev.models.hub_code kvm OUT_DIR   # write the two files of a model type, to read them
 """
@@ -28,9 +30,10 @@ MODELS_DIR = Path(__file__).resolve().parent
 CLASS_PREFIXES = {"kvm": "KVM", "maglev": "Maglev"}
 # the optional runtime speed-ups of each model: the model calls them only at run time, so they close its file
 RUNTIME = ("common.onednn_linear", "common.runtime_switch", "kvm.runtime_kvm", "maglev.runtime_maglev")
-# the order of the inlined modules, where their imports leave a choice: the version check first, the math, then
-# storage, then the transformers conventions the models follow
-READING_ORDER = ("common.version_guard", "common.tensor_parallel", "kvm.state_kvm", "common.step_plan",
+# the package order of the inlined modules (dependencies first), where their imports leave a choice: the version
+# check first, the math, then storage, then the transformers conventions the models follow; the modeling file
+# reads it backwards (hub_layout), so that the state math closes it
+READING_ORDER = ("common.version_guard", "kvm.state_kvm", "common.tensor_parallel", "common.step_plan",
                  "kvm.step_plan_kvm", "common.row_storage", "common.saved_cache", "kvm.cache_kvm",
                  "kvm.decode_attention_kvm", "kvm.decode_step_kvm", "maglev.cache_maglev", "maglev.curriculum_maglev",
                  "common.conventions", "common.model_inputs", "common.generation_cache")
