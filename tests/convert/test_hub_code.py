@@ -13,7 +13,7 @@ from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalL
 from kvm_maglev.convert.export import build_hub_folder
 from kvm_maglev.models import hub_code
 
-from .without_package import expected_outputs, run_without_package
+from .without_package import expected_outputs, resave_without_package, run_without_package
 
 # what a folder may import: the standard library, torch, and transformers with what transformers itself installs
 ALLOWED = set(sys.stdlib_module_names) | {"torch", "transformers", "huggingface_hub", "safetensors"}
@@ -59,10 +59,13 @@ def test_two_files_importing_only_torch_transformers_and_each_other(kind):
                 continue
             assert roots <= ALLOWED, (name, roots)
     modeling = files[f"modeling_{kind}.py"]
-    # the math first, the optional runtime speed-ups in their own section at the end
-    marker = modeling.index("# Optional runtime speed-ups")
-    assert modeling.index(f"class {'KVM' if kind == 'kvm' else 'Maglev'}ForCausalLM") < marker
-    assert modeling.index("class OneDNNLinear") > marker
+    # top-down: the causal-LM class, the model, the decoder layer, attention, the cache, the state math; then the
+    # optional runtime speed-ups in their own section at the end
+    prefix = "KVM" if kind == "kvm" else "Maglev"
+    layer, math = ("KVMDecoderLayer", "class Fold:") if kind == "kvm" else ("MaglevBlock", "class StepPlan:")
+    order = [f"class {prefix}ForCausalLM(", f"class {prefix}Model(", f"class {layer}(", f"class {prefix}Attention(",
+             f"class {prefix}CacheLayer(", math, "# Optional runtime speed-ups", "class OneDNNLinear("]
+    assert [modeling.index(text) for text in order] == sorted(modeling.index(text) for text in order)
 
 
 @pytest.mark.parametrize("kind", ["kvm", "maglev"])
@@ -75,6 +78,45 @@ def test_a_hub_folder_loads_without_the_package_and_gives_its_logits(kind, tmp_p
     assert report["module"].startswith("transformers_modules.") and report["logits"] and report["tokens"], report
 
 
+@pytest.mark.parametrize("kind", ["kvm", "maglev"])
+def test_a_remote_code_model_saved_by_transformers_loads_again_with_its_logits(kind, tmp_path):
+    """Without the package, save_pretrained of a folder's model is transformers' remote-code saving: it copies the
+    two code files, and the saved folder loads with trust_remote_code to the same logits (no card is carried)."""
+    folder = build_hub_folder(tiny(kind), tmp_path / kind, progress=False)
+    report = resave_without_package(folder, tmp_path / "saved", tmp_path)
+    assert report["module"].startswith("transformers_modules.") and report["logits"], report
+    assert set(hub_code.hub_code_names(kind)) <= set(report["files"]) and "README.md" not in report["files"], report
+    for name in hub_code.hub_code_names(kind):
+        assert (tmp_path / "saved" / name).read_text() == (folder / name).read_text()
+
+
+def writes_or_reaches_out(text: str) -> list[str]:
+    """What in a generated file would reach the network or write files: Hub downloads and uploads, safetensors or
+    torch saving, `write_text` / `write_bytes`, and `open` in a writing mode."""
+    found = [word for word in ("hf_hub_download", "upload", "save_file", "torch.save", "write_text", "write_bytes")
+             if word in text]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "open":
+            modes = [arg for arg in node.args[1:2]] + [kw.value for kw in node.keywords if kw.arg == "mode"]
+            if any(not isinstance(mode, ast.Constant) or set(str(mode.value)) & set("wax+") for mode in modes):
+                found.append(f"open(...) for writing, line {node.lineno}")
+    return found
+
+
+@pytest.mark.parametrize("kind", ["kvm", "maglev"])
+def test_generated_files_hold_no_network_or_file_writing_code(kind):
+    for name, text in hub_code.hub_code_files(kind).items():
+        assert writes_or_reaches_out(text) == [], name
+
+
+def test_the_check_finds_what_the_package_layer_holds():
+    """The check above is not vacuous: the package layer's own modules are caught by it."""
+    from kvm_maglev.package_only import carried_card, hub_save, saved_cache
+
+    for module in (carried_card, hub_save, saved_cache):
+        assert writes_or_reaches_out(open(module.__file__, encoding="utf-8").read()), module.__name__
+
+
 def test_a_name_two_modules_define_is_refused(tmp_path, monkeypatch):
     """Inlined into one file, two modules' definitions of one name would collide: the generator refuses."""
     (tmp_path / "common").mkdir()
@@ -85,3 +127,17 @@ def test_a_name_two_modules_define_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(hub_code, "MODELS_DIR", tmp_path)
     with pytest.raises(ValueError, match="common.first and kvm.second both define 'shared'"):
         hub_code.generate("kvm.second", set())
+
+
+def test_package_layer_mixins_leave_class_headers_and_other_uses_are_refused(tmp_path, monkeypatch):
+    """A mixin imported from above the models package is taken out of the class headers of a generated file; used
+    anywhere else it would leave the file unable to run, so the generator refuses."""
+    (tmp_path / "kvm").mkdir()
+    header = '"""Model."""\n\nfrom ...package_only.extra import Extra\n\n\nclass Base:\n    pass\n\n\n'
+    (tmp_path / "kvm" / "model.py").write_text(header + "class Model(Extra,\n            Base):\n    pass\n")
+    monkeypatch.setattr(hub_code, "MODELS_DIR", tmp_path)
+    text = hub_code.generate("kvm.model", set())
+    assert "class Model(Base):" in text and "Extra" not in text
+    (tmp_path / "kvm" / "model.py").write_text(header + "def model():\n    return Extra()\n")
+    with pytest.raises(ValueError, match="uses \\['Extra'\\] from the package layer"):
+        hub_code.generate("kvm.model", set())

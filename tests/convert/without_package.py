@@ -24,6 +24,21 @@ print(json.dumps({"module": type(model).__module__, "logits": bool(torch.equal(l
 """
 
 
+# transformers' own remote-code saving: the loaded model's save_pretrained copies the folder's code files
+RESAVE_SCRIPT = """
+import sys, json, os, torch
+sys.modules["kvm_maglev"] = None
+from transformers import AutoModelForCausalLM
+first = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+first.save_pretrained(sys.argv[2])
+again = AutoModelForCausalLM.from_pretrained(sys.argv[2], trust_remote_code=True).eval()
+ids = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    equal = bool(torch.equal(first(ids).logits, again(ids).logits))
+print(json.dumps({"module": type(again).__module__, "logits": equal, "files": sorted(os.listdir(sys.argv[2]))}))
+"""
+
+
 def expected_outputs(model, path: Path) -> None:
     """Save the logits of 23 random tokens and 6 greedy tokens after 9 of them, as `SCRIPT` compares them."""
     ids = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(1))
@@ -35,9 +50,20 @@ def expected_outputs(model, path: Path) -> None:
 def run_without_package(folder: Path, expected: Path, home: Path) -> dict:
     """The folder's remote code run on the saved inputs: its module, whether logits and tokens are equal, and the
     largest logit difference."""
+    return run_script(SCRIPT, [folder, expected], home)
+
+
+def resave_without_package(folder: Path, out: Path, home: Path) -> dict:
+    """The folder loaded with remote code, saved by transformers into `out` and loaded from there: the second
+    model's module, whether both give the same logits, and the files `out` holds."""
+    return run_script(RESAVE_SCRIPT, [folder, out], home)
+
+
+def run_script(script: str, args: list[Path], home: Path) -> dict:
+    """`script` run on `args` in a fresh interpreter where the package cannot be imported; its last line, as JSON."""
     env = {"PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(home),
            "HF_HOME": str(home / "hf"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(folder), str(expected)], capture_output=True,
+    result = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True,
                             text=True, env=env, timeout=300, cwd=sysconfig.get_paths()["stdlib"])
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 from kvm_maglev.models.common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG
 from tests.generation.testers import PAD, TESTERS, cases, left_padded
 
@@ -265,8 +266,8 @@ def test_saved_cache_continues_like_the_live_one(tmp_path, tester, variant):
     ids, mask = left_padded(tester.prompts((6, 17)))
     live = tester.cache_class(model.config)
     model(ids, attention_mask=mask, past_key_values=live)
-    live.save(tmp_path / "doc")
-    loaded = tester.cache_class.load(tmp_path / "doc", model)
+    save_cache(live, tmp_path / "doc")
+    loaded = load_cache(tmp_path / "doc", model, tester.cache_class)
     tester.assert_same_state(loaded, live, atol=0)
     assert loaded.nbytes() == live.nbytes()
     question = tester.random_ids(2, 10, seed=12)
@@ -282,18 +283,18 @@ def test_cache_for_another_config_is_refused(tmp_path, tester, variant):
     other = tester.model(variant, **{field: value})
     cache = tester.cache_class(model.config)
     model(tester.random_ids(1, 5), past_key_values=cache)
-    cache.save(tmp_path / "c")
+    save_cache(cache, tmp_path / "c")
     kind = {"kvm": "KVM", "maglev": "Maglev"}[tester.name]
     with pytest.raises(ValueError, match=field):
-        tester.cache_class.load(tmp_path / "c", other)
+        load_cache(tmp_path / "c", other, tester.cache_class)
     with pytest.raises(ValueError, match=f"another {kind} config"):
         other(tester.random_ids(1, 2), past_key_values=cache)
     with pytest.raises(ValueError, match=f"another {kind} config"):
         other.generate(tester.random_ids(1, 6), max_new_tokens=1, pad_token_id=PAD, **{GENERATE_CACHE_KWARG: cache})
     with pytest.raises(ValueError, match=f"not a saved {tester.cache_class.__name__}"):
-        tester.cache_class.load(tmp_path / "missing", model)
+        load_cache(tmp_path / "missing", model, tester.cache_class)
     with pytest.raises(ValueError, match="empty"):
-        tester.cache_class(model.config).save(tmp_path / "empty")
+        save_cache(tester.cache_class(model.config), tmp_path / "empty")
     assert not (tmp_path / "empty").exists()
 
 
@@ -308,6 +309,6 @@ def test_maglev_cache_of_another_memory_source_is_refused(tmp_path, field, value
     assert getattr(model.config, field) != value
     cache = tester.cache_class(model.config)
     model(tester.random_ids(1, 5), past_key_values=cache)
-    cache.save(tmp_path / "c")
+    save_cache(cache, tmp_path / "c")
     with pytest.raises(ValueError, match=field):
-        tester.cache_class.load(tmp_path / "c", tester.model(variant, **{field: value}))
+        load_cache(tmp_path / "c", tester.model(variant, **{field: value}), tester.cache_class)

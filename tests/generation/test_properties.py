@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.models.maglev.test_maglev_model import randomize as randomize_maglev
 
+from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
@@ -228,8 +229,8 @@ def check_maglev_saved_equals_live(case: Case) -> None:
     live = MaglevCache(model.config)
     model(ids[:, :case.prompt], attention_mask=mask[:, :case.prompt], past_key_values=live)
     with tempfile.TemporaryDirectory() as folder:
-        live.save(folder)
-        loaded = MaglevCache.load(folder, model)
+        save_cache(live, folder)
+        loaded = load_cache(folder, model, MaglevCache)
     assert loaded.nbytes() == live.nbytes() and loaded.get_seq_length() == live.get_seq_length()
     for a, b in zip(maglev_state(loaded), maglev_state(live), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -410,8 +411,8 @@ def check_kvm_saved_equals_live(case: Case) -> None:
     live = KVMCache(model.config)
     model(ids[:, :case.prompt], attention_mask=mask[:, :case.prompt], cache=live)
     with tempfile.TemporaryDirectory() as folder:
-        live.save(folder)
-        loaded = KVMCache.load(folder, model)
+        save_cache(live, folder)
+        loaded = load_cache(folder, model, KVMCache)
     assert loaded.nbytes() == live.nbytes() and loaded.get_seq_length() == live.get_seq_length()
     assert loaded.row_lengths() == live.row_lengths()
     assert loaded.row_state_lengths() == live.row_state_lengths()

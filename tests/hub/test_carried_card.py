@@ -3,7 +3,7 @@
 import torch
 
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
-from kvm_maglev.models.common.carried_card import carried_card_text
+from kvm_maglev.package_only.carried_card import carried_card_text
 
 SOURCE_CARD = "---\nlicense: apache-2.0\ntags:\n- kvm-maglev\n---\n# Tiny model\n\nWhat it is.\n"
 

@@ -13,6 +13,7 @@ import torch
 from tests.generation.test_determinism import MODELS, PAD, VOCAB, build
 from transformers import DynamicCache
 
+from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
@@ -118,9 +119,9 @@ def test_bad_input_gets_a_clear_error(models, name, case):
 @pytest.mark.parametrize("name", MODELS)
 def test_saved_cache_of_the_other_model_is_refused(models, name, tmp_path):
     saved = filled_cache(models[other(name)])
-    saved.save(tmp_path / "saved")
+    save_cache(saved, tmp_path / "saved")
     with pytest.raises(ValueError, match=f"not a saved {CACHE_CLASSES[name].__name__}"):
-        CACHE_CLASSES[name].load(tmp_path / "saved", models[name])
+        load_cache(tmp_path / "saved", models[name], CACHE_CLASSES[name])
 
 
 @torch.no_grad()

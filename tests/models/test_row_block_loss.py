@@ -7,10 +7,8 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from kvm_maglev.models.common import row_block_loss
-from kvm_maglev.models.common import row_block_loss as kvm_row_block_loss
-from kvm_maglev.models.common import row_block_loss as maglev_row_block_loss
-from kvm_maglev.models.common.row_block_loss import row_block_causal_lm_loss
+from kvm_maglev.package_only import row_block_loss
+from kvm_maglev.package_only.row_block_loss import row_block_causal_lm_loss
 from tests.generation.testers import TESTERS
 
 VOCAB = 250
@@ -19,8 +17,7 @@ VOCAB = 250
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     """Blocks of four rows (of VOCAB columns), so that every loss below runs over several."""
-    for module in (row_block_loss, kvm_row_block_loss, maglev_row_block_loss):
-        monkeypatch.setattr(module, "BLOCK_ELEMENTS", 4 * VOCAB)
+    monkeypatch.setattr(row_block_loss, "BLOCK_ELEMENTS", 4 * VOCAB)
 
 
 def loss_and_grad(loss_fn, logits, labels, **kwargs):
@@ -90,8 +87,7 @@ def test_models_train_with_it_and_agree_with_the_plain_loss(name):
     """A training step (lifted passes for Maglev) gives the loss and gradients of transformers' loss."""
     tester = TESTERS[name]
     model = copy.deepcopy(tester.model(next(iter(tester.variants)))).train()
-    assert model.loss_function in (kvm_row_block_loss.row_block_causal_lm_loss,
-                                   maglev_row_block_loss.row_block_causal_lm_loss)
+    assert model.loss_function is row_block_causal_lm_loss
     ids = tester.random_ids(2, 3 * tester.block + 1)
     labels = ids.clone()
     labels[0, :2] = -100
@@ -100,16 +96,15 @@ def test_models_train_with_it_and_agree_with_the_plain_loss(name):
 
 def test_a_chosen_loss_type_is_left_to_transformers():
     model = copy.deepcopy(TESTERS["kvm"].model("power_law"))
-    assert model.loss_function is kvm_row_block_loss.row_block_causal_lm_loss
+    assert model.loss_function is row_block_causal_lm_loss
     model.loss_type = "ForMaskedLM"
-    assert model.loss_function is not kvm_row_block_loss.row_block_causal_lm_loss
+    assert model.loss_function is not row_block_causal_lm_loss
 
 
 @pytest.fixture
 def small_head_blocks(monkeypatch):
     """Head blocks of three rows of VOCAB columns."""
-    for module in (row_block_loss, kvm_row_block_loss, maglev_row_block_loss):
-        monkeypatch.setattr(module, "HEAD_BLOCK_ELEMENTS", 3 * VOCAB)
+    monkeypatch.setattr(row_block_loss, "HEAD_BLOCK_ELEMENTS", 3 * VOCAB)
 
 
 def head_case(seed: int, kwargs: dict) -> tuple:
@@ -291,10 +286,9 @@ def test_models_take_logits_and_loss_together_only_with_the_default_loss_and_a_p
     or a head that is not a plain linear layer, takes the plain head and loss_function."""
     tester = TESTERS[name]
     model = copy.deepcopy(tester.model(next(iter(tester.variants)))).train()
-    module = kvm_row_block_loss if name == "kvm" else maglev_row_block_loss
     calls = []
-    original = module.RowBlockLogitsCrossEntropy.forward
-    monkeypatch.setattr(module.RowBlockLogitsCrossEntropy, "forward",
+    original = row_block_loss.RowBlockLogitsCrossEntropy.forward
+    monkeypatch.setattr(row_block_loss.RowBlockLogitsCrossEntropy, "forward",
                         staticmethod(lambda *args: calls.append(1) or original(*args)))
     ids = tester.random_ids(1, tester.block + 3)
     model(input_ids=ids)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from tests.returned_cache import returned_cache
 
@@ -143,12 +144,12 @@ def test_saved_gqa_cache_continues_and_is_refused_by_another_head_count(tmp_path
     ids = torch.randint(0, 61, (1, 40))
     with torch.no_grad():
         live = returned_cache(model(ids, use_cache=True))
-        live.save(tmp_path / "c")
-        loaded = KVMCache.load(tmp_path / "c", model)
+        save_cache(live, tmp_path / "c")
+        loaded = load_cache(tmp_path / "c", model, KVMCache)
         step = ids[:, -1:]
         assert torch.equal(model(step, cache=loaded).logits, model(step, cache=live).logits)
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        KVMCache.load(tmp_path / "c", random_model(num_key_value_heads=1, **BUDGETS["power_law"]))
+        load_cache(tmp_path / "c", random_model(num_key_value_heads=1, **BUDGETS["power_law"]), KVMCache)
 
 
 def test_model_card_names_query_and_key_value_heads():

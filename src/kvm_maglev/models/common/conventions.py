@@ -58,6 +58,25 @@ class SdpaOrEagerMixin:
         check_attn_implementation(attn_implementation or "sdpa", self.attention_model_name, self.attention_refusal)
         return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
+class HeadLossMixin:
+    """Put before PreTrainedModel: the causal-LM loss is transformers' `self.loss_function` of the model's `logits`,
+    as Mistral computes it (the package's models compute the same loss in row blocks, to save memory)."""
+
+    def logits_and_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None,
+                        **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's `logits` and, given labels, their loss."""
+        logits = self.logits(hidden)
+        return logits, None if labels is None else self.head_loss_of(logits, labels, **kwargs)
+
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The loss of a pass whose logits are not returned."""
+        return self.head_loss_of(self.logits(hidden), labels, **kwargs)
+
+    def head_loss_of(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        """transformers' causal-LM loss of `logits` (labels shifted inside)."""
+        return self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
               eager: bool) -> torch.Tensor:
     """Softmax attention of q [B, H, Tq, D] over keys/values [B, Hkv, Tk, D] (Hkv divides H) where the boolean

@@ -1,13 +1,11 @@
-"""Saved caches ("prompt caching") and config fingerprints, the same for every model's cache.
+"""A cache's identity, the same for every model's cache: the fingerprint of the config it was made for, which a
+model checks before it reads the cache, and the format its tensors are saved in.
 
-A cache folder holds the cache's tensors as safetensors and a JSON with its format, its own fields and the
-fingerprint of the config it was made for; loading refuses a cache made for another architecture.
+Writing and reading cache folders is the package's (`kvm_maglev.package_only.saved_cache`): a cache describes
+itself as tensors (`saved_state()`) and is rebuilt from them (`from_saved(config, meta, tensors, dtype)`).
 """
 
 from __future__ import annotations
-
-import json
-import os
 
 import torch
 
@@ -25,8 +23,8 @@ def fingerprint_mismatch(expected: dict, found: dict) -> list[str]:
 
 
 class SavedCache:
-    """Mixed into a model's cache: `save`, `load` and `check_compatible` from a few class fields and two
-    methods, `saved_state()` (tensors, JSON fields) and `from_saved(config, meta, tensors, dtype)`."""
+    """Mixed into a model's cache: `check_compatible` from a few class fields; the cache defines `saved_state()`
+    (tensors, JSON fields) and `from_saved(config, meta, tensors, dtype)`, what a saved cache holds."""
 
     MODEL_NAME: str  # as the errors name the model
     CACHE_FORMAT: str
@@ -47,49 +45,6 @@ class SavedCache:
         if differences:
             raise ValueError(f"this {type(self).__name__} was made for another {self.MODEL_NAME} config: "
                              + "; ".join(differences))
-
-    def saved_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        raise NotImplementedError
-
-    @classmethod
-    def from_saved(cls, config, meta: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
-        raise NotImplementedError
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the cache to folder `path`: tensors as safetensors plus a JSON with the config fingerprint."""
-        from safetensors.torch import save_file
-
-        tensors, fields = self.saved_state()
-        meta = {"format": self.CACHE_FORMAT, "version": self.CACHE_FORMAT_VERSION, **fields,
-                "config": self.fingerprint}
-        os.makedirs(path, exist_ok=True)
-        tensor_path, meta_path = os.path.join(path, self.TENSORS_FILE), os.path.join(path, self.META_FILE)
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tensor_path + ".tmp")
-        with open(meta_path + ".tmp", "w") as handle:
-            json.dump(meta, handle, indent=2)
-        os.replace(tensor_path + ".tmp", tensor_path)
-        os.replace(meta_path + ".tmp", meta_path)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, model):
-        """Read a cache written by `save` for `model` (onto its device); refuses one made for another config."""
-        from safetensors.torch import load_file
-
-        meta_path, tensor_path = os.path.join(path, cls.META_FILE), os.path.join(path, cls.TENSORS_FILE)
-        if not (os.path.isfile(meta_path) and os.path.isfile(tensor_path)):
-            raise ValueError(f"{path} is not a saved {cls.__name__} (needs {cls.META_FILE} and {cls.TENSORS_FILE})")
-        with open(meta_path) as handle:
-            meta = json.load(handle)
-        if meta.get("format") != cls.CACHE_FORMAT or meta.get("version") != cls.CACHE_FORMAT_VERSION:
-            raise ValueError(f"{meta_path} is not a {cls.CACHE_FORMAT} version {cls.CACHE_FORMAT_VERSION} file")
-        differences = fingerprint_mismatch(cls.config_fingerprint(model.config), meta.get("config", {}))
-        if differences:
-            raise ValueError(f"the cache in {path} was made for another {cls.MODEL_NAME} config: "
-                             + "; ".join(differences))
-        # fresh copies: on CPU the loaded tensors are views into the file's buffer at any byte offset, and
-        # unaligned data takes other vector kernels, which round differently from the live cache
-        tensors = {k: v.clone() for k, v in load_file(tensor_path, device=str(model.device)).items()}
-        return cls.from_saved(model.config, meta, tensors, model.dtype)
 
 
 def tensors_under(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

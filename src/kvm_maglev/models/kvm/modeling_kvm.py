@@ -25,18 +25,18 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import can_return_tuple, logging
 
 from .cache_kvm import READ, STATE, WINDOW, KVMCache
-from ..common.carried_card import CarriedCardMixin
-from ..common.hub_save import HubCodeSaveMixin
+from ...package_only.carried_card import CarriedCardMixin
+from ...package_only.hub_save import HubCodeSaveMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
 from .decode_attention_kvm import at_least_float32
 from .decode_step_kvm import (DecodeStep, decode_kvm_attention, decode_sliding_attention, decode_step,
                               decode_token_shift, fold_due_blocks, make_room_for_first_chunk, rows_folding)
-from ..common.conventions import (SdpaOrEagerMixin, check_position_ids, config_default,
+from ..common.conventions import (HeadLossMixin, SdpaOrEagerMixin, check_position_ids, config_default,
                           refuse_attention_weights)
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
 from ..common.onednn_linear import OneDNNLinear, sharing_parameters
-from ..common.row_block_loss import RowBlockLossMixin
+from ...package_only.row_block_loss import RowBlockLossMixin
 from .runtime_kvm import paces_folds, prepare_next_fold, take_fold_ahead
 from ..common.runtime_switch import runtime_speedups
 from .state_kvm import Fold, Overflow, readable_state, run_fold, slot_norms, state_keys
@@ -767,7 +767,7 @@ def value_anchor_layers(config: KVMConfig) -> dict[int, tuple[str, ...]]:
 
 # ---- models --------------------------------------------------------------------------------
 class KVMPreTrainedModel(HubCodeSaveMixin, CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin,
-                         RowBlockLossMixin, PreTrainedModel):
+                         RowBlockLossMixin, HeadLossMixin, PreTrainedModel):
     attention_model_name = "KVM"
     attention_refusal = KVM_NO_KERNELS
     config_class = KVMConfig
@@ -1066,7 +1066,11 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # when config.tie_word_embeddings
     _tp_plan = {"lm_head": "colwise_gather_output"}
-    cache_class = KVMCache
+
+    @property
+    def cache_class(self) -> type:
+        """The cache generate() makes (read when used: the generated file defines it further down)."""
+        return KVMCache
 
     def __init__(self, config: KVMConfig):
         super().__init__(config)

@@ -20,16 +20,16 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import can_return_tuple
 
 from .cache_maglev import EngineRing, MaglevCache, MaglevCacheLayer
-from ..common.carried_card import CarriedCardMixin
-from ..common.hub_save import HubCodeSaveMixin
+from ...package_only.carried_card import CarriedCardMixin
+from ...package_only.hub_save import HubCodeSaveMixin
 from .configuration_maglev import MaglevConfig
-from ..common.conventions import (SdpaOrEagerMixin, attention, check_position_ids, config_default,
+from ..common.conventions import (HeadLossMixin, SdpaOrEagerMixin, attention, check_position_ids, config_default,
                           refuse_attention_weights)
 from .curriculum_maglev import Schedule, current_schedule, lifted_passes, schedule_at
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
 from ..common.onednn_linear import OneDNNLinear
-from ..common.row_block_loss import RowBlockLossMixin, row_block_head_loss
+from ...package_only.row_block_loss import RowBlockLossMixin
 from .runtime_maglev import one_query_attention
 from ..common.runtime_switch import runtime_speedups
 from ..common.step_plan import (RowTokens, StepPlan, boundary_kwargs, bucket_index, bucket_mask, gather_bucket, gather_columns,
@@ -288,7 +288,7 @@ class MaglevBlock(GradientCheckpointingLayer):
 
 
 class MaglevPreTrainedModel(HubCodeSaveMixin, CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin,
-                            RowBlockLossMixin, PreTrainedModel):
+                            RowBlockLossMixin, HeadLossMixin, PreTrainedModel):
     attention_model_name = "Maglev"
     attention_refusal = MAGLEV_NO_KERNELS
     config_class = MaglevConfig
@@ -918,7 +918,12 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # when config.tie_word_embeddings
     _tp_plan = {"lm_head": "colwise_gather_output"}
-    cache_class = MaglevCache
+
+    @property
+    def cache_class(self) -> type:
+        """The cache generate() makes (read when used: the generated file defines it further down)."""
+        return MaglevCache
+
     float32_logits = True  # nanochat's head: float32 logits, then the cap
 
     def __init__(self, config: MaglevConfig):
@@ -989,16 +994,6 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         cap = self.config.logit_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
-    def pass_loss(self, hidden: torch.Tensor, labels: torch.LongTensor, **kwargs) -> torch.Tensor:
-        """The language-model loss of a self-fed pass whose logits are not returned: from its hidden states in row
-        blocks when the loss is the default one and the head a plain linear layer (no adapter, not sharded);
-        else through its logits and `loss_function`."""
-        if self.reads_head_in_row_blocks():
-            return row_block_head_loss(hidden, self.lm_head.weight, labels, self.config.vocab_size,
-                                       self.config.logit_softcap, **kwargs)
-        return self.loss_function(logits=self.logits(hidden), labels=labels, vocab_size=self.config.vocab_size,
-                                  **kwargs)
-
     @can_return_tuple
     def forward(
         self,
@@ -1048,7 +1043,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         if labels is not None:
             # self-fed passes each predict the sequence: the language-model loss is their mean
             earlier = [] if outputs.pass_hidden_states is None else outputs.pass_hidden_states[:-1]
-            pass_losses = [self.pass_loss(kept_positions(h, logits_to_keep), labels, **kwargs) for h in earlier]
+            pass_losses = [self.head_loss(kept_positions(h, logits_to_keep), labels, **kwargs) for h in earlier]
             lm_loss = (sum(pass_losses) + last_pass_loss) / (len(pass_losses) + 1)
             loss = lm_loss
             if outputs.consistency_loss is not None:

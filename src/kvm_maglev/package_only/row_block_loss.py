@@ -8,14 +8,15 @@ instead of the logits, `row_block_logits_and_loss` makes the logits and the loss
 goes from each block of rows straight to the gradients of the hidden states and the weight: no [tokens,
 vocab] gradient at all. For a training pass whose logits nobody reads, `row_block_head_loss` never holds
 the logits either. Same loss and gradients up to float rounding; transformers' own function is the
-reference (tests/models/test_row_block_loss.py). Imports only torch and its sibling onednn_linear.
+reference (tests/models/test_row_block_loss.py). The package's models use it through `RowBlockLossMixin`;
+a Hub folder's models compute transformers' loss (`HeadLossMixin` in models/common/conventions.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .onednn_linear import OneDNNLinear
+from ..models.common.onednn_linear import OneDNNLinear
 
 # elements of one block's float32 temporaries (16 MB): small enough to be reused from the heap, not mapped anew
 BLOCK_ELEMENTS = 1 << 22
@@ -273,8 +274,8 @@ def row_block_head_loss(
 
 
 class RowBlockLossMixin:
-    """Put before PreTrainedModel: the causal-LM loss transformers would pick is computed in row blocks; a loss
-    the user sets (`model.loss_function = f`) or another `model.loss_type` is transformers' to resolve."""
+    """Put before the model's `HeadLossMixin`: the causal-LM loss transformers would pick is computed in row blocks;
+    a loss the user sets (`model.loss_function = f`) or another `model.loss_type` is transformers' to resolve."""
 
     float32_logits = False  # True: the head's logits are made float32 before the cap (the model's `logits` does)
 
@@ -301,7 +302,12 @@ class RowBlockLossMixin:
             return row_block_logits_and_loss(hidden, self.get_output_embeddings().weight, labels,
                                              self.config.vocab_size, self.config.logit_softcap or None,
                                              self.float32_logits, **kwargs)
-        logits = self.logits(hidden)
-        if labels is None:
-            return logits, None
-        return logits, self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return super().logits_and_loss(hidden, labels, **kwargs)
+
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The loss of a pass whose logits are not returned (Maglev's self-fed passes): from the hidden states in
+        row blocks with the default loss and a plain linear head, never holding the logits."""
+        if self.reads_head_in_row_blocks():
+            return row_block_head_loss(hidden, self.get_output_embeddings().weight, labels, self.config.vocab_size,
+                                       self.config.logit_softcap, **kwargs)
+        return super().head_loss(hidden, labels, **kwargs)

@@ -1,0 +1,165 @@
+"""The generated modeling file told top-down: the causal-LM class and the model first, then the decoder layer,
+attention, cache, and the state math last, the order a reader needs (`hub_code` uses it).
+
+The package's modules are written bottom-up, as Python runs them; reversed, a class would come before its base and
+a default argument before its constant. What a statement needs at the moment it runs (bases, decorators, default
+arguments, class-body values, module-level expressions; annotations are lazy under `from __future__ import
+annotations`) and is defined further down goes into a short section at the top, `built first`, in the package's
+order: the small base classes and constants the classes below are made from.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+
+SUBSECTION = re.compile(r"^# ---- ")  # the package modules' own section rules inside a module
+BUILT_FIRST = ("# ---- built first " + "-" * 98 + "\n# The base classes and constants the classes below are made "
+               "from: Python needs them defined first.\n# Each comes from the module that the sections below name.")
+
+
+@dataclass
+class Statement:
+    """One top-level statement of a module body, with the comments above it."""
+
+    text: str
+    defines: set[str]
+    needs: set[str]  # names it reads when it runs (at import), not when it is later called
+
+
+def names_in(node: ast.AST) -> set[str]:
+    return {child.id for child in ast.walk(node) if isinstance(child, ast.Name)}
+
+
+def needed_at_definition(node: ast.stmt) -> set[str]:
+    """The names `node` reads when the module runs it: a function's decorators and defaults, a class's bases,
+    keywords, decorators and body values; all of any other statement."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        defaults = node.args.defaults + [value for value in node.args.kw_defaults if value is not None]
+        return set().union(*map(names_in, node.decorator_list + defaults))
+    if isinstance(node, ast.ClassDef):
+        heads = node.decorator_list + node.bases + [keyword.value for keyword in node.keywords]
+        return set().union(*map(names_in, heads), *map(needed_at_definition, node.body))
+    if isinstance(node, ast.AnnAssign):
+        return names_in(node.value) if node.value is not None else set()
+    return names_in(node)
+
+
+def defined_by(node: ast.stmt) -> set[str]:
+    """The module-level names `node` binds (a `try` or `if` block's imports and assignments included)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    names = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+            names.add(child.id)
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(child.name)
+        elif isinstance(child, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in child.names)
+    return names
+
+
+def statements(text: str) -> list[Statement]:
+    """`text`'s top-level statements, each with the comment lines and blank lines above it."""
+    lines = text.splitlines()
+    found, start = [], 0
+    for node in ast.parse(text).body:
+        end = node.end_lineno
+        found.append(Statement("\n".join(lines[start:end]).strip("\n"), defined_by(node),
+                               needed_at_definition(node) - defined_by(node)))
+        start = end
+    if found and start < len(lines):
+        found[-1].text = (found[-1].text + "\n" + "\n".join(lines[start:])).rstrip("\n")
+    return found
+
+
+def subsections(body: str) -> list[tuple[str, list[Statement]]]:
+    """A module body cut at its `# ---- ` rules: (rule, statements) in order; the part before the first rule has
+    the rule ""."""
+    cuts: list[tuple[str, list[str]]] = [("", [])]
+    for line in body.splitlines():
+        if SUBSECTION.match(line):
+            cuts.append((line, []))
+        else:
+            cuts[-1][1].append(line)
+    return [(rule, statements("\n".join(lines))) for rule, lines in cuts if rule or any(l.strip() for l in lines)]
+
+
+def reversed_module(parts: list[tuple[str, list[Statement]]]) -> list[tuple[str, Statement]]:
+    """A module's statements top-down, each with its part's rule: the part without a rule first, then the parts
+    in reverse; inside a part its constants as written, then its functions and classes in reverse. A statement
+    that needs another of the module's at definition time follows it (that one is pulled up)."""
+    parts = parts[:1] + parts[1:][::-1] if parts and not parts[0][0] else parts[::-1]
+    wanted = []
+    for rule, block in parts:
+        definitions = [s for s in block if DEFINITION.match(first_code(s))]
+        wanted += [(rule, s) for s in block if s not in definitions] + [(rule, s) for s in definitions[::-1]]
+    owner = {name: (rule, s) for rule, s in wanted for name in s.defines}
+    placed: list[tuple[str, Statement]] = []
+    seen: set[int] = set()
+
+    def place(rule: str, statement: Statement) -> None:
+        if id(statement) in seen:
+            return
+        seen.add(id(statement))
+        for name in sorted(statement.needs & owner.keys()):
+            place(rule, owner[name][1])  # pulled up into the part that needs it
+        placed.append((rule, statement))
+
+    for rule, statement in wanted:
+        place(rule, statement)
+    return placed
+
+
+DEFINITION = re.compile(r"(@|def |async def |class )")
+
+
+def first_code(statement: Statement) -> str:
+    """The statement's first line that is not a comment or blank."""
+    return next(line for line in statement.text.splitlines() if line.strip() and not line.startswith("#"))
+
+
+def top_down(sections: list[tuple[str, str]]) -> tuple[list[Statement], list[tuple[str, list[tuple[str, Statement]]]]]:
+    """`sections` (title, body) in the package's order, dependencies first, the model module last, laid out
+    top-down: the model's module first, the dependencies after it in reverse, each module by `reversed_module`.
+    What a statement needs at definition time from a module further down is built first. Returns the statements
+    built first (package order) and the sections as (title, [(rule, statement)])."""
+    package_order = [(title, subsections(body)) for title, body in sections]
+    every = [statement for _, parts in package_order for _, block in parts for statement in block]
+    layout = [(title, reversed_module(parts)) for title, parts in package_order[::-1]]
+    owner = {}
+    for statement in every:
+        for name in statement.defines:
+            owner.setdefault(name, statement)
+    first: set[int] = set()
+    while True:
+        order = [s for s in every if id(s) in first] + [s for _, placed in layout for _, s in placed
+                                                        if id(s) not in first]
+        defined, missing = set(), set()
+        for statement in order:
+            missing |= {id(owner[name]) for name in statement.needs & owner.keys() - defined}
+            defined |= statement.defines
+        if not missing - first:
+            break
+        first |= missing
+    built_first = [s for s in every if id(s) in first]
+    laid_out = [(title, [(rule, s) for rule, s in placed if id(s) not in first]) for title, placed in layout]
+    return built_first, laid_out
+
+
+def render(built_first: list[Statement], laid_out: list) -> list[str]:
+    """The file's parts after its imports: the built-first section, then each section, a part's rule written
+    before its first statement."""
+    parts = [BUILT_FIRST + "\n\n" + "\n\n\n".join(s.text.strip("\n") for s in built_first)] if built_first else []
+    for title, placed in laid_out:
+        texts, ruled = [title.strip("\n")], set()
+        for rule, statement in placed:
+            text = statement.text.strip("\n")
+            if rule and rule not in ruled:
+                ruled.add(rule)
+                text = rule + "\n" + text
+            texts.append(text)
+        parts.append("\n\n\n".join(texts))
+    return parts
