@@ -638,11 +638,12 @@ class MaglevModel(MaglevPreTrainedModel):
     def skippable_columns(self, length: int, valid, cache) -> int:
         """Leading columns of a prefiller prompt whose P outputs reach neither the last position nor the cache.
         Fed Q's memories, P has no recurrence over the prompt, so its layer i at a column depends only on the
-        `left_i` columns before it (its window) through each layer below: started cold `sum(left)` columns before
-        the last one, P's last output and every layer's cached window (the last `left_i` keys, exact from
-        `sum(left_j, j < i)` columns in) come out as from the whole prompt. 0 (nothing skipped) unless those columns
-        are real tokens in every row, and never when recording for rollback or compiling (a host check)."""
-        cut = length - 1 - sum(self.config.decoder_windows)
+        `left_i` columns before it (its window) through each layer below, and its first input on the token before
+        (smear): started cold `1 + sum(left)` columns before the last one, P's last output and every layer's cached
+        window (the last `left_i` keys, exact from `1 + sum(left_j, j < i)` columns in) come out as from the whole
+        prompt. 0 (nothing skipped) unless those columns are real tokens in every row, and never when recording for
+        rollback or compiling (a host check)."""
+        cut = length - 2 - sum(self.config.decoder_windows)
         if cut <= 0 or (cache is not None and cache.recording) or torch.compiler.is_compiling():
             return 0
         if valid is not None and not bool(valid[:, cut:].all()):
