@@ -39,8 +39,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..compat import CACHE_KEYWORD, returned_cache
-from ..recall import RecallTask, evaluate_recall, memory_prefill
+# absolute imports: the file also runs as a script against another checkout's package (PYTHONPATH=<checkout>/src
+# python src/kvm_maglev/benchmarks/prompt_modes.py measure --generate-4k ...), e.g. the code before a change
+from kvm_maglev.compat import CACHE_KEYWORD, returned_cache
+from kvm_maglev.recall import RecallTask, evaluate_recall, memory_prefill
 
 MODES = ("recurrent", "prefiller")
 MULTIPLES = (1, 2, 4, 8, 16, 32)
@@ -52,7 +54,7 @@ LM_STORY_SENTENCES = 80  # cast stories long enough for 32 windows of 32 bytes a
 
 
 def load(folder) -> torch.nn.Module:
-    from .. import MaglevForCausalLM
+    from kvm_maglev import MaglevForCausalLM
 
     model = MaglevForCausalLM.from_pretrained(folder).eval()
     if not model.config.has_prefiller:
@@ -88,7 +90,7 @@ def recall_by_length(model, task: RecallTask, window: int, multiples: Sequence[i
 # ----- language modelling --------------------------------------------------------------------------------------
 def lm_rows(seed: int, stories: int, length: int) -> torch.Tensor:
     """`stories` held-out cast stories as rows of `length` byte ids (BOS first), from the story stream of `seed`."""
-    from ..corpora import cast_corpus, pack_bytes
+    from kvm_maglev.corpora import cast_corpus, pack_bytes
 
     rows = pack_bytes(cast_corpus(stories * 2, seed=seed, sentences=LM_STORY_SENTENCES), length, LM_BOS,
                       rows_per_document=1)
@@ -163,7 +165,7 @@ def generate_4k(length: int, repeats: Dict[str, int], shape_name: str) -> Dict[s
     """The issue's measurement: prefill tokens/s of ``generate()`` on a `length`-token prompt, batch 1, for Maglev
     (the benchmark shape, prefiller kept; the same weights read in both modes) and a same-shape Llama from
     transformers, random weights, each with its ratio to Llama's (CPU time)."""
-    from .models import MODEL_BUILDERS, SHAPES
+    from kvm_maglev.benchmarks.models import MODEL_BUILDERS, SHAPES
 
     shape = SHAPES[shape_name]
     torch.manual_seed(0)
@@ -172,6 +174,8 @@ def generate_4k(length: int, repeats: Dict[str, int], shape_name: str) -> Dict[s
     rows = {"llama": time_generate_prompt(llama, length, repeats["llama"])}
     del llama
     for mode in ("prefiller", "recurrent"):
+        if not repeats[mode]:
+            continue
         with memory_prefill(maglev, mode):
             rows[f"maglev_{mode}"] = time_generate_prompt(maglev, length, repeats[mode])
     for name, row in rows.items():
@@ -292,7 +296,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     run.add_argument("--generate-4k", action="store_true", help="the benchmark shape against a same-shape Llama")
     run.add_argument("--generate-length", type=int, default=4096)
     run.add_argument("--generate-repeats", type=int, default=3, help="timed 4k prompts for Llama and the prefiller")
-    run.add_argument("--recurrent-repeats", type=int, default=1, help="timed 4k recurrent prompts (about a minute each)")
+    run.add_argument("--recurrent-repeats", type=int, default=1,
+                     help="timed 4k recurrent prompts (about a minute each; 0: not measured)")
     run.add_argument("--shape", default="default", help="kvm_maglev.benchmarks.models.SHAPES entry")
     run.add_argument("--threads", type=int, default=1)
     run.add_argument("--out", type=Path, required=True)
