@@ -28,6 +28,7 @@ machine cost less noise than wall time would; wall seconds are recorded beside t
 import argparse
 import json
 import math
+import os
 import shlex
 import statistics
 import sys
@@ -240,7 +241,10 @@ def decide(files: Sequence[dict], recall_margin: float = 0.02, bits_margin: floa
 # ----- command line --------------------------------------------------------------------------------------------
 def measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    result: dict = {"command": args.command, "threads": args.threads, "eval_seeds": list(args.eval_seeds),
+    import kvm_maglev
+
+    result: dict = {"command": args.command, "package": str(Path(kvm_maglev.__file__).parent),
+                    "threads": args.threads, "eval_seeds": list(args.eval_seeds),
                     "multiples": list(args.multiples), "models": {}}
     for folder in args.recall_models:
         model = load(folder)
@@ -305,7 +309,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     rule.add_argument("files", nargs="+", type=Path)
     rule.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    args.command = "python -m kvm_maglev.benchmarks.prompt_modes " + shlex.join(sys.argv[1:] if argv is None else argv)
+    # as run: as a module, or as a file against the package PYTHONPATH names (another checkout's)
+    runner = "python -m kvm_maglev.benchmarks.prompt_modes" if __spec__ is not None else \
+        f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} python {sys.argv[0]}"
+    args.command = runner + " " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.what == "measure":
         result = measure(args)
     else:
