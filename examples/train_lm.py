@@ -397,10 +397,14 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/lm"))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
+    parser.add_argument("--save-models", type=Path, default=None,
+                        help="write each trained arm's folder (config and weights) to DIR/<arm>, e.g. for "
+                             "kvm_maglev.benchmarks.prompt_modes; the oracle-fed arm is a wrapper and is not saved")
     args = parser.parse_args(argv)
     command = (f"python examples/train_lm.py --corpus {args.corpus} --seed {args.seed} --steps {args.steps} "
                f"--arms {' '.join(args.arms)} --out {args.out}" + (f" --threads {args.threads}" if args.threads else "")
-               + (f" --header-offset {args.header_offset}" if args.header_offset else ""))
+               + (f" --header-offset {args.header_offset}" if args.header_offset else "")
+               + (f" --save-models {args.save_models}" if args.save_models else ""))
     args.arms = list(dict.fromkeys(arm for name in args.arms for arm in (LADDER_ARMS if name == "ladder" else [name])))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -414,6 +418,8 @@ def main(argv: List[str] = None) -> None:
         start = time.time()
         model = train_one(name, train_rows, cast_labels(train_rows) if cast and name == "oracle_fed" else None, args)
         timings[name] = time.time() - start
+        if args.save_models is not None and not isinstance(model, CastOracleFed):
+            model.save_pretrained(args.save_models / name)
         results[name] = evaluate(model, validation_rows, probe_rows, labels, probe_labels, args)
         results[name].update(window=WINDOW)
         print(name, f"{timings[name]:.0f}s", json.dumps(results[name]), flush=True)

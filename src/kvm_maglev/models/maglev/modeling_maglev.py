@@ -402,6 +402,10 @@ def init_model_scalars(model: "MaglevModel") -> None:
 class MaglevModel(MaglevPreTrainedModel):
     """Embeddings, the decoder P's blocks and (when kept) the prefiller Q; returns `m = rms_norm(h)`."""
 
+    # set by MaglevForCausalLM.forward for one call when only the last position's logits are read (generate()'s
+    # logits_to_keep=1, no labels): a prefiller prompt then runs P only where it reaches them or the cache
+    last_position_only = False
+
     def __init__(self, config: MaglevConfig):
         config.validate_maglev()  # from_pretrained(..., field=value) sets fields after the config's checks
         super().__init__(config)
@@ -614,13 +618,39 @@ class MaglevModel(MaglevPreTrainedModel):
             hidden_states.extend(tokens.unflatten(state) for state in states)
         return tokens.unflatten(heads), tokens.unflatten(memories)
 
-    def prefill(self, input_ids, valid, cache, plan, hidden_states=None):
+    def prefill(self, input_ids, valid, cache, plan, hidden_states=None, last_only=False):
         """"prefiller" prompt processing: Q reads the prompt, P runs on it in parallel fed Q's shifted memories.
-        Returns (head inputs, P's memories, Q's memories)."""
+        Returns (head inputs, P's memories, Q's memories). With `last_only` (only the last position's output and
+        the cache are read) P skips the prompt's leading columns that reach neither (`skippable_columns`): the head
+        inputs and P's memories then cover the remaining columns only."""
         prefiller_memories = self.prefiller_memories(input_ids, valid)
         mu = self.shifted_memories(prefiller_memories, None, valid)
+        cut = self.skippable_columns(input_ids.shape[1], valid, cache) if last_only else 0
+        if cut:
+            # P starts cold at the cut, at each row's true position (rotary and ring slots as if it had read the
+            # skipped tokens); what the cold start gets wrong stays inside the columns no later layer reads
+            start = plan.start + (cut if valid is None else valid[:, :cut].sum(dim=1))
+            if cache is not None:
+                cache.positions = start
+            plan = StepPlan(start, None, input_ids.shape[1] - cut)
+            input_ids, mu = input_ids[:, cut:], mu[:, cut:]
         head, memories = self.decode_chunk(input_ids, mu, cache, plan, hidden_states)
         return head, memories, prefiller_memories
+
+    def skippable_columns(self, length: int, valid, cache) -> int:
+        """Leading columns of a prefiller prompt whose P outputs reach neither the last position nor the cache.
+        Fed Q's memories, P has no recurrence over the prompt, so its layer i at a column depends only on the
+        `left_i` columns before it (its window) through each layer below, and its first input on the token before
+        (smear): started cold `1 + sum(left)` columns before the last one, P's last output and every layer's cached
+        window (the last `left_i` keys, exact from `1 + sum(left_j, j < i)` columns in) come out as from the whole
+        prompt. 0 (nothing skipped) unless those columns are real tokens in every row, and never when recording for
+        rollback or compiling (a host check)."""
+        cut = length - 2 - sum(self.config.decoder_windows)
+        if cut <= 0 or (cache is not None and cache.recording) or torch.compiler.is_compiling():
+            return 0
+        if valid is not None and not bool(valid[:, cut:].all()):
+            return 0
+        return cut
 
     def prefill_then_decode(self, input_ids, valid, cache, prompt: int, hidden_states=None):
         """A first forward that carries more than the prompt (assisted decoding: the prompt and the first drafts):
@@ -698,7 +728,8 @@ class MaglevModel(MaglevPreTrainedModel):
         the window; longer prompts are cut into blocks where the keys they reach are read on the host)."""
         hidden_states = [] if config_default(output_hidden_states, self.config, "output_hidden_states") else None
         plan = cache.take_step(input_ids.shape[1])
-        head, memories, prefiller_memories = self.prefill(input_ids, plan.valid, cache, plan, hidden_states)
+        head, memories, prefiller_memories = self.prefill(input_ids, plan.valid, cache, plan, hidden_states,
+                                                          last_only=self.last_position_only and hidden_states is None)
         if hidden_states is not None:
             hidden_states.append(head)
         return MaglevModelOutput(
@@ -837,7 +868,9 @@ class MaglevModel(MaglevPreTrainedModel):
         elif mode == "prefill":
             prompt = length if cache is None else cache.take_prompt_length(length)
             if prompt == length:
-                head, memories, prefiller_memories = self.prefill(input_ids, valid, cache, context(), hidden_states)
+                head, memories, prefiller_memories = self.prefill(
+                    input_ids, valid, cache, context(), hidden_states,
+                    last_only=self.last_position_only and hidden_states is None)
             else:
                 head, memories, prefiller_memories = self.prefill_then_decode(input_ids, valid, cache, prompt,
                                                                               hidden_states)
@@ -1023,20 +1056,17 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             lifted = self.training and self.config.training_forward == "lifted"
         training = self.training or lifted
         prepared = isinstance(cache, MaglevCache) and cache.prepared is not None  # a prepared step: one graph
-        outputs = (self.model if training or prepared else partial(run_uncompiled, self.model))(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            lifted=lifted,
-            memory_inputs=memory_inputs,
-            return_dict=True,
-            **boundary_kwargs(kwargs),
-        )
+        last_only = isinstance(logits_to_keep, int) and logits_to_keep == 1 and labels is None and not training \
+            and not torch.compiler.is_compiling()
+        if last_only:
+            self.model.last_position_only = True
+        try:
+            outputs = self._base_forward(training or prepared, input_ids, attention_mask, position_ids, cache,
+                                         inputs_embeds, use_cache, output_attentions, output_hidden_states, lifted,
+                                         memory_inputs, kwargs)
+        finally:
+            if last_only:
+                self.model.last_position_only = False
         logits, last_pass_loss = self.logits_and_loss(kept_positions(outputs.last_hidden_state, logits_to_keep),
                                                       labels, **kwargs)
         loss = lm_loss = None
@@ -1057,6 +1087,24 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             logits=logits,
             hidden_states=outputs.hidden_states,
             **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
+        )
+
+    def _base_forward(self, direct, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache,
+                      output_attentions, output_hidden_states, lifted, memory_inputs, kwargs):
+        """The base model's forward (outside a compiled graph unless `direct`: training or a prepared step)."""
+        return (self.model if direct else partial(run_uncompiled, self.model))(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            lifted=lifted,
+            memory_inputs=memory_inputs,
+            return_dict=True,
+            **boundary_kwargs(kwargs),
         )
 
     @staticmethod
