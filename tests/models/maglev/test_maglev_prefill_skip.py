@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvm_maglev import MaglevConfig, MaglevForCausalLM
+from kvm_maglev.models.common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 
 WINDOW, LAYERS = 8, 3
@@ -53,10 +54,11 @@ def test_last_logits_cache_and_continuation_match_the_whole_prompt(padding):
     following = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(2))
     results = {}
     for keep in (0, 1):
-        out = maglev(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=keep, cache=MaglevCache(maglev.config))
-        cache = out.cache
+        out = maglev(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=keep,
+                     **{GENERATE_CACHE_KWARG: MaglevCache(maglev.config)})
+        cache = getattr(out, CACHE_NAME)  # the release's name: `cache` from transformers 5.24, else past_key_values
         after = maglev(input_ids=following, attention_mask=torch.cat([mask, torch.ones_like(following)], dim=1),
-                       use_cache=True, cache=cache)
+                       use_cache=True, **{GENERATE_CACHE_KWARG: cache})
         results[keep] = [out.logits[:, -1], after.logits, *cache_state(cache)]
     assert seen == [70, NEEDED]  # the whole prompt, then the skipped one (continuations run recurrently)
     for whole, skipped in zip(results[0], results[1]):
