@@ -308,8 +308,8 @@ def test_hub_folders_built_by_the_converter_serve_the_same_tokens(kept, tmp_path
 @pytest.fixture(scope="module")
 def engines(folder):
     """Engines of the folder under a token budget per step (`split_prompts`), made once per engine arguments, at
-    vLLM's default of compiling the model (KVM's forward traced whole, split at its state operators; Maglev runs
-    eager)."""
+    vLLM's default of compiling the model (KVM's forward traced whole, split at its state operators; Maglev's steps
+    in which every request decodes)."""
     from vllm import LLM
 
     made = {}
@@ -379,7 +379,9 @@ def test_random_schedules_give_generates_tokens(folder, engines):
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_maglev_decoding_steps_run_compiled_at_vllms_default(tmp_path, monkeypatch, enforce_eager):
     """At vLLM's default a Maglev engine runs each step in which every request decodes through its compiled graph
-    (rings in `kvm_maglev::ring_attention`), the others eager; `enforce_eager` compiles none. Tokens = generate()'s."""
+    (rings in `kvm_maglev::ring_attention`), the others eager; `enforce_eager` compiles none. Requests of different
+    lengths make the decoding batch shrink step by step: the batch is a dynamic dimension, so at most two graphs (a
+    batch of one compiles apart). Tokens = generate()'s."""
     from vllm import LLM
 
     from kvm_maglev.vllm.maglev import VllmMaglevForCausalLM
@@ -387,15 +389,20 @@ def test_maglev_decoding_steps_run_compiled_at_vllms_default(tmp_path, monkeypat
     taken = []
     original = VllmMaglevForCausalLM.compiled_decoding
     monkeypatch.setattr(VllmMaglevForCausalLM, "compiled_decoding",
-                        lambda self, *args: taken.append(1) or original(self, *args))
+                        lambda self, *args: taken.append(args[0].shape[0]) or original(self, *args))
     folder = MODELS["maglev"](tmp_path)
     llm = LLM(model=str(folder), **(ENGINE | dict(enforce_eager=enforce_eager)))
-    batch = prompts()[:3]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy())
+    batch, lengths = prompts()[:4], [4, 7, 10, 12]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], [greedy(n) for n in lengths])
     model = hf_model(folder)
-    for prompt, output in zip(batch, outputs):
-        assert list(output.outputs[0].token_ids) == hf_continuation(model, prompt)
-    assert (len(taken) > 0) != enforce_eager
+    for prompt, new_tokens, output in zip(batch, lengths, outputs):
+        assert list(output.outputs[0].token_ids) == hf_continuation(model, prompt, new_tokens)
+    if enforce_eager:
+        assert not taken
+    else:
+        assert {1, 2, 3, 4} <= set(taken)  # decoding batches of every size ran compiled
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 2
     del llm
 
 
