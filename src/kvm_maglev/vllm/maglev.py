@@ -157,7 +157,8 @@ class VllmMaglevForCausalLM(PagedStateModel):
                           for i in range(len(self.state_layers))],
             step.pages, step.starts, carry[:, MEMORY], carry[:, EMBEDDING], self.model.memory_init)
         ragged = min(step.counts) < width
-        if self.compiled_forward is not None and width == 1 and all(step.starts):
+        if (self.compiled_forward is not None and width == 1 and all(step.starts)
+                and self.model.prepare_step(rows.view(-1, 1), cache)):  # its host side, before the graph
             outputs = self.compiled_decoding(rows.view(-1, 1), cache)
         else:
             outputs = self.model(input_ids=rows.view(-1, width), past_key_values=cache, use_cache=True,
@@ -166,10 +167,8 @@ class VllmMaglevForCausalLM(PagedStateModel):
         return outputs.last_hidden_state.reshape(-1, outputs.last_hidden_state.shape[-1])[columns]
 
     def compiled_decoding(self, input_ids: torch.Tensor, cache: MaglevCache):
-        """A step in which every request decodes, compiled: its host side done first (`prepare_step`), the rings
-        handed to the operator and the layers given `PagedRing`s in their place, so that the graph reads no page."""
-        if not self.model.prepare_step(input_ids, cache):
-            raise RuntimeError("Maglev on vLLM: a decoding step the model does not take as one")
+        """A prepared step in which every request decodes, compiled: the rings handed to the operator and the layers
+        given `PagedRing`s in their place, so that the graph reads no page."""
         self.step_rings, cache.layers = cache.layers, [PagedRing(pages.prefix, cache.positions)
                                                        for pages in self.state_layers]
         try:
