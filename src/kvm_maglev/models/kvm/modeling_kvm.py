@@ -378,11 +378,7 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
 
     def step_plan(self, tokens: RowTokens) -> Pieces:
         """The forward's sliding-window pieces, made once and shared by the layers of this window."""
-        def plan():
-            pieces = sliding_pieces(self.window, tokens)
-            pieces.by_width(tokens)
-            return pieces
-        return tokens.once(("sliding pieces", self.window), plan)
+        return tokens.once(("sliding pieces", self.window), lambda: sliding_pieces(self.window, tokens))
 
     def attend_tokens(self, q, k, v, gate: None, tokens: RowTokens | DecodeStep, cache_layer) -> torch.Tensor:
         """Each token's queries over the keys of its last `sliding_window` positions (no merge gates: `gate` is
@@ -453,7 +449,6 @@ class KVMAttention(KVMAttentionBase):
         """The forward's chunk pieces and state schedule, made once and shared by the KVM layers."""
         def plan():
             pieces = chunk_pieces(self.config, tokens)
-            pieces.by_width(tokens)
             return pieces, state_schedule(self.config, tokens, pieces)
         return tokens.once("chunk pieces", plan)
 

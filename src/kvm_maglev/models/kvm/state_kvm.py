@@ -124,6 +124,10 @@ class Fold:
     scores: list[torch.Tensor] = field(default_factory=list)  # novelty of the block's tokens, row block by row block
     appended: torch.Tensor | None = None  # [B, H, T, 1] bool: the tokens that become new slots, once chosen
     routes: list[torch.Tensor] = field(default_factory=list)  # each token's slot, row block by row block
+    n_append: torch.Tensor = field(init=False, repr=False)  # [B]: `appends` as a tensor, made once
+
+    def __post_init__(self) -> None:
+        self.n_append = torch.tensor(self.appends, dtype=torch.long, device=self.slots.device)
 
     @property
     def tokens(self) -> int:
@@ -132,11 +136,6 @@ class Fold:
     @property
     def capacity(self) -> int:
         return self.state[0].shape[2]
-
-    @property
-    def n_append(self) -> torch.Tensor:
-        """[B]: the block tokens each row appends."""
-        return torch.tensor(self.appends, dtype=torch.long, device=self.slots.device)
 
     @property
     def slots_after(self) -> torch.Tensor:

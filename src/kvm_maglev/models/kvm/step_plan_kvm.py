@@ -55,7 +55,7 @@ class Pieces:
     def by_width(self, tokens: RowTokens) -> list[tuple[torch.Tensor | None, "Pieces"]]:
         """The pieces in groups that attend in one call each - pieces of one query (decoding rows) apart from
         longer ones (prompt chunks), so that no decoding row is padded to a prompt chunk's queries and keys - with
-        each group's piece indices (None: all the pieces, in order). Made once, by the forward's plan."""
+        each group's piece indices (None: all the pieces, in order). Made once, with the pieces."""
         if self.groups is None:
             single = [index for index, span in enumerate(self.spans) if span[1] == span[2]]
             longer = [index for index in range(len(self.spans)) if self.spans[index][1] != self.spans[index][2]]
@@ -92,9 +92,11 @@ def cut_pieces(tokens: RowTokens, spans: list[tuple[int, int, int, int]], slidin
     order = torch.tensor([index * width + step for index, span in enumerate(spans)
                           for step in range(span[2] - span[1] + 1)], dtype=torch.long, device=device)
     reads_ring = any(tokens.starts[r] > 0 for r in set(rows))
-    return Pieces(rows, row, query_index, query_pos, query_valid, query_low.clamp(min=0), new_index,
-                  torch.where(new_valid, new_pos, -1), reads_ring, order, rows == list(range(tokens.batch)), spans,
-                  sliding)
+    pieces = Pieces(rows, row, query_index, query_pos, query_valid, query_low.clamp(min=0), new_index,
+                    torch.where(new_valid, new_pos, -1), reads_ring, order, rows == list(range(tokens.batch)), spans,
+                    sliding)
+    pieces.by_width(tokens)  # its groups made with it, before any forward reads them
+    return pieces
 
 
 def chunk_pieces(config, tokens: RowTokens) -> Pieces:
