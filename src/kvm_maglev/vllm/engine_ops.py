@@ -14,7 +14,7 @@ from torch.library import Library
 from vllm.forward_context import get_forward_context
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from kvm_maglev.models.common.step_plan import EngineStep, StepPlan
+from kvm_maglev.models.common.step_plan import EngineStep
 from kvm_maglev.models.maglev.cache_maglev import EngineRing
 from kvm_maglev.models.kvm.modeling_kvm import token_shift as plain_token_shift
 
@@ -53,15 +53,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Ten
             q[:count], k[:count], v[:count], None if gate is None else gate[:count], tokens, cache.layers[index])
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, output: torch.Tensor,
-                   layer_name: str) -> None:
-    """Maglev layer `layer_name`'s attention of one token per request at `positions` over its ring pages, the
-    token's keys and values then written into them (`MaglevAttention.attend` on the step's rings), into `output`."""
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    """Maglev layer `layer_name`'s attention of one token per request over its ring pages, the token's keys and
+    values then written into them (`MaglevAttention.attend` on the step's rings and plan), into `output`."""
     pages = get_forward_context().no_compile_layers[layer_name]
     served, index = pages.served, pages.index
+    rings, plan = served.step_rings
     attention = served.model.layers[index].self_attn
-    output.copy_(attention.attend(q, k, v, served.config.decoder_windows[index], served.step_rings[index],
-                                  StepPlan(positions, None, 1)))
+    output.copy_(attention.attend(q, k, v, served.config.decoder_windows[index], rings[index], plan))
 
 
 def token_shift_fake(x, mix, positions, output, layer_name, stream, first) -> None:
@@ -72,7 +71,7 @@ def attention_fake(q, k, v, gate, positions, output, layer_name) -> None:
     return None
 
 
-def ring_attention_fake(q, k, v, positions, output, layer_name) -> None:
+def ring_attention_fake(q, k, v, output, layer_name) -> None:
     return None
 
 
@@ -108,10 +107,10 @@ class PagedRing(EngineRing):
     """A Maglev layer's ring in a compiled decoding step: its attention goes to `kvm_maglev::ring_attention`, which
     finds the step's ring over the pages (`step_rings` of the served model) through vLLM's forward context."""
 
-    def __init__(self, layer_name: str, positions: torch.Tensor) -> None:
-        self.layer_name, self.positions = layer_name, positions
+    def __init__(self, layer_name: str) -> None:
+        self.layer_name = layer_name
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         output = torch.empty_like(q)
-        torch.ops.kvm_maglev.ring_attention(q, k, v, self.positions, output, self.layer_name)
+        torch.ops.kvm_maglev.ring_attention(q, k, v, output, self.layer_name)
         return output

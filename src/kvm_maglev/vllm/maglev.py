@@ -37,6 +37,7 @@ import torch
 from vllm.config import CompilationMode, VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 
+from kvm_maglev.models.common.step_plan import StepPlan
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevModel
@@ -89,7 +90,9 @@ class VllmMaglevForCausalLM(PagedStateModel):
         # model's sharded parameters have not been traced (tensor parallelism runs eager).
         compiles = vllm_config.compilation_config.mode != CompilationMode.NONE and self.tp_size == 1
         self.compiled_forward = torch.compile(self.model.forward, dynamic=True) if compiles else None
-        self.step_rings: list | None = None  # a compiled step's rings over the pages, for the operator
+        # a compiled step's rings over the pages and its plan (one for all layers, its masks made once), for the
+        # operator
+        self.step_rings: tuple[list, StepPlan] | None = None
 
     def split_value_embeddings(self) -> dict[str, int]:
         """Under tensor parallelism, each value-embedding table as the rank's columns: layer i's table is added to
@@ -169,12 +172,13 @@ class VllmMaglevForCausalLM(PagedStateModel):
     def compiled_decoding(self, input_ids: torch.Tensor, cache: MaglevCache):
         """A prepared step in which every request decodes, compiled: the rings handed to the operator and the layers
         given `PagedRing`s in their place, so that the graph reads no page."""
-        self.step_rings, cache.layers = cache.layers, [PagedRing(pages.prefix, cache.positions)
-                                                       for pages in self.state_layers]
+        rings = cache.layers
+        self.step_rings = rings, StepPlan(cache.positions, None, 1)
+        cache.layers = [PagedRing(pages.prefix) for pages in self.state_layers]
         try:
             return self.compiled_forward(input_ids=input_ids, past_key_values=cache, use_cache=True, return_dict=True)
         finally:
-            cache.layers, self.step_rings = self.step_rings, None
+            cache.layers, self.step_rings = rings, None
 
     def read_carries(self, pages: torch.Tensor) -> torch.Tensor:
         """The carries [requests, 2, hidden] of the requests on `pages` (layer 0's), whole: under tensor parallelism
