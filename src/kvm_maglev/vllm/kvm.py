@@ -9,7 +9,7 @@ and frees it with it) holds what a `KVMCache` layer holds for one row, under the
 - the layer's token-shift carries (the last token of each shifted stream), one vector.
 How much of each is live follows from the request's position, vLLM's token position (state_kvm's one rule).
 
-Each engine step runs `KVMModel.run_layers` once over every scheduled token of every request - decoding rows and
+Each engine step runs `KVMModel.forward` once over every scheduled token of every request - decoding rows and
 prefill chunks together, whatever their positions. vLLM compiles it (its `support_torch_compile`, unless
 `enforce_eager`): the traced graph holds the projections, norms and feed-forwards, and splits at the operators of
 `engine_ops` (token shifts, attention), which run each layer's per-request work eagerly on a `KVMCache` whose layers
@@ -128,9 +128,8 @@ class VllmKVMForCausalLM(PagedStateModel):
         if not torch.compiler.is_compiling():
             self.hold_speedups()
         with torch.no_grad():
-            x0 = self.model.embed_norm(self.model.embed_tokens(input_ids))
-            hidden, _ = self.model.run_layers(x0, PagedStep(positions), self.pages_view, positions)
-        return hidden
+            return self.model(input_ids=input_ids, position_ids=positions, cache=self.pages_view, use_cache=False,
+                              engine_step=PagedStep(positions)).last_hidden_state
 
     def step_rows(self, positions: torch.Tensor) -> tuple[RowTokens | DecodeStep, KVMCache] | None:
         """The step's scheduled tokens (a `DecodeStep`, its folds done, when every request decodes) and a cache over

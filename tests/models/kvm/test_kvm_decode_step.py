@@ -12,6 +12,7 @@ import torch
 from kvm_maglev import KVMConfig, KVMForCausalLM
 from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
+from kvm_maglev.models.kvm import modeling_kvm
 
 BASE = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, chunk_size=4, window_chunks=2)
 VARIANTS = {
@@ -72,18 +73,15 @@ def test_decoding_steps_equal_the_general_path(variant):
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-5)
 
 
-def test_generate_takes_the_prepared_steps():
+def test_generate_takes_the_prepared_steps(monkeypatch):
     """The prompt runs as a PromptStep and every step after it as a DecodeStep, each prepared before its forward
     (a test that the paths above are the ones exercised)."""
     model = build("grouped_fixed")
     taken = []
-    original = type(model.model).run_step
-    type(model.model).run_step = lambda self, step, *args: taken.append(type(step).__name__) or original(self, step,
-                                                                                                         *args)
-    try:
-        out, _ = generate(model, decode_steps=True)
-    finally:
-        type(model.model).run_step = original
+    original = modeling_kvm.rotary_positions  # every forward on a step reads its positions once
+    monkeypatch.setattr(modeling_kvm, "rotary_positions",
+                        lambda step, position_ids: taken.append(type(step).__name__) or original(step, position_ids))
+    out, _ = generate(model, decode_steps=True)
     assert taken == ["PromptStep"] + ["DecodeStep"] * (len(out.scores) - 1)
 
 

@@ -199,6 +199,13 @@ class EngineStep:
     operator of its own). The layers hand it their tensors and their cache layer (the engine's handle for the
     layer's pages) and keep the rest - projections, norms, feed-forwards - in the traced graph."""
 
+    def flatten(self, x: torch.Tensor) -> torch.Tensor:
+        """The engine's tokens are flat already: [N, ...]."""
+        return x
+
+    def unflatten(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
     def token_shift(self, x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str, first: str) -> torch.Tensor:
         """`token_shift` of the flat tokens x [1, N, D] (see the models' token_shift)."""
         raise NotImplementedError

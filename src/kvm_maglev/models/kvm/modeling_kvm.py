@@ -858,35 +858,78 @@ class KVMModel(KVMPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         cache: KVMCache | None = None,
+        engine_step: EngineStep | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """Padding (attention_mask == 0, anywhere) is skipped per row: each row's chunk boundaries and state
         follow its own real tokens. Without a mask every token is real and the model is strictly causal
         (right padding needs no mask). Rotary positions are `position_ids` when given, else each row's count of
         real tokens before. A packed batch (position_ids restarting at 0, or `cu_seq_lens_q`/`seq_idx`) runs
-        each document as if alone in its row (`packed_forward`)."""
+        each document as if alone in its row (`packed_forward`). A serving engine passes its flat tokens with
+        `engine_step` (their positions as `position_ids`) and a cache over its pages."""
         cache = take_cache(past_key_values, cache)
+        output_hidden_states = config_default(output_hidden_states, self.config, "output_hidden_states")
+        use_cache = config_default(use_cache, self.config, "use_cache")
+        step, cache = (engine_step, cache) if engine_step is not None else self.step_of(
+            cache, input_ids, inputs_embeds, attention_mask, position_ids, use_cache, kwargs)
+        if step is None:
+            refuse_packed_cache(use_cache, cache, "KVM")
+            return self.packed_forward(input_ids, inputs_embeds, attention_mask, position_ids, kwargs,
+                                       output_attentions, output_hidden_states)
+        refuse_attention_weights(output_attentions, self.config, KVM_NO_WEIGHTS)
+        tokens = step.tokens if isinstance(step, PromptStep) else step
+        x0 = tokens.flatten(self.embed_norm(self.embed_tokens(input_ids) if inputs_embeds is None
+                                            else inputs_embeds))[None]
+        rotary = self.rotary(rotary_positions(step, position_ids))
+        anchors = {"kvm": None, "sliding": None}  # value-residual anchors, made by `value_anchor_layers`
+        hidden_states, all_hidden = x0, []
+        for idx, layer in enumerate(self.layers):
+            if output_hidden_states:  # returned in the batch's layout, and the layer reads them from there
+                all_hidden.append(tokens.unflatten(hidden_states[0]))
+                hidden_states = tokens.flatten(all_hidden[-1])[None]
+            kind = "sliding" if layer.sliding else "kvm"
+            hidden_states, anchor = layer(hidden_states, x0, anchors[kind], rotary[kind], tokens,
+                                          cache.layers[idx] if cache is not None else None)
+            anchors.update(dict.fromkeys(layer.anchors, anchor))
+        hidden_states = self.norm(hidden_states)[0]
+        if output_hidden_states:
+            all_hidden.append(tokens.unflatten(hidden_states))
+        if isinstance(step, PromptStep) and cache is not None:
+            cache.advance(tokens, step.columns)
+        return BaseModelOutputWithPast(
+            last_hidden_state=all_hidden[-1] if output_hidden_states else tokens.unflatten(hidden_states),
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            **{CACHE_NAME: cache if use_cache else None},
+        )
+
+    def rotary(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The rotary tables of each kind of layer at the tokens' `positions` [N]."""
+        config, head = self.config, self.config.qk_head_dim
+        tables = {"kvm": rotary_tables(positions, config.rotary_dim, head, config.rope_theta), "sliding": None}
+        if config.sliding_window_every:
+            tables["sliding"] = rotary_tables(positions, config.sliding_window_rotary_dim, head,
+                                              config.sliding_window_rope_theta)
+        return tables
+
+    def step_of(self, cache: KVMCache | None, input_ids, inputs_embeds, attention_mask, position_ids,
+                use_cache: bool, kwargs: dict) -> tuple[DecodeStep | PromptStep | None, KVMCache | None]:
+        """The forward's step and cache: the step prepared for it (generate() prepares it in
+        `prepare_inputs_for_generation`), else one prepared now; no step for packed documents (`packed_forward`).
+        Without a cache, a forward under `use_cache` gets a new one; under gradient checkpointing none (the
+        recomputation would update it again)."""
         if cache is not None:
             check_cache(cache, KVMCache, self.config)
             step = cache.take_prepared_step() or self.prepare_step(cache, input_ids, inputs_embeds, attention_mask,
                                                                    position_ids, kwargs)
             if step is not None:
-                refuse_attention_weights(output_attentions, self.config, KVM_NO_WEIGHTS)
-                return self.run_step(step, input_ids, inputs_embeds, position_ids, cache,
-                                     config_default(output_hidden_states, self.config, "output_hidden_states"),
-                                     config_default(use_cache, self.config, "use_cache"))
+                return step, cache
         source = input_ids if input_ids is not None else inputs_embeds
-        documents = packed_documents(position_ids, attention_mask, kwargs, *source.shape[:2], "KVM") \
-            if isinstance(source, torch.Tensor) and source.ndim >= 2 else None
-        if documents is not None:
-            refuse_packed_cache(use_cache, cache, "KVM")
-            return self.packed_forward(documents, input_ids, inputs_embeds, output_attentions, output_hidden_states)
-        refuse_attention_weights(output_attentions, self.config, KVM_NO_WEIGHTS)
-        output_hidden_states = config_default(output_hidden_states, self.config, "output_hidden_states")
-        use_cache = config_default(use_cache, self.config, "use_cache")
+        if isinstance(source, torch.Tensor) and source.ndim >= 2 and packed_documents(
+                position_ids, attention_mask, kwargs, *source.shape[:2], "KVM") is not None:
+            return None, cache
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            use_cache, cache = False, None  # the cache would be updated again by the recomputation
-        if use_cache and cache is None:
+            cache = None
+        elif cache is None and use_cache:
             cache = KVMCache(self.config)
         step = self.prompt_step(cache, source, input_ids, inputs_embeds, attention_mask, position_ids)
         seen = (cache.columns if cache is not None else 0) + step.columns
@@ -895,39 +938,7 @@ class KVMModel(KVMPreTrainedModel):
                 f"Training KVM on {seen}-token sequences: blocks enter the state only once a chunk has left "
                 f"the attention window, so the merge gate and state norm get no gradient below "
                 f"{state_training_length(self.config)} tokens ((window_chunks + 1) * chunk_size + 2).")
-        return self.run_step(step, input_ids, inputs_embeds, position_ids, cache, output_hidden_states, use_cache)
-
-    def run_layers(self, x0: torch.Tensor, tokens: RowTokens | DecodeStep, cache: KVMCache | None,
-                   positions: torch.Tensor | None = None, output_hidden_states: bool = False):
-        """The decoder layers over a forward's flat tokens (x0: [N, hidden], normed embeddings; `positions`:
-        rotary positions, each token's own by default), and the final norm. Returns the head inputs [N, hidden]
-        and, when asked, each layer's input and the head input in the batch's [B, T, hidden] layout. A serving
-        engine calls it with its requests' tokens and a cache over its pages (after `cache.prepare`); a decoding
-        step with its `DecodeStep` in place of the tokens."""
-        positions = tokens.position if positions is None else positions
-        head = self.config.qk_head_dim
-        kvm_rotary = rotary_tables(positions, self.config.rotary_dim, head, self.config.rope_theta)
-        sliding_rotary = None
-        if self.config.sliding_window_every:
-            sliding_rotary = rotary_tables(
-                positions, self.config.sliding_window_rotary_dim, head, self.config.sliding_window_rope_theta
-            )
-        anchors = {"kvm": None, "sliding": None}  # value-residual anchors, made by `value_anchor_layers`
-        x0 = x0[None]
-        hidden_states, all_hidden = x0, []
-        for idx, layer in enumerate(self.layers):
-            if output_hidden_states:  # returned in the batch's layout, and the layer reads them from there
-                all_hidden.append(tokens.unflatten(hidden_states[0]))
-                hidden_states = tokens.flatten(all_hidden[-1])[None]
-            cache_layer = cache.layers[idx] if cache is not None else None
-            kind, rotary = ("sliding", sliding_rotary) if layer.sliding else ("kvm", kvm_rotary)
-            hidden_states, anchor = layer(hidden_states, x0, anchors[kind], rotary, tokens, cache_layer)
-            anchors.update(dict.fromkeys(layer.anchors, anchor))
-        hidden_states = self.norm(hidden_states)[0]
-        if output_hidden_states:
-            all_hidden.append(tokens.unflatten(hidden_states))
-            hidden_states = tokens.flatten(all_hidden[-1])
-        return hidden_states, all_hidden
+        return step, cache
 
     def prepare_step(self, cache: KVMCache, input_ids, inputs_embeds, attention_mask, position_ids,
                      kwargs: dict) -> DecodeStep | PromptStep | None:
@@ -1003,32 +1014,14 @@ class KVMModel(KVMPreTrainedModel):
                 make_room_for_first_chunk(cache_layer, seen)
         return decode_step(self.config, seen, device)
 
-    def run_step(self, step: DecodeStep | PromptStep, input_ids, inputs_embeds, position_ids, cache: KVMCache | None,
-                 output_hidden_states: bool, use_cache: bool) -> BaseModelOutputWithPast:
-        """A forward on its prepared step: from here on nothing waits on the host."""
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        x0 = self.embed_norm(inputs_embeds)
-        if isinstance(step, PromptStep):
-            tokens, positions = step.tokens, step.positions
-        else:
-            tokens = step
-            positions = None if position_ids is None else position_ids[:, -1].to(x0.device).expand(step.batch)
-        hidden, all_hidden = self.run_layers(tokens.flatten(x0), tokens, cache, positions, output_hidden_states)
-        if isinstance(step, PromptStep) and cache is not None:
-            cache.advance(tokens, step.columns)
-        return BaseModelOutputWithPast(
-            last_hidden_state=all_hidden[-1] if output_hidden_states else tokens.unflatten(hidden),
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            **{CACHE_NAME: cache if use_cache else None},
-        )
-
-    def packed_forward(self, documents, input_ids, inputs_embeds, output_attentions, output_hidden_states):
+    def packed_forward(self, input_ids, inputs_embeds, attention_mask, position_ids, kwargs: dict,
+                       output_attentions, output_hidden_states) -> BaseModelOutputWithPast:
         """A packed batch: its documents in chunk-aligned length buckets, each bucket run as an unpacked
         right-padded batch (window, chunk grid, state, token shift, value residual and rotary positions all
         start at each document's first token), the outputs scattered back to the packed layout."""
         source = input_ids if input_ids is not None else inputs_embeds
         batch, length = source.shape[:2]
+        documents = packed_documents(position_ids, attention_mask, kwargs, batch, length, "KVM")
         align = self.config.chunk_size
         outputs, indices, counts = [], [], []
         for bucket in length_buckets(documents, align):
@@ -1040,6 +1033,18 @@ class KVMModel(KVMPreTrainedModel):
             indices.append(index)
             counts.append(sum(doc.length for doc in bucket))
         return BaseModelOutputWithPast(**scatter_outputs(outputs, indices, counts, batch, length))
+
+
+def rotary_positions(step, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """The rotary position of each of a step's flat tokens: `position_ids` when given (a decoding step's last
+    column; an engine's flat positions), else each token's own."""
+    if isinstance(step, PromptStep):
+        return step.tokens.position if step.positions is None else step.positions
+    if position_ids is None:
+        return step.position
+    if isinstance(step, DecodeStep):
+        return position_ids[:, -1].to(step.position.device).expand(step.batch)
+    return position_ids
 
 
 def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache: KVMCache | None) -> None:
