@@ -218,14 +218,14 @@ def test_folds_computed_ahead_are_bitwise_identical(budget, speedups):
     """A model stepped with its cache, by a loop of one's own (`speedups` off) or inside runtime_speedups
     as generate() steps it, folds the next block head by head during the chunk before its boundary; the
     boundary step swaps the result in. Logits and state equal the fold at the boundary's bit for bit, which
-    the attention's `paced_folds` flag off gives (what the vLLM plugin runs)."""
-    from kvm_maglev.models.kvm.modeling_kvm import KVMAttention
-
+    the cache layers' `paced_folds` flag off gives (what the vLLM plugin runs)."""
     model = random_model(num_attention_heads=4, hidden_size=64, rotary_dim=8, **budget)
     ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(6))
 
     def decode(ahead: bool):
         cache = KVMCache(model.config)
+        for layer in cache.layers:
+            layer.paced_folds = ahead
         logits = [model(ids[:, :3], cache=cache).logits]
         for pos in range(3, 50):
             logits.append(model(ids[:, pos : pos + 1], cache=cache).logits)
@@ -237,12 +237,7 @@ def test_folds_computed_ahead_are_bitwise_identical(budget, speedups):
 
     with torch.no_grad(), model.runtime_speedups() if speedups else contextlib.nullcontext():
         ahead, ahead_cache = decode(True)
-        attentions = [module for module in model.modules() if isinstance(module, KVMAttention)]
-        for attention in attentions:
-            attention.paced_folds = False
         at_boundary, boundary_cache = decode(False)
-        for attention in attentions:
-            del attention.paced_folds
     assert all(layer.pending is None for layer in boundary_cache.layers)
     assert torch.equal(ahead, at_boundary)
     for row in range(2):

@@ -290,14 +290,17 @@ def test_fold_computed_ahead_equals_the_plain_fold_bit_for_bit(slots, budget, va
     attention, layer = attention_and_cache(slots, budget, value_norms, gated)
     appends = min(max(min(budget, 32), slots) - slots, 16)
     capacity = slots + appends
-    fold = runtime_kvm.PacedFold(attention.ring_fold(layer, 1, slots, appends, capacity),
-                                 partial(attention.readable, dtype=torch.float32), 1, 16)
+    def ring_fold():  # block 1 of every row
+        return layer.ring_fold(None, [1] * B, [slots] * B, [appends] * B, capacity, attention.state_key_norm)
+
+    fold = runtime_kvm.PacedFold(ring_fold(), partial(layer.read_form, normalize=attention.state_key_norm,
+                                                      dtype=torch.float32), 1, 16)
     assert fold.stride == max(1, 14 // (len(fold.stages) + 1))
     steps = 0
     while not fold.done:
         fold.advance()
         steps += 1
     assert steps == len(fold.stages)
-    plain = state_kvm.run_fold(attention.ring_fold(layer, 1, slots, appends, capacity))
+    plain = state_kvm.run_fold(ring_fold())
     assert all(torch.equal(a, b) for a, b in zip(fold.state, plain))
     assert all(torch.equal(a, b) for a, b in zip(fold.read, attention.readable(plain, torch.float32)))

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers.cache_utils import Cache
 
-from .configuration_kvm import CACHE_CONFIG_FIELDS, KVMConfig, state_slots_after, window_start
+from .configuration_kvm import (CACHE_CONFIG_FIELDS, KVMConfig, folded_blocks, slots_after_folds, state_slots_after,
+                                 window_start)
+from .runtime_kvm import PacedFold, paces_folds
+from .state_kvm import Fold, block_fold, readable_state, run_fold
 from ..common.row_storage import RowStorage
 from ..common.saved_cache import SavedCache, tensors_under
 from ..common.step_plan import RowTokens
@@ -47,17 +51,59 @@ class LayerJournal:
     shifts: dict = field(default_factory=dict)  # stream -> [tokens, width] inputs
 
 
-class KVMCacheLayer(RowStorage):
-    """One KVM layer's storage: window ring (WINDOW), state (STATE, padded), its read form (READ), carries."""
+class RingLayer(RowStorage):
+    """What both kinds of layer hold: a ring of the newest keys and values (position p in slot p % ring size),
+    the token-shift carries, and how a decoding step writes its token and reads what attention needs."""
 
     is_sliding = False
+    ring_names = WINDOW  # the ring tensors a decoding step writes (merge gates: when the layer has them)
+    read_names = READ  # the state tensors its attention reads beside the ring (none for a sliding layer)
+
+    def __init__(self, config: KVMConfig, layer_idx: int, ring_size: int) -> None:
+        super().__init__()
+        self.config, self.layer_idx, self.ring_size = config, layer_idx, ring_size
+        self.journal: LayerJournal | None = None
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, gates: torch.Tensor | None, step,
+               entering: tuple | None = None) -> tuple:
+        """A decoding step's token (keys [B, Hkv, D], values, merge gates or None) into each row's ring slot and,
+        for rows still in their first chunk, `entering` (its state slot and read form, one slot) into slot
+        `position`; returns what the step's attention reads: the page of each row (None: row i is storage row
+        i), the state's read keys and values (empty for a sliding layer) and the ring's keys and values."""
+        rows = step.rows if self.index is None else self.index
+        slot = step.sliding_slot if self.is_sliding else step.ring_slot
+        for name, new in zip(self.ring_names, (keys, values, gates)):
+            if new is not None:
+                self.tensors[name][rows, :, slot] = new.to(self.tensors[name].dtype)
+        if entering is not None:
+            slot, keep = torch.where(step.first_chunk, step.position, 0), ~step.first_chunk[:, None, None]
+            for name, new in zip(STATE + READ, entering):
+                tensor = self.tensors[name]
+                tensor[rows, :, slot] = torch.where(keep, tensor[rows, :, slot], new.to(tensor.dtype))
+        # the rows' own storage when it is theirs (dense, or consecutive pages: a view), else every page and the
+        # rows' page index; an eager step reads only the slots some row reads, a traced one all (fixed shapes)
+        tensors = self.tensors if self.index is None or self.run is None else \
+            {name: tensor[self.run] for name, tensor in self.tensors.items()}
+        page = self.index if self.index is not None and self.run is None else None
+        reads = [(tensors[name], "state") for name in self.read_names]
+        reads += [(tensors[name], "sliding" if self.is_sliding else "window") for name in WINDOW[:2]]
+        if torch.compiler.is_compiling():
+            return (page, *(tensor for tensor, _ in reads))
+        return (page, *(tensor[:, :, :step.reach[kind]] for tensor, kind in reads))
+
+
+class KVMCacheLayer(RingLayer):
+    """One KVM layer's storage: window ring (WINDOW), state (STATE, padded), its read form (READ), carries; and the
+    state's updates a decoding step makes before its forward: folding the blocks that leave the window
+    (`fold_due`), computing the next fold ahead (`fold_ahead`, runtime_kvm's paced fold)."""
 
     def __init__(self, config: KVMConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.config, self.layer_idx = config, layer_idx
-        self.ring_size = config.window_size
-        self.journal: LayerJournal | None = None
+        super().__init__(config, layer_idx, config.window_size)
         self.pending = None  # the next fold, computed ahead by decoding forwards (runtime_kvm.PacedFold)
+
+    # A forward on dense storage computes the next fold ahead (runtime_kvm.paces_folds says when); False folds at the
+    # chunk boundary instead (the same tensors).
+    paced_folds = True
 
     def live_slots(self, seen: int) -> int:
         return state_slots_after(self.config, seen)
@@ -70,24 +116,115 @@ class KVMCacheLayer(RowStorage):
         for name, (heads, dim, dtype, device) in like.items():
             self.ensure(name, rows, (heads, capacity, dim), dtype, device)
 
+    def read_form(self, state: tuple, normalize, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention-ready form of a (padded) state; `normalize`: the layer's state-key norm."""
+        return readable_state(state, normalize(state[0]), self.config.state_value_norms, dtype)
 
-class SlidingWindowCacheLayer(RowStorage):
+    def ring_fold(self, rows: torch.Tensor | None, blocks: list[int], slots: list[int], appends: list[int],
+                  capacity: int, normalize) -> Fold:
+        """The fold of window block `blocks[i]` of storage row `rows[i]` (None: every row), its tokens all in the
+        ring, into the stored state (`slots[i]` live, `appends[i]` to append, padded to `capacity`)."""
+        chunk, device = self.config.chunk_size, self.tensors["window_keys"].device
+        steps = torch.arange(chunk, device=device)
+        ring_slots = (torch.tensor(blocks, device=device)[:, None] * chunk + steps) % self.ring_size
+        tokens = []
+        for name in WINDOW if "window_gates" in self.tensors else WINDOW[:2]:
+            ring = self.read(name, rows)
+            tokens.append(ring.gather(2, ring_slots[:, None, :, None].expand(-1, ring.shape[1], -1, ring.shape[3])))
+        state = tuple(fit_slots(self.read(name, rows), capacity) for name in STATE)
+        live = torch.tensor(slots, dtype=torch.long, device=device)
+        return block_fold(self.config, normalize, state, live, tokens, appends, state[0].dtype)
+
+    def fold_due(self, seen: list[int], folding: dict[int, int], normalize) -> None:
+        """Before a decoding step of rows at `seen`: fold the blocks `folding` (row -> block) into their rows'
+        states - the fold computed ahead when it is this one - and advance the next fold computed ahead."""
+        dtype = self.tensors["window_keys"].dtype
+        if folding:
+            due, blocks = list(folding), list(folding.values())
+            table = slots_after_folds(self.config, max(blocks))
+            capacity = max(table[block] for block in blocks)
+            rows = torch.tensor(due, dtype=torch.long, device=self.tensors["window_keys"].device)
+            ahead = self.take_fold_ahead(blocks, due, capacity)
+            if ahead is None:
+                state = run_fold(self.ring_fold(rows, blocks, [table[block - 1] for block in blocks],
+                                                [table[block] - table[block - 1] for block in blocks], capacity,
+                                                normalize))
+                ahead = state, self.read_form(state, normalize, dtype)
+            self.store(rows, len(seen), capacity, ahead[0] + ahead[1])
+        self.fold_ahead(seen, [1] * len(seen), normalize, dtype)
+
+    def store(self, rows: torch.Tensor, batch: int, capacity: int, tensors: tuple) -> None:
+        """States and their read forms (STATE + READ order) into storage rows `rows`, room made in dense storage."""
+        like = {name: (t.shape[1], t.shape[3], t.dtype, t.device) for name, t in zip(STATE + READ, tensors)}
+        self.ensure_state(batch, capacity, like)
+        for name, tensor in zip(STATE + READ, tensors):
+            self.write(name, rows, tensor.detach())
+
+    def fold_ahead(self, starts: list[int], counts: list[int], normalize, dtype: torch.dtype) -> None:
+        """When folds are paced (runtime_kvm.paces_folds), after a forward of rows that stood at `starts` and read
+        `counts` tokens (or before a decoding step), all at one position: start or advance the fold of the block that leaves the window at the next chunk boundary, one stage every
+        `stride` decoding steps, or all of it after a multi-token forward (a prefill). With two or more window
+        chunks the block and the state it folds into are final a chunk ahead."""
+        config, seen = self.config, starts[0] + counts[0]
+        if not paces_folds(self) or config.window_chunks < 2 or not seen or len(set(starts)) > 1 or len(set(counts)) > 1:
+            return
+        block = (seen - 1) // config.chunk_size + 1 - config.window_chunks
+        if block < 1 or folded_blocks(config, seen) != block - 1:
+            return
+        if self.pending is None or self.pending.block != block:
+            table, rows = slots_after_folds(config, block), len(starts)
+            whole = self.ring_fold(None, [block] * rows, [table[-2]] * rows, [table[-1] - table[-2]] * rows,
+                                   table[-1], normalize)
+            self.pending = PacedFold(whole, partial(self.read_form, normalize=normalize, dtype=dtype), block,
+                                     config.chunk_size)
+        if counts[0] > 1:
+            self.pending.finish()
+        elif not self.pending.done and seen % self.pending.stride == 0:
+            self.pending.advance()
+
+    def take_fold_ahead(self, blocks: list[int], rows: list[int], capacity: int) -> tuple | None:
+        """The state and read form of the fold computed ahead when it is the one due (`rows` folding `blocks`:
+        every row its block, at this capacity), else None (the caller folds now). It is used once."""
+        pending = self.pending
+        if pending is None or pending.capacity != capacity or set(blocks) != {pending.block} \
+                or rows != list(range(self.tensors["window_keys"].shape[0])):
+            return None
+        pending.finish()
+        self.pending = None
+        return tuple(pending.state), tuple(pending.read)
+
+    def make_room_for_first_chunk(self, seen: list[int]) -> None:
+        """Dense storage: state room for the first-chunk slot a row at `seen` enters with its next token (an
+        engine's pages have room for a whole request)."""
+        entering = [p + 1 for p in seen if p < self.config.chunk_size]
+        if entering and self.index is None:
+            like = {name: (self.tensors[name].shape[1], self.tensors[name].shape[3], self.tensors[name].dtype,
+                           self.tensors[name].device) for name in STATE + READ}
+            self.ensure_state(len(seen), max(entering), like)
+
+
+class SlidingWindowCacheLayer(RingLayer):
     """One sliding-window layer's storage: its ring of the last `sliding_window` keys and values, carries."""
 
     is_sliding = True
+    ring_names, read_names = WINDOW[:2], ()
     pending = None  # no state, no fold
 
     def __init__(self, config: KVMConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.config, self.layer_idx = config, layer_idx
-        self.ring_size = config.sliding_window_size
-        self.journal: LayerJournal | None = None
+        super().__init__(config, layer_idx, config.sliding_window_size)
 
     def live_slots(self, seen: int) -> int:
         return -1
 
     def live_window(self, seen: int) -> int:
         return seen - window_start(self.config, True, seen)
+
+
+def fit_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:
+    """`tensor` [r, H, S, d] cut or zero-padded to `slots` slots."""
+    if tensor.shape[2] >= slots:
+        return tensor[:, :, :slots]
+    return torch.nn.functional.pad(tensor, (0, 0, 0, slots - tensor.shape[2]))
 
 
 def new_cache_layer(config: KVMConfig, layer_idx: int) -> RowStorage:

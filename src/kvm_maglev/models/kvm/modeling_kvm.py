@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -24,22 +23,20 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple, logging
 
-from .cache_kvm import READ, STATE, WINDOW, KVMCache
+from .cache_kvm import READ, STATE, WINDOW, KVMCache, fit_slots
 from ...package_only.carried_card import CarriedCardMixin
 from ...package_only.hub_save import HubCodeSaveMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
-from .decode_attention_kvm import at_least_float32
-from .decode_step_kvm import (DecodeStep, decode_kvm_attention, decode_sliding_attention, decode_step,
-                              decode_token_shift, fold_due_blocks, make_room_for_first_chunk, rows_folding)
+from .decode_attention_kvm import at_least_float32, state_window_attention
+from .decode_step_kvm import DecodeStep, decode_step, rows_folding
 from ..common.conventions import (HeadLossMixin, SdpaOrEagerMixin, check_position_ids, config_default,
                           refuse_attention_weights)
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
 from ..common.onednn_linear import OneDNNLinear, sharing_parameters
 from ...package_only.row_block_loss import RowBlockLossMixin
-from .runtime_kvm import paces_folds, prepare_next_fold, take_fold_ahead
 from ..common.runtime_switch import runtime_speedups
-from .state_kvm import Fold, Overflow, readable_state, run_fold, slot_norms, state_keys
+from .state_kvm import block_fold, readable_state, run_fold, slot_norms, state_keys
 from ..common.step_plan import (EngineStep, RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket,
                         length_buckets,
                         packed_documents, real_tokens, refuse_packed_cache, scatter_outputs)
@@ -93,8 +90,12 @@ def token_shift(tokens: RowTokens, x: torch.Tensor, mix: torch.Tensor, cache_lay
     """Token shift x + mix * (x[t-1] - x[t]) over each row's tokens (x: [1, N, D], the forward's flat tokens),
     updating the row's carry of stream `name` in `cache_layer`. A row's first token reads the carry when the row
     has read tokens before, else itself ("first") or zero ("zero")."""
-    if isinstance(tokens, DecodeStep):
-        return decode_token_shift(x, mix, cache_layer, name, tokens)
+    if isinstance(tokens, DecodeStep):  # one token per row: its predecessor is the row's carry, which it replaces
+        carry = cache_layer.tensors[f"carry.{name}"]
+        rows = slice(None) if cache_layer.index is None else cache_layer.index
+        shifted = x + mix * (carry[rows].to(x.dtype)[None] - x)
+        carry[rows] = x[0].to(carry.dtype)
+        return shifted
     if isinstance(tokens, EngineStep):
         return tokens.token_shift(x, mix, cache_layer, name, first)
     flat = x[0]
@@ -383,8 +384,11 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
     def attend_tokens(self, q, k, v, gate: None, tokens: RowTokens | DecodeStep, cache_layer) -> torch.Tensor:
         """Each token's queries over the keys of its last `sliding_window` positions (no merge gates: `gate` is
         None), the newest written into the ring; a decoding step's in one graph (decode_step_kvm)."""
-        if isinstance(tokens, DecodeStep):
-            return decode_sliding_attention(self, q, k, v, tokens, cache_layer)
+        if isinstance(tokens, DecodeStep):  # one token per row, in one graph (decode_step_kvm)
+            page, keys, values = cache_layer.update(k, v, None, tokens)
+            return state_window_attention(q, page, keys[:, :, :0], values[:, :, :0], tokens.state_slots * 0, keys,
+                                          values, tokens.sliding_visible[:, :keys.shape[2]], None, None,
+                                          q.shape[-1] ** -0.5)
         groups = self.step_plan(tokens).by_width(tokens)
         y = q.new_empty(q.shape[0], q.shape[1], v.shape[-1]) if len(groups) > 1 else None
         for _, group in groups:
@@ -402,12 +406,6 @@ class KVMStateKeyNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
 
 
-def fit_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:
-    """[B, H, slots, d]: a padded state tensor cut or zero-padded to `slots` slots."""
-    have = tensor.shape[2]
-    return tensor[:, :, :slots] if have >= slots else F.pad(tensor, (0, 0, 0, slots - have))
-
-
 class KVMAttention(KVMAttentionBase):
     """Joint softmax over the block sliding window and the key-value-means state."""
 
@@ -420,10 +418,6 @@ class KVMAttention(KVMAttentionBase):
         if config.head_temperatures:
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
-
-    # A forward on a dense cache computes the next fold ahead (runtime_kvm.paces_folds says when); False folds at
-    # the chunk boundary instead (the same tensors).
-    paced_folds = True
 
     def temperature(self, name: str) -> torch.Tensor | None:
         """Per-head temperature `name` [H] (None when off)."""
@@ -440,8 +434,14 @@ class KVMAttention(KVMAttentionBase):
     def attend_tokens(self, q, k, v, gate, tokens: RowTokens | DecodeStep, cache_layer) -> torch.Tensor:
         """`attend` on the forward's plan (its pieces and state schedule, made once and shared by the layers); a
         decoding step's in one graph (decode_step_kvm)."""
-        if isinstance(tokens, DecodeStep):
-            return decode_kvm_attention(self, q, k, v, gate, tokens, cache_layer)
+        if isinstance(tokens, DecodeStep):  # one token per row, in one graph (decode_step_kvm)
+            entering = self.first_chunk_entries(k, v, gate) if tokens.first_chunk is not None else None
+            page, state_keys, state_values, window_keys, window_values = cache_layer.update(k, v, gate, tokens,
+                                                                                            entering)
+            return state_window_attention(
+                q, page, state_keys, state_values, tokens.state_slots, window_keys, window_values,
+                tokens.window_visible[:, :window_keys.shape[2]], self.temperature("state_temperature"),
+                self.temperature("window_temperature"), q.shape[-1] ** -0.5)
         pieces, schedule = self.step_plan(tokens)
         return self.attend(q, k, v, gate, tokens, pieces, schedule, cache_layer)
 
@@ -470,9 +470,7 @@ class KVMAttention(KVMAttentionBase):
             y = gathered(y, attend_pieces(q[group.query_index], key_sets, self.groups, self.eager), group)
         if cache_layer is not None:
             write_ring(cache_layer, tokens, names, [k, v] + ([gate] if self.gated else []))
-            if paces_folds(self, cache_layer):
-                prepare_next_fold(cache_layer, tokens.starts, tokens.counts, self.config,
-                                  partial(self.ring_fold, cache_layer), partial(self.readable, dtype=k.dtype))
+            cache_layer.fold_ahead(tokens.starts, tokens.counts, self.state_key_norm, k.dtype)
         return y
 
     # -- the state (state_kvm has the math) --
@@ -505,12 +503,12 @@ class KVMAttention(KVMAttentionBase):
                 reads.append((versions[0], self.readable(tuple(t[local] for t in working), k.dtype)))
         folded_rows: set[int] = set(range(len(schedule.rows))) if cache_layer is not None and not in_place else set()
         for round_index, fold in enumerate(schedule.folds, start=1):
-            ahead = None if cache_layer is None else take_fold_ahead(cache_layer, fold.blocks, fold.member_list,
-                                                                     schedule.capacity)
+            ahead = None if cache_layer is None else cache_layer.take_fold_ahead(fold.blocks, fold.member_list,
+                                                                                 schedule.capacity)
             if ahead is None:
                 block = self.block_tokens(k, v, gate, fold, cache_layer)
-                folded = run_fold(self.fold_of(tuple(t[fold.rows] for t in working), fold.slots, block,
-                                               fold.appends, state_dtype))
+                folded = run_fold(block_fold(self.config, self.state_key_norm, tuple(t[fold.rows] for t in working),
+                                             fold.slots, block, fold.appends, state_dtype))
                 read = None
             else:
                 folded, read = ahead
@@ -550,6 +548,12 @@ class KVMAttention(KVMAttentionBase):
             gates = gate[index].to(state_dtype)
             keys, values = keys * gates, values * gates
         return keys, values, norms
+
+    def first_chunk_entries(self, k, v, gate) -> tuple:
+        """A decoding step's tokens as first-chunk state slots, one each, and those slots' read form (STATE + READ
+        order): what rows still in their first chunk enter their state with."""
+        state = self.first_chunk_slots(k, v, gate, slice(None), state_dtype_for(k.dtype))
+        return state + self.readable(state, k.dtype)
 
     def enter_first_chunk(self, k, v, gate, tokens: RowTokens, schedule: StateSchedule, cache_layer,
                           state_dtype: torch.dtype) -> None:
@@ -602,59 +606,6 @@ class KVMAttention(KVMAttentionBase):
             block.append(tokens)
         return block
 
-    def fold_of(self, state: tuple, slots: torch.Tensor, block: list[torch.Tensor], appends: list[int],
-                state_dtype: torch.dtype) -> Fold:
-        """The fold of blocks (keys, values, gates) into `state`: the block as the state takes it (the merge gate
-        applied where the config says), the budget's appends (a count per row), the routing dtype."""
-        config = self.config
-        keys = state_keys(block[0].to(state_dtype), config.rotary_dim, self.state_key_norm)
-        values = block[1].to(state_dtype)
-        gates = block[2].to(state_dtype) if self.gated else None
-        merge_keys = keys * gates if config.merge_gate_keys else keys
-        merge_values = values * gates if config.merge_gate_values else values
-        if config.merge_gate_appends:
-            overflow = Overflow(keys, merge_keys, merge_values, merge_keys, merge_values)
-        else:
-            overflow = Overflow(keys, keys, values, merge_keys, merge_values)
-        return Fold(state, slots, None, overflow, list(appends), config.sink_slots, self.state_key_norm,
-                    config.state_value_norms, self.merge_score_dtype(block[0].dtype))
-
-    def ring_fold(self, cache_layer, block: int, slots: int, appends: int, capacity: int) -> Fold:
-        """The fold of window block `block` of every row of a dense cache, its tokens all in the window ring, into
-        the stored states (`slots` live, `capacity` padded): what runtime_kvm computes ahead."""
-        chunk = self.config.chunk_size
-        ring_slots = torch.arange(block * chunk, (block + 1) * chunk, device=cache_layer.tensors["window_keys"].device)
-        ring_slots = ring_slots % cache_layer.ring_size
-        names = WINDOW if self.gated else WINDOW[:2]
-        tokens = [cache_layer.read(name)[:, :, ring_slots] for name in names]
-        state = tuple(fit_slots(cache_layer.read(name), capacity) for name in STATE)
-        rows = state[0].shape[0]
-        count = lambda value: torch.full((rows,), value, dtype=torch.long, device=state[0].device)  # noqa: E731
-        return self.fold_of(state, count(slots), tokens, [appends] * rows, state[0].dtype)
-
-    def ring_blocks_fold(self, cache_layer, rows: torch.Tensor, blocks: list[int], table: list[int]) -> Fold:
-        """The fold of window block `blocks[i]` of storage row `rows[i]`, its tokens all in the ring, into the
-        stored state (`table`: slots after 0, 1, ... folds): what a decoding step folds before its forward."""
-        chunk, size = self.config.chunk_size, cache_layer.ring_size
-        steps = torch.arange(chunk, device=rows.device)
-        ring_slots = (torch.tensor(blocks, device=rows.device)[:, None] * chunk + steps) % size
-        tokens = []
-        for name in WINDOW if self.gated else WINDOW[:2]:
-            ring = cache_layer.read(name, rows)
-            tokens.append(ring.gather(2, ring_slots[:, None, :, None].expand(-1, ring.shape[1], -1, ring.shape[3])))
-        capacity = max(table[block] for block in blocks)
-        state = tuple(fit_slots(cache_layer.read(name, rows), capacity) for name in STATE)
-        count = lambda values: torch.tensor(values, dtype=torch.long, device=rows.device)  # noqa: E731
-        return self.fold_of(state, count([table[block - 1] for block in blocks]), tokens,
-                            [table[block] - table[block - 1] for block in blocks], state[0].dtype)
-
-    def merge_score_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """dtype the merge routing is scored in (config.merge_routing_dtype): float32 or the finer state dtype,
-        or the model's own dtype (its window keys'), as the research mixer scores it under bfloat16."""
-        if self.config.merge_routing_dtype == "model":
-            return model_dtype
-        return torch.promote_types(state_dtype_for(model_dtype), torch.float32)
-
     def readable(self, state: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`state_kvm.readable_state` of a (padded) state."""
         return readable_state(state, self.state_key_norm(state[0]), self.config.state_value_norms, dtype)
@@ -666,11 +617,7 @@ class KVMAttention(KVMAttentionBase):
         index = torch.tensor(local, dtype=torch.long, device=working[0].device)
         rows = torch.tensor([schedule.rows[i] for i in local], dtype=torch.long, device=working[0].device)
         state = tuple(t[index] for t in working)
-        read = self.readable(state, dtype)
-        like = {name: (t.shape[1], t.shape[3], t.dtype, t.device) for name, t in zip(STATE + READ, state + read)}
-        cache_layer.ensure_state(batch, schedule.capacity, like)
-        for name, tensor in zip(STATE + READ, state + read):
-            cache_layer.write(name, rows, tensor.detach())
+        cache_layer.store(rows, batch, schedule.capacity, state + self.readable(state, dtype))
 
     def journal_folds(self, cache_layer, rows: list[int], fold, working, dtype) -> None:
         """While recording: the state rows hold after a round of folds (from the token that started the fold on)."""
@@ -1010,8 +957,8 @@ class KVMModel(KVMPreTrainedModel):
         folding = rows_folding(self.config, seen)
         for layer, cache_layer in zip(self.layers, cache.layers):
             if not layer.sliding:
-                fold_due_blocks(layer.self_attn, cache_layer, seen, folding)
-                make_room_for_first_chunk(cache_layer, seen)
+                cache_layer.fold_due(seen, folding, layer.self_attn.state_key_norm)
+                cache_layer.make_room_for_first_chunk(seen)
         return decode_step(self.config, seen, device)
 
     def packed_forward(self, input_ids, inputs_embeds, attention_mask, position_ids, kwargs: dict,

@@ -3,8 +3,8 @@
 Whatever steps the model (generate(), a loop of one's own), a decoding forward on a dense cache whose rows stand at
 one position computes ahead the fold of the block that leaves the window at the next chunk boundary, one of
 state_kvm's fold stages every few decoding steps, so that the boundary step costs what any other step costs: the
-cache's layers carry the fold under way (`pending`), `KVMAttention.attend` advances it (`prepare_next_fold`) and
-its fold round swaps it in (`take_fold_ahead`). A serving engine's paged cache folds at the boundary, batched.
+cache's layers carry the fold under way (`pending`) and own it: a forward advances it (`KVMCacheLayer.fold_ahead`)
+and the fold round at the boundary swaps it in (`KVMCacheLayer.take_fold_ahead`). A serving engine's paged cache folds at the boundary, batched.
 Inside `model.runtime_speedups()` (runtime_switch), which `generate()` opens, linear layers also compute on
 oneDNN, batched steps on blocked weight copies (onednn_linear). Each computes what the plain path computes: the
 fold bit for bit, the linears up to float rounding. Measurements behind them: docs/kvm_runtime_notes.md.
@@ -17,7 +17,6 @@ from functools import partial
 
 import torch
 
-from .configuration_kvm import folded_blocks, slots_after_folds
 from .state_kvm import Fold, fold_stages
 
 
@@ -25,7 +24,7 @@ class PacedFold:
     """A block's fold computed ahead of its chunk boundary, from the state it will fold into: key/value head by
     head, state_kvm's `fold_stages` and then the head's read form (`read`), one stage per `advance()`; its stride
     spreads the stages over 7/8 of a chunk of decoding steps. The boundary step swaps the result in
-    (`take_fold_ahead`): the same tensors, bit for bit."""
+    (`KVMCacheLayer.take_fold_ahead`): the same tensors, bit for bit."""
 
     def __init__(self, fold: Fold, read: Callable[[tuple], tuple], block: int, chunk: int) -> None:
         self.block, self.capacity = block, fold.capacity
@@ -61,46 +60,8 @@ class PacedFold:
             self.advance()
 
 
-def paces_folds(attention, cache_layer) -> bool:
-    """The one place the paced fold is chosen: the attention's `paced_folds` flag (on by default), a dense cache,
+def paces_folds(cache_layer) -> bool:
+    """The one place the paced fold is chosen: the cache layer's `paced_folds` flag (on by default), dense storage,
     eager and without autograd. Training, compiled graphs and a serving engine's pages fold at the boundary."""
-    return (attention.paced_folds and cache_layer.index is None and not torch.is_grad_enabled()
+    return (cache_layer.paced_folds and cache_layer.index is None and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling())
-
-
-def prepare_next_fold(cache_layer, starts: list[int], counts: list[int], config,
-                      block_fold: Callable[[int, int, int, int], Fold], read: Callable[[tuple], tuple]) -> None:
-    """After a decoding forward on a dense cache whose rows stand at one position: start or advance the fold of the
-    block that leaves the window at the next chunk boundary, one stage every `stride` decoding steps, or all of it
-    after a multi-token forward (a prefill); the forward's rows stood at `starts` and read `counts` tokens.
-    `block_fold(block, slots, appends, capacity)` is that block's fold into
-    the stored states, `read` the read form of a state. With two or more window chunks the block and the state it
-    folds into are final a chunk ahead."""
-    chunk, window_chunks = config.chunk_size, config.window_chunks
-    seen = starts[0] + counts[0]
-    if window_chunks < 2 or not seen or len(set(starts)) > 1 or len(set(counts)) > 1:
-        return
-    block = (seen - 1) // chunk + 1 - window_chunks
-    if block < 1 or folded_blocks(config, seen) != block - 1:
-        return
-    fold = cache_layer.pending
-    if fold is None or fold.block != block:
-        table = slots_after_folds(config, block)
-        whole = block_fold(block, table[-2], table[-1] - table[-2], table[-1])
-        fold = cache_layer.pending = PacedFold(whole, read, block, chunk)
-    if counts[0] > 1:
-        fold.finish()
-    elif not fold.done and seen % fold.stride == 0:
-        fold.advance()
-
-
-def take_fold_ahead(cache_layer, blocks: list[int], rows: list[int], capacity: int) -> tuple | None:
-    """The state and read form of a fold computed ahead when it is this round's (`rows` folding `blocks`: every
-    row its block, at this capacity), else None (the caller folds now). The fold is used once."""
-    pending = getattr(cache_layer, "pending", None)
-    if pending is None or pending.capacity != capacity or set(blocks) != {pending.block} \
-            or rows != list(range(cache_layer.tensors["window_keys"].shape[0])):
-        return None
-    pending.finish()
-    cache_layer.pending = None
-    return tuple(pending.state), tuple(pending.read)

@@ -231,6 +231,32 @@ def fold_stages(fold: Fold) -> list[Callable[[], None]]:
     return stages
 
 
+def merge_score_dtype(routing: str, model_dtype: torch.dtype, state_dtype: torch.dtype) -> torch.dtype:
+    """dtype the merge routing is scored in (config.merge_routing_dtype): float32 or the finer state dtype,
+    or the model's own dtype (its window keys'), as the research mixer scores it under bfloat16."""
+    if routing == "model":
+        return model_dtype
+    return torch.promote_types(state_dtype, torch.float32)
+
+
+def block_fold(config, normalize: Callable[[torch.Tensor], torch.Tensor], state: State, slots: torch.Tensor,
+               block: list[torch.Tensor], appends: list[int], state_dtype: torch.dtype) -> Fold:
+    """The fold of window blocks (keys, values and, when the layer has them, merge gates: [B, H, chunk, d]) into
+    `state` (`slots` [B] live): the block as the state takes it (rotary channels zeroed, keys normed by
+    `normalize`, the merge gate applied where the config says), `appends` tokens per row appended."""
+    keys = state_keys(block[0].to(state_dtype), config.rotary_dim, normalize)
+    values = block[1].to(state_dtype)
+    gates = block[2].to(state_dtype) if len(block) > 2 else None
+    merge_keys = keys * gates if config.merge_gate_keys else keys
+    merge_values = values * gates if config.merge_gate_values else values
+    if config.merge_gate_appends:
+        overflow = Overflow(keys, merge_keys, merge_values, merge_keys, merge_values)
+    else:
+        overflow = Overflow(keys, keys, values, merge_keys, merge_values)
+    return Fold(state, slots, None, overflow, list(appends), config.sink_slots, normalize, config.state_value_norms,
+                merge_score_dtype(config.merge_routing_dtype, block[0].dtype, state_dtype))
+
+
 def run_fold(fold: Fold) -> State:
     """The state after every stage of `fold`, run at once."""
     for stage in fold_stages(fold):
