@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .configuration_kvm import (CACHE_CONFIG_FIELDS, KVMConfig, folded_blocks, slots_after_folds, state_slots_after,
                                  window_start)
@@ -51,18 +51,51 @@ class LayerJournal:
     shifts: dict = field(default_factory=dict)  # stream -> [tokens, width] inputs
 
 
-class RingLayer(RowStorage):
-    """What both kinds of layer hold: a ring of the newest keys and values (position p in slot p % ring size),
-    the token-shift carries, and how a decoding step writes its token and reads what attention needs."""
+class RingLayer(RowStorage, CacheLayerMixin):
+    """What both kinds of layer hold, on transformers' cache-layer API: a ring of the newest keys and values
+    (position p in slot p % ring size), the token-shift carries, and how a decoding step writes its token and
+    reads what attention needs (`update`). Its rows stand at their own positions, which the cache keeps."""
 
     is_sliding = False
+    supports_early_init = False  # storage is made by the first forward, for its rows
     ring_names = WINDOW  # the ring tensors a decoding step writes (merge gates: when the layer has them)
     read_names = READ  # the state tensors its attention reads beside the ring (none for a sliding layer)
 
     def __init__(self, config: KVMConfig, layer_idx: int, ring_size: int) -> None:
-        super().__init__()
+        RowStorage.__init__(self)  # not CacheLayerMixin's: no single keys/values tensors here
         self.config, self.layer_idx, self.ring_size = config, layer_idx, ring_size
         self.journal: LayerJournal | None = None
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.tensors)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        raise NotImplementedError("KVM cache layers make their storage in the first forward, for its rows: a ring, "
+                                  "a state and carries per row, not one key and one value tensor")
+
+    def get_seq_length(self) -> int:
+        raise NotImplementedError("a KVM cache layer's rows stand at their own positions: ask the cache "
+                                  "(`get_seq_length()` counts columns, `row_lengths()` each row's tokens)")
+
+    def get_max_length(self) -> int:
+        return -1  # the state grows with the context (within `max_state_slots`)
+
+    def get_mask_sizes(self, *args, **kwargs):
+        raise NotImplementedError("KVM layers build their own masks: ring slots and state slots, per row")
+
+    def offload(self) -> None:
+        raise NotImplementedError("KVM cache layers stay on the model's device (no offloading)")
+
+    def prefetch(self) -> None:
+        raise NotImplementedError("KVM cache layers stay on the model's device (no offloading)")
+
+    def reset(self) -> None:
+        self.tensors, self.journal, self.pending = {}, None, None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Storage row i becomes old row beam_idx[i] (the cache moves the rows' positions with them)."""
+        self.map_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, gates: torch.Tensor | None, step,
                entering: tuple | None = None) -> tuple:
@@ -256,11 +289,10 @@ class KVMCache(SavedCache, Cache):
     CACHE_CONFIG_FIELDS = CACHE_CONFIG_FIELDS
 
     def __init__(self, config: KVMConfig, max_rollback: int = 256, **kwargs) -> None:
-        super().__init__(layers=[])
+        super().__init__(layers=[new_cache_layer(config, i) for i in range(config.num_hidden_layers)])
         self.config = config
         self.fingerprint = self.config_fingerprint(config)
         self.max_rollback = max_rollback
-        self.layers = [new_cache_layer(config, i) for i in range(config.num_hidden_layers)]
         self.seen: list[int] = []  # real tokens each row has read
         self.columns = 0
         self.rows = 0
@@ -428,6 +460,13 @@ class KVMCache(SavedCache, Cache):
     def reset(self) -> None:
         self.__init__(self.config, self.max_rollback)
 
+    def early_initialization(self, *args, **kwargs) -> None:
+        raise NotImplementedError("KVMCache starts its rows on the first forward: each row's ring, state and "
+                                  "carries follow its own real tokens")
+
+    def increase_count(self, *args, **kwargs) -> None:
+        raise NotImplementedError("KVMCache has no convolution states to count: the model counts its columns")
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """New row i is old row beam_idx[i] (beam search)."""
         self._select_rows(beam_idx.tolist())
@@ -436,6 +475,8 @@ class KVMCache(SavedCache, Cache):
         self._select_rows([row for row in range(self.rows) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.rows:  # no rows yet: the first forward starts them
+            return
         self._select_rows(torch.arange(self.rows)[indices.cpu() if isinstance(indices, torch.Tensor) else indices]
                           .reshape(-1).tolist())
 

@@ -816,11 +816,11 @@ class KVMModel(KVMPreTrainedModel):
         `engine_step` (their positions as `position_ids`) and a cache over its pages."""
         cache = take_cache(past_key_values, cache)
         output_hidden_states = config_default(output_hidden_states, self.config, "output_hidden_states")
-        use_cache = config_default(use_cache, self.config, "use_cache")
         step, cache = (engine_step, cache) if engine_step is not None else self.step_of(
-            cache, input_ids, inputs_embeds, attention_mask, position_ids, use_cache, kwargs)
+            cache, input_ids, inputs_embeds, attention_mask, position_ids,
+            config_default(use_cache, self.config, "use_cache"), kwargs)
         if step is None:
-            refuse_packed_cache(use_cache, cache, "KVM")
+            refuse_packed_cache(use_cache, cache, "KVM")  # as asked: the config's default does not refuse
             return self.packed_forward(input_ids, inputs_embeds, attention_mask, position_ids, kwargs,
                                        output_attentions, output_hidden_states)
         refuse_attention_weights(output_attentions, self.config, KVM_NO_WEIGHTS)
@@ -846,7 +846,7 @@ class KVMModel(KVMPreTrainedModel):
         return BaseModelOutputWithPast(
             last_hidden_state=all_hidden[-1] if output_hidden_states else tokens.unflatten(hidden_states),
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            **{CACHE_NAME: cache if use_cache else None},
+            **{CACHE_NAME: cache if config_default(use_cache, self.config, "use_cache") else None},
         )
 
     def rotary(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
