@@ -4,8 +4,8 @@ attention, cache, and the state math last, the order a reader needs (`hub_code` 
 The package's modules are written bottom-up, as Python runs them; reversed, a class would come before its base and
 a default argument before its constant. What a statement needs at the moment it runs (bases, decorators, default
 arguments, class-body values, module-level expressions; annotations are lazy under `from __future__ import
-annotations`) and is defined further down goes into a short section at the top, `built first`, in the package's
-order: the small base classes and constants the classes below are made from.
+annotations`; what a function called then reads) and is defined further down goes into a short section at the top,
+`built first`, in the package's order: the small base classes and constants the classes below are made from.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 SUBSECTION = re.compile(r"^# ---- ")  # the package modules' own section rules inside a module
 BUILT_FIRST = ("# ---- built first " + "-" * 98 + "\n# The base classes and constants the classes below are made "
-               "from: Python needs them defined first.\n# Each comes from the module that the sections below name.")
+               "from, and the functions run at import:\n# Python needs them defined first. Each comes from the module "
+               "that the sections below name.")
 
 
 @dataclass
