@@ -40,10 +40,11 @@ def installed_speedups() -> ModuleType | None:
 def package_speedups(name: str) -> ModuleType | None:
     """Speed-up module `name` of `installed_speedups()`; None without them or where it does not import (the Triton
     kernel without Triton)."""
-    if installed_speedups() is None:
+    speedups = installed_speedups()
+    if speedups is None:
         return None
     try:
-        return importlib.import_module(f"{installed_speedups().__name__}.{name}")
+        return importlib.import_module(f"{speedups.__name__}.{name}")
     except ImportError:
         return None
 
