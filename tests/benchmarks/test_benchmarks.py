@@ -82,7 +82,7 @@ def test_our_models_are_measured_inside_runtime_speedups(monkeypatch):
     freed, and the model is plain again, when the measurement ends."""
     from kvm_maglev.benchmarks.decode import measure
     from kvm_maglev.benchmarks.models import SHAPES
-    from kvm_maglev.models.common import onednn_linear
+    from kvm_maglev.models.speedups import onednn_linear
 
     if onednn_linear.ONEDNN_PACK is None:
         pytest.skip("torch without oneDNN's weight reordering")

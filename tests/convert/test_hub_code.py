@@ -1,23 +1,25 @@
 """What a Hub folder of our architectures ships: two code files generated from the package's modules, that import
 nothing but torch, transformers (and huggingface_hub and safetensors, which it installs), the standard library and each
-other, and that load with trust_remote_code where this package is not installed and give the package model's logits
-exactly."""
+other, that carry no speed-up code (only the seams that pick an installed package's, at the version they record), and
+that load with trust_remote_code where this package is not installed and give the package model's logits exactly."""
 
 import ast
+import importlib
+import logging
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 from kvm_maglev.convert.export import build_hub_folder
-from kvm_maglev.models import hub_code
+from kvm_maglev.models import hub_code, speedups
 
 from .without_package import expected_outputs, resave_without_package, run_without_package
 
 # what a folder may import: the standard library, torch, and transformers with what transformers itself installs
 ALLOWED = set(sys.stdlib_module_names) | {"torch", "transformers", "huggingface_hub", "safetensors"}
-OPTIONAL = {"triton"}  # the KVM decoding kernel (decode_attention_kvm), used where it imports
 
 
 def tiny(kind: str):
@@ -40,14 +42,7 @@ def test_two_files_importing_only_torch_transformers_and_each_other(kind):
     files = hub_code.hub_code_files(kind)
     assert sorted(files) == [f"configuration_{kind}.py", f"modeling_{kind}.py"]
     for name, text in files.items():
-        tree = ast.parse(text)
-        # an optional kernel package is imported under `try` (transformers' remote-code check skips those)
-        optional = {id(node) for block in ast.walk(tree) if isinstance(block, ast.Try)
-                    for statement in block.body for node in ast.walk(statement)}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import) and id(node) in optional:
-                assert {alias.name.split(".")[0] for alias in node.names} <= ALLOWED | OPTIONAL, (name, node.names)
-                continue
+        for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Import):
                 roots = {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom):
@@ -59,12 +54,13 @@ def test_two_files_importing_only_torch_transformers_and_each_other(kind):
                 continue
             assert roots <= ALLOWED, (name, roots)
     modeling = files[f"modeling_{kind}.py"]
-    # top-down: the causal-LM class, the model, the decoder layer, attention, the cache, the state math; then the
-    # optional runtime speed-ups in their own section at the end
+    # top-down: the causal-LM class, the model, the decoder layer, attention, the cache, the state math; then, for
+    # KVM, what paces its work at run time in its own section at the end
     prefix = "KVM" if kind == "kvm" else "Maglev"
     layer, math = ("KVMDecoderLayer", "class Fold:") if kind == "kvm" else ("MaglevBlock", "class StepPlan:")
+    run_time = ["# At run time", "class PacedFold:"] if kind == "kvm" else []
     order = [f"class {prefix}ForCausalLM(", f"class {prefix}Model(", f"class {layer}(", f"class {prefix}Attention(",
-             f"class {prefix}CacheLayer(", math, "# Optional runtime speed-ups", "class OneDNNLinear("]
+             f"class {prefix}CacheLayer(", math, *run_time]
     assert [modeling.index(text) for text in order] == sorted(modeling.index(text) for text in order)
 
 
@@ -141,3 +137,88 @@ def test_package_layer_mixins_leave_class_headers_and_other_uses_are_refused(tmp
     (tmp_path / "kvm" / "model.py").write_text(header + "def model():\n    return Extra()\n")
     with pytest.raises(ValueError, match="uses \\['Extra'\\] from the package layer"):
         hub_code.generate("kvm.model", set())
+
+
+def speedup_code(text: str) -> list[str]:
+    """What in `text` is speed-up code: a top-level definition of a name the speed-up modules (models/speedups)
+    define, an import of Triton, a use of torch's oneDNN operators (`torch.ops.mkldnn`, `torch.backends.mkldnn`)."""
+    defined = {node.name for path in Path(speedups.__file__).parent.glob("*.py")
+               for node in ast.parse(path.read_text(encoding="utf-8")).body
+               if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    tree = ast.parse(text)
+    found = [f"defines {node.name}" for node in tree.body
+             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in defined]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "mkldnn":
+            found.append(f"uses mkldnn, line {node.lineno}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and "triton" in ast.unparse(node):
+            found.append(f"imports triton, line {node.lineno}")
+    return found
+
+
+@pytest.mark.parametrize("kind", ["kvm", "maglev"])
+def test_generated_files_hold_no_speedup_code(kind):
+    """The files are the plain model: no oneDNN linears, no Triton kernel, no one-query attention; their seams name
+    the package's speed-up modules only, and record the speed-ups' version they were written with."""
+    files = hub_code.hub_code_files(kind)
+    for name, text in files.items():
+        assert speedup_code(text) == [], name
+    assert f"CODE_VERSION: str | None = {speedups.VERSION!r}" in files[f"modeling_{kind}.py"]
+
+
+def test_the_speedup_check_finds_the_speedups():
+    """The check above is not vacuous: each speed-up module is caught by it."""
+    for path in Path(speedups.__file__).parent.glob("*.py"):
+        if path.name != "__init__.py":
+            assert speedup_code(path.read_text(encoding="utf-8")), path.name
+
+
+def test_a_speedup_module_is_never_inlined(tmp_path, monkeypatch):
+    """A model module importing a speed-up module by name would carry it into the folder: the generator refuses."""
+    (tmp_path / "kvm").mkdir()
+    (tmp_path / "kvm" / "model.py").write_text('"""Model."""\n\nfrom ..speedups.fast import fast\n')
+    monkeypatch.setattr(hub_code, "MODELS_DIR", tmp_path)
+    with pytest.raises(ValueError, match="speedups.fast is an optional speed-up"):
+        hub_code.generate("kvm.model", set())
+
+
+def generated_package(kind: str, folder: Path, version: str) -> object:
+    """The folder's two generated files imported as a package of their own (as transformers imports remote code),
+    with `version` recorded as the speed-ups' version they were written with; its modeling module."""
+    package = folder / f"generated_{kind}_{abs(hash(version))}"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name, text in hub_code.hub_code_files(kind).items():
+        (package / name).write_text(text.replace(repr(speedups.VERSION), repr(version)))
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(f"{package.name}.modeling_{kind}")
+    finally:
+        sys.path.remove(str(folder))
+
+
+@pytest.mark.parametrize("kind", ["kvm", "maglev"])
+def test_remote_code_takes_the_installed_speedups_only_at_its_version(kind, tmp_path, caplog):
+    """Where kvm_maglev is installed, a folder's code takes its speed-ups when they are the version it recorded
+    (the package's oneDNN linears, its generate() switching them on); at any other version it logs that and is the
+    plain model (nn.Linear, a speed-up block that changes nothing), with the weights loaded and the package model's
+    logits exactly."""
+    prefix = "KVM" if kind == "kvm" else "Maglev"
+    folder = build_hub_folder(tiny(kind), tmp_path / kind, progress=False)
+    package_model = getattr(sys.modules[f"kvm_maglev.models.{kind}.modeling_{kind}"], f"{prefix}ForCausalLM")
+    ids = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = package_model.from_pretrained(folder).eval()(ids, use_cache=False).logits
+    matching = generated_package(kind, tmp_path, speedups.VERSION)
+    model = getattr(matching, f"{prefix}ForCausalLM").from_pretrained(folder).eval()
+    assert type(model.lm_head) is sys.modules["kvm_maglev.models.speedups.onednn_linear"].OneDNNLinear
+    with model.runtime_speedups():
+        assert model.lm_head.onednn
+    with caplog.at_level(logging.INFO):
+        other = generated_package(kind, tmp_path, "0.0.0+elsewhere")
+    assert "not the 0.0.0+elsewhere this model's code was written with" in caplog.text
+    model = getattr(other, f"{prefix}ForCausalLM").from_pretrained(folder).eval()
+    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    assert linears and all(type(module) is torch.nn.Linear for module in linears)
+    with torch.no_grad(), model.runtime_speedups():
+        assert torch.equal(model(ids, use_cache=False).logits, expected)

@@ -4,10 +4,9 @@ oneDNN only with their `onednn` flag on."""
 import pytest
 import torch
 
-from kvm_maglev.models.common import onednn_linear
-from kvm_maglev.models.common import onednn_linear as maglev_onednn_linear
+from kvm_maglev.models.speedups import onednn_linear
+from kvm_maglev.models.speedups import onednn_linear as maglev_onednn_linear
 
-# each model folder carries its own copy of the module (models/common/onednn_linear.py)
 OneDNNLinear, MaglevOneDNNLinear = onednn_linear.OneDNNLinear, maglev_onednn_linear.OneDNNLinear
 
 SHAPES = [(1, 1), (2, 1), (8, 1), (1, 7), (3, 20), (70, 1), (0, 3)]

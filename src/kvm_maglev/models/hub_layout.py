@@ -4,8 +4,8 @@ attention, cache, and the state math last, the order a reader needs (`hub_code` 
 The package's modules are written bottom-up, as Python runs them; reversed, a class would come before its base and
 a default argument before its constant. What a statement needs at the moment it runs (bases, decorators, default
 arguments, class-body values, module-level expressions; annotations are lazy under `from __future__ import
-annotations`) and is defined further down goes into a short section at the top, `built first`, in the package's
-order: the small base classes and constants the classes below are made from.
+annotations`; what a function called then reads) and is defined further down goes into a short section at the top,
+`built first`, in the package's order: the small base classes and constants the classes below are made from.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 SUBSECTION = re.compile(r"^# ---- ")  # the package modules' own section rules inside a module
 BUILT_FIRST = ("# ---- built first " + "-" * 98 + "\n# The base classes and constants the classes below are made "
-               "from: Python needs them defined first.\n# Each comes from the module that the sections below name.")
+               "from, and the functions run at import:\n# Python needs them defined first. Each comes from the module "
+               "that the sections below name.")
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Statement:
     text: str
     defines: set[str]
     needs: set[str]  # names it reads when it runs (at import), not when it is later called
+    reads: set[str]  # a function's: the names its body reads when it is called
 
 
 def names_in(node: ast.AST) -> set[str]:
@@ -67,12 +69,28 @@ def statements(text: str) -> list[Statement]:
     found, start = [], 0
     for node in ast.parse(text).body:
         end = node.end_lineno
+        reads = set().union(*map(names_in, node.body)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+            else set()
         found.append(Statement("\n".join(lines[start:end]).strip("\n"), defined_by(node),
-                               needed_at_definition(node) - defined_by(node)))
+                               needed_at_definition(node) - defined_by(node), reads))
         start = end
     if found and start < len(lines):
         found[-1].text = (found[-1].text + "\n" + "\n".join(lines[start:])).rstrip("\n")
     return found
+
+
+def with_calls_followed(every: list[Statement]) -> None:
+    """Widen each statement's needs by what the functions it needs read, transitively: a function called at import
+    (a module-level `x = f()`) runs its body then, so what that body reads must be defined first too."""
+    owner = {name: statement for statement in every for name in statement.defines}
+    for statement in every:
+        needs, pending = set(statement.needs), list(statement.needs)
+        while pending:
+            callee = owner.get(pending.pop())
+            fresh = callee.reads - needs if callee is not None else set()
+            needs |= fresh
+            pending += fresh
+        statement.needs = needs - statement.defines
 
 
 def subsections(body: str) -> list[tuple[str, list[Statement]]]:
@@ -128,6 +146,7 @@ def top_down(sections: list[tuple[str, str]]) -> tuple[list[Statement], list[tup
     built first (package order) and the sections as (title, [(rule, statement)])."""
     package_order = [(title, subsections(body)) for title, body in sections]
     every = [statement for _, parts in package_order for _, block in parts for statement in block]
+    with_calls_followed(every)
     layout = [(title, reversed_module(parts)) for title, parts in package_order[::-1]]
     owner = {}
     for statement in every:

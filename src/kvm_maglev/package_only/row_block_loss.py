@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.common.onednn_linear import OneDNNLinear
+from ..models.speedups.onednn_linear import OneDNNLinear
 
 # elements of one block's float32 temporaries (16 MB): small enough to be reused from the heap, not mapped anew
 BLOCK_ELEMENTS = 1 << 22

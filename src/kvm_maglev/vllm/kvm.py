@@ -30,7 +30,7 @@ from vllm.forward_context import get_forward_context
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_dtype_for
 from kvm_maglev.models.kvm.modeling_kvm import KVMModel
-from kvm_maglev.models.common.onednn_linear import OneDNNLinear
+from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 from kvm_maglev.models.common.step_plan import RowTokens
 from kvm_maglev.models.kvm.decode_step_kvm import DecodeStep
 from kvm_maglev.vllm.engine_ops import PagedStep

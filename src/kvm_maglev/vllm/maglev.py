@@ -41,7 +41,7 @@ from kvm_maglev.models.common.step_plan import StepPlan
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevModel
-from kvm_maglev.models.common.onednn_linear import OneDNNLinear
+from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.engine_ops import PagedRing
 from kvm_maglev.vllm.pages import PagedStateModel, ScheduledStep, page_layers
 from kvm_maglev.vllm.tensor_parallel import plan_rule, rank_slice, shard_by_plan, split_table_columns

@@ -28,7 +28,7 @@ from torch import nn
 from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group,
                               tensor_model_parallel_all_reduce)
 
-from kvm_maglev.models.common.onednn_linear import OneDNNLinear
+from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 
 BASE_PREFIX = "model."  # the plan names modules of the base model, the causal LM's `model`
 

@@ -1,6 +1,6 @@
 """KVM's decoding attention over state and window read in place (decode_attention_kvm): the torch path against the
-model's `joint_attention`, the Triton kernel (under Triton's CPU interpreter) against the torch path, and the torch
-path under torch.compile(fullgraph=True) against eager."""
+model's `joint_attention`, the Triton kernel (speedups/decode_kernel_kvm, under Triton's CPU interpreter) against the
+torch path, and the torch path under torch.compile(fullgraph=True) against eager."""
 
 import importlib.util
 import math
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import kvm_maglev
-from kvm_maglev.models.kvm.decode_attention_kvm import (state_window_attention, state_window_attention_torch,
-                                                        use_triton_kernel)
+from kvm_maglev.models.kvm import decode_attention_kvm
+from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention, state_window_attention_torch
 from kvm_maglev.models.kvm.modeling_kvm import KeySet, joint_attention
 
 REPO = Path(__file__).resolve().parents[3]
@@ -79,10 +79,13 @@ def test_rows_without_state_read_only_their_window():
 
 
 def test_dispatch_takes_the_torch_path_off_cuda():
-    """On CPU the visible dispatch chooses the torch path, and computes what it computes."""
+    """On CPU the visible dispatch chooses the torch path (the kernel's seam found it where Triton imports, and it
+    refuses CPU tensors), and computes what it computes."""
     inputs = decode_inputs(2, torch.float32, temperatures=True)
     storage = [inputs[name] for name in ("state_keys", "state_values", "window_keys", "window_values")]
-    assert not use_triton_kernel(inputs["q"], *storage)
+    kernel = decode_attention_kvm.decode_kernel_kvm
+    assert (kernel is None) == (importlib.util.find_spec("triton") is None)
+    assert kernel is None or not kernel.use_triton_kernel(inputs["q"], *storage)
     torch.testing.assert_close(state_window_attention(**inputs), state_window_attention_torch(**inputs),
                                rtol=0, atol=0)
 
@@ -100,7 +103,7 @@ def interpreter_check() -> None:
     module's import): the kernel on CPU tensors against the torch path, over grouped heads (also a group of 3,
     padded inside the kernel), odd head dims, both dtypes, with and without temperatures, and storage that is a
     strided view of a larger pool (as pages are)."""
-    from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_triton
+    from kvm_maglev.models.speedups.decode_kernel_kvm import state_window_attention_triton
 
     cases = [dict(groups=1, dtype=torch.float32, temperatures=False),
              dict(groups=2, dtype=torch.float32, temperatures=True),
@@ -167,7 +170,7 @@ def test_triton_kernel_compiles_for_a_gpu(element, groups, dim):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvm_maglev.models.kvm.decode_attention_kvm import _state_window_kernel, key_block
+    from kvm_maglev.models.speedups.decode_kernel_kvm import _state_window_kernel, key_block
 
     if not isinstance(_state_window_kernel, triton.JITFunction):
         pytest.skip("TRITON_INTERPRET is set in this process: the kernel is defined for the interpreter")

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kvm_maglev.models.common import onednn_linear
+from kvm_maglev.models.speedups import onednn_linear
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM, modeling_kvm, state_kvm
 
 

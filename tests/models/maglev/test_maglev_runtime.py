@@ -1,4 +1,4 @@
-"""Maglev's runtime speed-ups (runtime_maglev) compute what the plain path computes."""
+"""Maglev's runtime speed-ups (speedups/runtime_maglev) compute what the plain path computes."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from kvm_maglev.models.maglev import MaglevConfig, MaglevForCausalLM
 from kvm_maglev.models.common.model_inputs import CACHE_NAME
 from kvm_maglev.models.maglev.modeling_maglev import MaglevAttention
-from kvm_maglev.models.common.onednn_linear import OneDNNLinear
+from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 
 
 def tiny(**overrides) -> MaglevForCausalLM:
@@ -68,8 +68,8 @@ def test_the_one_query_kernel_is_chosen_at_its_call_site(monkeypatch):
 
     model = tiny(use_memory=False)
     ids = torch.randint(1, 97, (2, 14), generator=torch.Generator().manual_seed(3))
-    calls, kernel = [], modeling_maglev.one_query_attention
-    monkeypatch.setattr(modeling_maglev, "one_query_attention",
+    calls, kernel = [], modeling_maglev.runtime_maglev.one_query_attention
+    monkeypatch.setattr(modeling_maglev.runtime_maglev, "one_query_attention",
                         lambda *args: calls.append(args[0].shape[2]) or kernel(*args))
 
     def run(flag: bool):

@@ -33,9 +33,8 @@ from ..common.conventions import (HeadLossMixin, SdpaOrEagerMixin, check_positio
                           refuse_attention_weights)
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
-from ..common.onednn_linear import OneDNNLinear, sharing_parameters
 from ...package_only.row_block_loss import RowBlockLossMixin
-from ..common.runtime_switch import runtime_speedups
+from ..common.seams import Linear, as_model_linear, speedups_block
 from .state_kvm import block_fold, readable_state, run_fold, slot_norms, state_keys
 from ..common.step_plan import (EngineStep, RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket,
                         length_buckets,
@@ -292,10 +291,10 @@ class KVMAttentionBase(nn.Module):
         self.value_head_dim = config.v_head_dim
         qk, kk, vv = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim,
                       self.kv_heads * self.value_head_dim)
-        self.q_proj = OneDNNLinear(config.hidden_size, qk, bias=False)
-        self.k_proj = OneDNNLinear(config.hidden_size, kk, bias=False)
-        self.v_proj = OneDNNLinear(config.hidden_size, vv, bias=False)
-        self.o_proj = zero_initialised(OneDNNLinear(self.num_heads * self.value_head_dim, config.hidden_size,
+        self.q_proj = Linear(config.hidden_size, qk, bias=False)
+        self.k_proj = Linear(config.hidden_size, kk, bias=False)
+        self.v_proj = Linear(config.hidden_size, vv, bias=False)
+        self.o_proj = zero_initialised(Linear(self.num_heads * self.value_head_dim, config.hidden_size,
                                                     bias=False))
         self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
@@ -312,8 +311,8 @@ class KVMAttentionBase(nn.Module):
         elif self.value_residual_mode != "none":
             rank = value_residual_rank(config.hidden_size)
             self.value_gate_bias = nn.Parameter(torch.zeros(1, 1, vv))
-            self.value_gate_down = zero_initialised(OneDNNLinear(config.hidden_size, rank, bias=False))
-            self.value_gate_up = OneDNNLinear(rank, vv, bias=False)
+            self.value_gate_down = zero_initialised(Linear(config.hidden_size, rank, bias=False))
+            self.value_gate_up = Linear(rank, vv, bias=False)
 
     def value_gate(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(local_tensor(self.value_gate_bias) + self.value_gate_up(self.value_gate_down(x)))
@@ -414,7 +413,7 @@ class KVMAttention(KVMAttentionBase):
         self.state_key_norm = KVMStateKeyNorm(self.head_dim, eps=config.layer_norm_eps)
         self.gated = config.merge_gate_keys or config.merge_gate_values
         if self.gated:
-            self.merge_gate_proj = OneDNNLinear(config.hidden_size, self.kv_heads, bias=False)  # one per state
+            self.merge_gate_proj = Linear(config.hidden_size, self.kv_heads, bias=False)  # one per state
         if config.head_temperatures:
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
@@ -642,8 +641,8 @@ class KVMMLP(nn.Module):
     def __init__(self, config: KVMConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.up_proj = OneDNNLinear(config.hidden_size, config.ffn_size, bias=False)
-        self.down_proj = zero_initialised(OneDNNLinear(config.ffn_size, config.hidden_size, bias=False))
+        self.up_proj = Linear(config.hidden_size, config.ffn_size, bias=False)
+        self.down_proj = zero_initialised(Linear(config.ffn_size, config.hidden_size, bias=False))
         self.token_shift_on = config.ffn_token_shift
         if self.token_shift_on:
             self.shift = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
@@ -719,10 +718,10 @@ class KVMPreTrainedModel(HubCodeSaveMixin, CarriedCardMixin, CachedDecodingSaveM
     _supports_sdpa = True
 
     def runtime_speedups(self) -> contextlib.AbstractContextManager:
-        """A block in which inference takes its speed-ups (oneDNN linears, blocked weight copies) and outside
-        which the model is plain; same results up to float rounding. generate() opens one; a loop that steps the
-        model itself can too."""
-        return runtime_speedups(self, None)
+        """A block in which inference takes the speed-ups the seams found (oneDNN linears, blocked weight copies)
+        and outside which the model is plain; same results up to float rounding. generate() opens one; a loop that
+        steps the model itself can too."""
+        return speedups_block(self, None)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -1022,7 +1021,7 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
     def __init__(self, config: KVMConfig):
         super().__init__(config)
         self.model = KVMModel(config)
-        self.lm_head = OneDNNLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -1038,8 +1037,8 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
         self.lm_head = value
 
     def _get_resized_lm_head(self, *args, **kwargs) -> nn.Module:
-        """transformers' resized head (an nn.Linear) as a OneDNNLinear: the model's layers choose their product."""
-        return sharing_parameters(super()._get_resized_lm_head(*args, **kwargs))
+        """transformers' resized head (an nn.Linear) as the models' `Linear`, as the other layers are."""
+        return as_model_linear(super()._get_resized_lm_head(*args, **kwargs))
 
     def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
         """transformers' inputs for the next forward, and for a decoding step the cache's `DecodeStep` (the

@@ -28,14 +28,16 @@ from ..common.conventions import (HeadLossMixin, SdpaOrEagerMixin, attention, ch
 from .curriculum_maglev import Schedule, current_schedule, lifted_passes, schedule_at
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
-from ..common.onednn_linear import OneDNNLinear
 from ...package_only.row_block_loss import RowBlockLossMixin
-from .runtime_maglev import one_query_attention
-from ..common.runtime_switch import runtime_speedups
+from ..common.seams import Linear, package_speedups, speedups_block
 from ..common.step_plan import (RowTokens, StepPlan, boundary_kwargs, bucket_index, bucket_mask, gather_bucket, gather_columns,
                         length_buckets, packed_documents, previous_real_index, real_tokens, refuse_packed_cache,
                         scatter_outputs)
 from ..common.tensor_parallel import local_columns, local_tensor
+
+# the seam of the one-query ring attention (speedups/runtime_maglev): the module where the package's speed-ups are,
+# else None and the plain masked attention runs
+runtime_maglev = package_speedups("runtime_maglev")
 
 # why the models refuse what transformers offers for plain attention
 MAGLEV_NO_KERNELS = ("decoding attends over a ring of cached window keys with per-row positions under masks of "
@@ -163,8 +165,8 @@ def windowed_attention(plan: StepPlan, q, k, v, left: int, eager: bool, prefix_m
 class MaglevAttention(nn.Module):
     """nanochat attention (GQA, value embeddings, rotary, QK-norm) with optional memory injection."""
 
-    # Inside `runtime_speedups`: a one-token step attends the ring as runtime_maglev's matrix-vector products
-    # (`attend_ring`); False keeps the plain masked attention, the reference they equal.
+    # Inside `runtime_speedups` (which sets it where the seam found runtime_maglev): a one-token step attends the ring
+    # as its matrix-vector products (`attend_ring`); False keeps the plain masked attention, the reference they equal.
     one_query_kernel = False
 
     def __init__(self, config: MaglevConfig, layer_idx: int, with_memory: bool):
@@ -180,21 +182,21 @@ class MaglevAttention(nn.Module):
         self.value_gate_channels = config.value_embedding_gate_channels
         self.value_gate_scale = config.value_embedding_gate_scale
         bound = uniform_bound(config)
-        self.q_proj = with_init(OneDNNLinear(config.hidden_size, self.num_heads * self.head_dim, bias=False),
+        self.q_proj = with_init(Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False),
                                 "uniform", bound)
-        self.k_proj = with_init(OneDNNLinear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
-        self.v_proj = with_init(OneDNNLinear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
-        self.o_proj = with_init(OneDNNLinear(config.hidden_size, config.hidden_size, bias=False), "zeros")
+        self.k_proj = with_init(Linear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
+        self.v_proj = with_init(Linear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
+        self.o_proj = with_init(Linear(config.hidden_size, config.hidden_size, bias=False), "zeros")
         self.value_gate = (
-            with_init(OneDNNLinear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False), "zeros")
+            with_init(Linear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False), "zeros")
             if config.has_value_embedding(layer_idx) else None
         )
         self.with_memory = with_memory
         if with_memory:
             std = config.memory_init_std
-            self.memory_k_proj = with_init(OneDNNLinear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
-            self.memory_v_proj = with_init(OneDNNLinear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
-            self.memory_gate = with_init(OneDNNLinear(config.memory_gate_channels, self.num_kv_heads, bias=False),
+            self.memory_k_proj = with_init(Linear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
+            self.memory_v_proj = with_init(Linear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
+            self.memory_gate = with_init(Linear(config.memory_gate_channels, self.num_kv_heads, bias=False),
                                          "zeros")
 
     def forward(self, x, value_embedding, memory, rotary, window, store, plan):
@@ -242,8 +244,8 @@ class MaglevAttention(nn.Module):
         one-token step with `one_query_kernel` on as runtime_maglev's matrix-vector products, else the plain
         masked attention they equal."""
         keys, values = ring.read_ring(k, plan.rows)
-        if self.one_query_kernel and plan.length == 1:
-            return one_query_attention(q, k, v, keys, values, ring.written(plan))
+        if runtime_maglev is not None and self.one_query_kernel and plan.length == 1:
+            return runtime_maglev.one_query_attention(q, k, v, keys, values, ring.written(plan))
         capacity, window = ring.capacity, ring.window
 
         def ring_mask(block: tuple[int, int, int]) -> torch.Tensor:
@@ -260,9 +262,9 @@ class MaglevMLP(nn.Module):
 
     def __init__(self, config: MaglevConfig):
         super().__init__()
-        self.up_proj = with_init(OneDNNLinear(config.hidden_size, config.intermediate_size, bias=False),
+        self.up_proj = with_init(Linear(config.hidden_size, config.intermediate_size, bias=False),
                                  "uniform", uniform_bound(config))
-        self.down_proj = with_init(OneDNNLinear(config.intermediate_size, config.hidden_size, bias=False), "zeros")
+        self.down_proj = with_init(Linear(config.intermediate_size, config.hidden_size, bias=False), "zeros")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.up_proj(x)
@@ -301,10 +303,10 @@ class MaglevPreTrainedModel(HubCodeSaveMixin, CarriedCardMixin, CachedDecodingSa
     _can_compile_fullgraph = False
 
     def runtime_speedups(self) -> contextlib.AbstractContextManager:
-        """A block in which inference runs its speed-ups (runtime_maglev: oneDNN linears, blocked weight copies
-        for batched steps, the one-query ring attention) and outside which the model is plain; same results up
-        to float rounding. generate() opens one; a loop that steps the model itself can too."""
-        return runtime_speedups(self, MaglevAttention)
+        """A block in which inference runs the speed-ups the seams found (oneDNN linears, blocked weight copies for
+        batched steps, the one-query ring attention) and outside which the model is plain; same results up to float
+        rounding. generate() opens one; a loop that steps the model itself can too."""
+        return speedups_block(self, MaglevAttention)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -367,7 +369,7 @@ class MaglevPreTrainedModel(HubCodeSaveMixin, CarriedCardMixin, CachedDecodingSa
         if isinstance(table, nn.Embedding):
             fresh = nn.Embedding(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
         else:
-            fresh = OneDNNLinear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype)
+            fresh = Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype)
         with_init(fresh, table.init_kind, table.init_value)
         kept = min(old_vocab, vocab)
         with torch.no_grad():
@@ -420,17 +422,17 @@ class MaglevModel(MaglevPreTrainedModel):
         lambdas = config.use_layer_lambdas
         self.residual_lambdas = nn.Parameter(torch.ones(layers)) if lambdas else None
         self.x0_lambdas = nn.Parameter(torch.zeros(layers)) if lambdas else None
-        self.smear_gate = (with_init(OneDNNLinear(config.smear_gate_channels, 1, bias=False), "zeros")
+        self.smear_gate = (with_init(Linear(config.smear_gate_channels, 1, bias=False), "zeros")
                            if config.use_smear else None)
         self.smear_lambda = nn.Parameter(torch.zeros(1)) if config.use_smear else None
         self.backout_lambda = nn.Parameter(torch.zeros(1)) if config.use_backout else None
         self.memory_init = nn.Parameter(torch.zeros(config.hidden_size)) if config.use_memory else None
         # where the memory is read: a learned projection of h (m = rms_norm(W_m h)), and a second way in
         # through P's block input (zero at the start, so a fresh model is the paper's)
-        self.memory_proj = (with_init(OneDNNLinear(config.hidden_size, config.hidden_size, bias=False), "uniform",
+        self.memory_proj = (with_init(Linear(config.hidden_size, config.hidden_size, bias=False), "uniform",
                                       bound) if config.memory_projection else None)
         self.memory_residual_proj = (
-            with_init(OneDNNLinear(config.hidden_size, config.hidden_size, bias=False), "zeros")
+            with_init(Linear(config.hidden_size, config.hidden_size, bias=False), "zeros")
             if config.memory_residual_injection else None)
         separate_prefiller = config.separate_prefiller
         self.prefiller_layers = (
@@ -964,7 +966,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         self.model = MaglevModel(config)
         # exactly vocab_size rows (config.head_rows) unless loaded from a padded save: libraries read this
         # weight directly (TRL's fused log-prob head) and would give padded rows probability mass
-        self.lm_head = with_init(OneDNNLinear(config.hidden_size, config.head_rows, bias=False), "normal", 0.001)
+        self.lm_head = with_init(Linear(config.hidden_size, config.head_rows, bias=False), "normal", 0.001)
         self.post_init()
 
     @classmethod
@@ -990,7 +992,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         if type(weight.data) is not torch.Tensor or weight.is_meta or hasattr(self.lm_head, "_hf_hook"):
             return False
         tied = self.config.tie_word_embeddings
-        head = with_init(OneDNNLinear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype),
+        head = with_init(Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype),
                          self.lm_head.init_kind, self.lm_head.init_value)
         head.weight = nn.Parameter(weight.detach()[:rows].clone(), requires_grad=weight.requires_grad)
         head._is_hf_initialized = True

@@ -1,8 +1,8 @@
 """The switch that turns a model's inference speed-ups on for a block and leaves the model plain after it.
 
-Each speed-up is chosen at one call site by a flag the block sets: an attention module's `one_query_kernel`
-(read where it attends) and each OneDNNLinear's `onednn` (read in its forward); outside the block both are
-the class defaults and the plain path runs.
+Inside the block a speed-up runs where a flag it sets is read: an attention module's `one_query_kernel` (read where
+it attends) and each OneDNNLinear's `onednn` (read in its forward); outside it both are the class defaults and the
+plain path runs. The models open it through their seam (common/seams `speedups_block`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ inside `onednn_linears()`, nn.Linear's (the reference) everywhere else.
 
 Decoding reads every weight once per step, and oneDNN reads them at about twice the memory bandwidth of
 MKL's one-row product; batched steps (2-64 rows) read a copy of each weight in oneDNN's blocked layout.
-Same products as nn.Linear up to float rounding. Imports only torch: any model folder can carry it.
-Measurements: docs/kvm_runtime_notes.md.
+Same products as nn.Linear up to float rounding. Imports only torch. The models' `Linear` where the seam finds it
+(common/seams); measurements: docs/kvm_runtime_notes.md.
 """
 
 from __future__ import annotations

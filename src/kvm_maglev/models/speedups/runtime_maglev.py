@@ -1,11 +1,7 @@
-"""Inference speed-ups for Maglev models, kept apart from the math (modeling_maglev).
-
-Inside `model.runtime_speedups()` (runtime_switch), which `generate()` opens:
-- linear layers compute on oneDNN, batched steps on blocked weight copies (onednn_linear);
-- a one-token step attends over a ring as matrix-vector products, without copying the ring
-  (`one_query_attention`, which `MaglevAttention.attend_ring` calls when its `one_query_kernel` flag is on,
-  beside the plain attention it equals).
-Each computes what the plain path computes, up to float rounding.
+"""Maglev's one-query ring attention, kept apart from the math (modeling_maglev): inside `model.runtime_speedups()`
+(runtime_switch), which `generate()` opens, a one-token step attends over a ring as matrix-vector products, without
+copying the ring. `MaglevAttention.attend_ring` calls `one_query_attention` where its seam found this module and the
+`one_query_kernel` flag is on, beside the plain attention it equals up to float rounding.
 """
 
 from __future__ import annotations

@@ -1,0 +1,72 @@
+"""Where the models pick their optional speed-ups (`kvm_maglev.models.speedups`), one seam each: the implementation
+imports or is None, and the model takes it or its plain torch path, the reference it is tested against (as
+transformers' models take a kernel or their torch fallback).
+
+In the package the speed-ups are its own. A Hub folder's generated file records the speed-ups' version it was
+written with (`CODE_VERSION`) and takes an installed kvm_maglev's only at that version: never required, and without
+them the file is the plain model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from functools import cache
+from types import ModuleType
+
+from torch import nn
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# None in the package (its speed-ups are its own); a generated file holds the `speedups.VERSION` that wrote it
+CODE_VERSION: str | None = None
+
+
+@cache
+def installed_speedups() -> ModuleType | None:
+    """kvm_maglev's speed-ups package where it imports and is the version this code recorded, else None."""
+    try:
+        speedups = importlib.import_module("kvm_maglev.models.speedups")
+    except ImportError:
+        return None
+    if CODE_VERSION is not None and getattr(speedups, "VERSION", None) != CODE_VERSION:
+        logger.info(f"kvm_maglev's speed-ups {getattr(speedups, 'VERSION', None)} are not the {CODE_VERSION} this "
+                    "model's code was written with: the model runs its plain torch path")
+        return None
+    return speedups
+
+
+def package_speedups(name: str) -> ModuleType | None:
+    """Speed-up module `name` of `installed_speedups()`; None without them or where it does not import (the Triton
+    kernel without Triton)."""
+    speedups = installed_speedups()
+    if speedups is None:
+        return None
+    try:
+        return importlib.import_module(f"{speedups.__name__}.{name}")
+    except ImportError:
+        return None
+
+
+# the seam of the linear layers: oneDNN's product for float32 CPU inference (speedups/onednn_linear), else nn.Linear
+onednn_linear = package_speedups("onednn_linear")
+# the class of the models' linear layers: nn.Linear's parameters and state dict either way
+Linear = nn.Linear if onednn_linear is None else onednn_linear.OneDNNLinear
+
+
+def as_model_linear(linear: nn.Module) -> nn.Module:
+    """A head transformers' resize built (an nn.Linear) as a `Linear` holding the same parameters."""
+    return linear if onednn_linear is None else onednn_linear.sharing_parameters(linear)
+
+
+# the seam of the block that turns speed-ups on (speedups/runtime_switch), which generate() opens
+runtime_switch = package_speedups("runtime_switch")
+
+
+def speedups_block(model: nn.Module, attention_class: type | None) -> contextlib.AbstractContextManager:
+    """runtime_switch's `runtime_speedups(model, attention_class)`; without the speed-ups a block that changes
+    nothing."""
+    if runtime_switch is None:
+        return contextlib.nullcontext(model)
+    return runtime_switch.runtime_speedups(model, attention_class)
