@@ -115,14 +115,13 @@ class RingLayer(RowStorage, CacheLayerMixin):
                 tensor[rows, :, slot] = torch.where(keep, tensor[rows, :, slot], new.to(tensor.dtype))
         # the rows' own storage when it is theirs (dense, or consecutive pages: a view), else every page and the
         # rows' page index; an eager step reads only the slots some row reads, a traced one all (fixed shapes)
-        tensors = self.tensors if self.index is None or self.run is None else \
-            {name: tensor[self.run] for name, tensor in self.tensors.items()}
         page = self.index if self.index is not None and self.run is None else None
-        reads = [(tensors[name], "state") for name in self.read_names]
-        reads += [(tensors[name], "sliding" if self.is_sliding else "window") for name in WINDOW[:2]]
-        if torch.compiler.is_compiling():
-            return (page, *(tensor for tensor, _ in reads))
-        return (page, *(tensor[:, :, :step.reach[kind]] for tensor, kind in reads))
+        read = [page]
+        for name in self.read_names + WINDOW[:2]:
+            tensor = self.tensors[name] if self.run is None else self.tensors[name][self.run]
+            kind = "state" if name in READ else "sliding" if self.is_sliding else "window"
+            read.append(tensor if torch.compiler.is_compiling() else tensor[:, :, :step.reach[kind]])
+        return tuple(read)
 
 
 class KVMCacheLayer(RingLayer):

@@ -6,11 +6,13 @@ generate() the storage is dense and row i is page i; under a serving engine the 
 
 `state_window_attention_torch` computes it (as `joint_attention` of modeling_kvm over a state and a window key set)
 with plain tensor operations of static shapes: no host syncs, traceable by torch.compile with fullgraph=True. It is
-the reference of the optional Triton kernel (speedups/decode_kernel_kvm), which `state_window_attention` picks where
-it is there and reads the tensors on CUDA.
+the reference of the optional Triton kernel (speedups/decode_kernel_kvm), which the seam `decoding_attention` picks
+where it is there and reads the tensors on CUDA.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -27,50 +29,42 @@ def at_least_float32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def scaled_queries(q: Tensor, kv_heads: int, temperature: Tensor | None) -> Tensor:
-    """Queries [B, H, D] widened as [B, Hkv, groups, D] (query head h under key/value head h // groups), each head
-    multiplied by its `temperature` [H]."""
-    batch, heads, dim = q.shape
-    q = at_least_float32(q).view(batch, kv_heads, heads // kv_heads, dim)
-    if temperature is not None:
-        q = q * temperature.view(kv_heads, heads // kv_heads, 1).to(q.dtype)
-    return q
-
-
 def state_window_attention_torch(q: Tensor, page: Tensor | None, state_keys: Tensor, state_values: Tensor,
                                  state_slots: Tensor, window_keys: Tensor, window_values: Tensor,
                                  window_visible: Tensor, state_temperature: Tensor | None,
                                  window_temperature: Tensor | None, scale: float) -> Tensor:
     """The reference: each row's pages gathered (`page` None: row i is page i, read without a copy), both
-    segments' logits masked and concatenated, one softmax. Queries [B, H, D], output [B, H, Dv] in the window
-    values' dtype."""
+    segments' logits masked and concatenated, one softmax, in at least float32 (as `at_least_float32` widens the
+    other paths' inputs). Queries [B, H, D] (query head h under key/value head h // groups), output [B, H, Dv] in
+    the window values' dtype."""
     if page is not None:
         state_keys, state_values = state_keys[page], state_values[page]
         window_keys, window_values = window_keys[page], window_values[page]
-    batch, heads, _ = q.shape
+    batch, heads, dim = q.shape
     kv_heads, capacity = state_keys.shape[1], state_keys.shape[2]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    queries = q.to(wide).view(batch, kv_heads, heads // kv_heads, dim)
     live = torch.arange(capacity, device=q.device) < state_slots[:, None]  # [B, S]
     logits = []
     for keys, visible, temperature in ((state_keys, live, state_temperature),
                                        (window_keys, window_visible, window_temperature)):
-        keys = at_least_float32(keys).transpose(-1, -2)
-        scores = torch.matmul(scaled_queries(q, kv_heads, temperature), keys)
+        scaled = queries if temperature is None else queries * temperature.view(kv_heads, -1, 1).to(wide)
+        scores = torch.matmul(scaled, keys.to(torch.promote_types(keys.dtype, torch.float32)).transpose(-1, -2))
         logits.append(scores.masked_fill(~visible[:, None, None], float("-inf")))
     probs = torch.softmax(torch.cat(logits, dim=-1) * scale, dim=-1)
-    out = (torch.matmul(probs[..., :capacity], at_least_float32(state_values))
-           + torch.matmul(probs[..., capacity:], at_least_float32(window_values)))
+    out = (torch.matmul(probs[..., :capacity], state_values.to(torch.promote_types(state_values.dtype, torch.float32)))
+           + torch.matmul(probs[..., capacity:],
+                          window_values.to(torch.promote_types(window_values.dtype, torch.float32))))
     return out.to(window_values.dtype).view(batch, heads, -1)
 
 
-def state_window_attention(q: Tensor, page: Tensor | None, state_keys: Tensor, state_values: Tensor, state_slots: Tensor,
-                           window_keys: Tensor, window_values: Tensor, window_visible: Tensor,
-                           state_temperature: Tensor | None, window_temperature: Tensor | None, scale: float) -> Tensor:
-    """Each row's query [B, H, D] over its page's live state slots and visible ring slots, one softmax; output
-    [B, H, Dv]; `page` None: row i is page i. The Triton kernel where the seam found it and it applies
-    (`use_triton_kernel`: CUDA, tensors it reads), else the torch path it equals."""
-    attention = state_window_attention_torch
-    if decode_kernel_kvm is not None and decode_kernel_kvm.use_triton_kernel(q, state_keys, state_values,
-                                                                             window_keys, window_values):
-        attention = decode_kernel_kvm.state_window_attention_triton
-    return attention(q, page, state_keys, state_values, state_slots, window_keys, window_values, window_visible,
-                     state_temperature, window_temperature, scale)
+def decoding_attention(q: Tensor, state_keys: Tensor, state_values: Tensor, window_keys: Tensor,
+                       window_values: Tensor) -> Callable[..., Tensor]:
+    """The seam of the decoding attention (each row's query [B, H, D] over its page's live state slots and visible
+    ring slots, one softmax, [B, H, Dv]): the Triton kernel where the seam found it and it applies
+    (`use_triton_kernel`: CUDA, tensors it reads), else the torch reference it equals. Both take
+    `state_window_attention_torch`'s arguments."""
+    if decode_kernel_kvm is not None and q.is_cuda and decode_kernel_kvm.use_triton_kernel(
+            q, state_keys, state_values, window_keys, window_values):
+        return decode_kernel_kvm.state_window_attention_triton
+    return state_window_attention_torch

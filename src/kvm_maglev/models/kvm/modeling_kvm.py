@@ -27,7 +27,7 @@ from .cache_kvm import READ, STATE, WINDOW, KVMCache, fit_slots
 from ...package_only.carried_card import CarriedCardMixin
 from ...package_only.hub_save import HubCodeSaveMixin
 from .configuration_kvm import KVMConfig, state_dtype_for
-from .decode_attention_kvm import at_least_float32, state_window_attention
+from .decode_attention_kvm import at_least_float32, decoding_attention
 from .decode_step_kvm import DecodeStep, decode_step, rows_folding
 from ..common.conventions import (HeadLossMixin, SdpaOrEagerMixin, check_position_ids, config_default,
                           refuse_attention_weights)
@@ -314,9 +314,6 @@ class KVMAttentionBase(nn.Module):
             self.value_gate_down = zero_initialised(Linear(config.hidden_size, rank, bias=False))
             self.value_gate_up = Linear(rank, vv, bias=False)
 
-    def value_gate(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(local_tensor(self.value_gate_bias) + self.value_gate_up(self.value_gate_down(x)))
-
     def carries(self) -> list[tuple[str, int]]:
         """The token-shifted streams this attention carries between forwards, with their widths."""
         streams = []
@@ -334,18 +331,23 @@ class KVMAttentionBase(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if q.shape[-1] != self.num_heads * self.head_dim:  # a tensor-parallel rank's share of the heads
             self.config.check_tensor_parallel(self.num_heads * self.head_dim // q.shape[-1])
+        if self.value_residual_mode in ("rwkv", "rwkv_post_tokenshift"):
+            # the gate reads the input, or its token shift with all of v_shift (also where tensor parallelism
+            # shards v_shift by head); its own carry, so computing it first changes no other stream
+            gate_input = x if self.value_residual_mode == "rwkv" else \
+                token_shift(tokens, x, full_tensor(self.v_shift), cache_layer, "x", "first")
+            value_gate = torch.sigmoid(local_tensor(self.value_gate_bias)
+                                       + self.value_gate_up(self.value_gate_down(gate_input))).to(v.dtype)
         if self.value_residual_mode == "linear":
             v = (1 - self.value_residual_lambda) * v + self.value_residual_lambda * v_first.view_as(v)
         elif self.value_residual_mode == "rwkv":
-            v = v + (v_first.to(v.dtype) - v) * self.value_gate(x).to(v.dtype)
+            v = v + (v_first.to(v.dtype) - v) * value_gate
         if self.token_shift_on:
             q = token_shift(tokens, q, local_tensor(self.q_shift), cache_layer, "q", "first")
             k = token_shift(tokens, k, local_tensor(self.k_shift), cache_layer, "k", "first")
             v = token_shift(tokens, v, local_tensor(self.v_shift), cache_layer, "v", "first")
         if self.value_residual_mode == "rwkv_post_tokenshift":
-            # the mix of the (whole) input: all of v_shift, also where tensor parallelism shards it by head
-            shifted = token_shift(tokens, x, full_tensor(self.v_shift), cache_layer, "x", "first")
-            v = v + (v_first.to(v.dtype) - v) * self.value_gate(shifted).to(v.dtype)
+            v = v + (v_first.to(v.dtype) - v) * value_gate
         # -1 heads: under tensor parallelism a rank holds only its share of them
         q = self.q_norm(q[0].unflatten(-1, (-1, self.head_dim)))
         k = self.k_norm(k[0].unflatten(-1, (-1, self.head_dim)))
@@ -385,9 +387,10 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         None), the newest written into the ring; a decoding step's in one graph (decode_step_kvm)."""
         if isinstance(tokens, DecodeStep):  # one token per row, in one graph (decode_step_kvm)
             page, keys, values = cache_layer.update(k, v, None, tokens)
-            return state_window_attention(q, page, keys[:, :, :0], values[:, :, :0], tokens.state_slots * 0, keys,
-                                          values, tokens.sliding_visible[:, :keys.shape[2]], None, None,
-                                          q.shape[-1] ** -0.5)
+            no_state = keys[:, :, :0], values[:, :, :0]
+            return decoding_attention(q, *no_state, keys, values)(
+                q, page, *no_state, tokens.state_slots * 0, keys, values, tokens.sliding_visible[:, :keys.shape[2]],
+                None, None, q.shape[-1] ** -0.5)
         groups = self.step_plan(tokens).by_width(tokens)
         y = q.new_empty(q.shape[0], q.shape[1], v.shape[-1]) if len(groups) > 1 else None
         for _, group in groups:
@@ -437,10 +440,14 @@ class KVMAttention(KVMAttentionBase):
             entering = self.first_chunk_entries(k, v, gate) if tokens.first_chunk is not None else None
             page, state_keys, state_values, window_keys, window_values = cache_layer.update(k, v, gate, tokens,
                                                                                             entering)
-            return state_window_attention(
+            state_temperature = window_temperature = None
+            if self.config.head_temperatures:
+                state_temperature = local_tensor(self.state_temperature)
+                window_temperature = local_tensor(self.window_temperature)
+            return decoding_attention(q, state_keys, state_values, window_keys, window_values)(
                 q, page, state_keys, state_values, tokens.state_slots, window_keys, window_values,
-                tokens.window_visible[:, :window_keys.shape[2]], self.temperature("state_temperature"),
-                self.temperature("window_temperature"), q.shape[-1] ** -0.5)
+                tokens.window_visible[:, :window_keys.shape[2]], state_temperature, window_temperature,
+                q.shape[-1] ** -0.5)
         pieces, schedule = self.step_plan(tokens)
         return self.attend(q, k, v, gate, tokens, pieces, schedule, cache_layer)
 

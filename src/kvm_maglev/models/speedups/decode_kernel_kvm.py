@@ -2,7 +2,7 @@
 reference it equals), each row's query over its page's live state slots and visible ring slots in one online softmax,
 read in place without gathering or concatenating them; float32 accumulation.
 
-decode_attention_kvm's `state_window_attention` picks it where this module imports (Triton is installed) and
+decode_attention_kvm's `decoding_attention` picks it where this module imports (Triton is installed) and
 `use_triton_kernel`: on CUDA, for tensors it reads.
 """
 
@@ -153,6 +153,6 @@ def state_window_attention_triton(q: Tensor, page: Tensor | None, state_keys: Te
 
 def use_triton_kernel(q: Tensor, state_keys: Tensor, state_values: Tensor, window_keys: Tensor,
                       window_values: Tensor) -> bool:
-    """Whether `state_window_attention` runs the kernel: the query is on a CUDA device and the kernel reads these
+    """Whether `decoding_attention` picks the kernel: the query is on a CUDA device and the kernel reads these
     tensors (`kernel_refusal`). Otherwise the torch path runs."""
     return q.is_cuda and kernel_refusal(q, state_keys, state_values, window_keys, window_values) is None
