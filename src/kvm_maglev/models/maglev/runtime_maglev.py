@@ -3,7 +3,7 @@
 Inside `model.runtime_speedups()` (runtime_switch), which `generate()` opens:
 - linear layers compute on oneDNN, batched steps on blocked weight copies (onednn_linear);
 - a one-token step attends over a ring as matrix-vector products, without copying the ring
-  (`one_query_attention`, which `MaglevAttention.attend_ring` calls when its `one_query_kernel` flag is on,
+  (`one_query_attention`, which `MaglevAttention.attend` calls when its `one_query_kernel` flag is on,
   beside the plain attention it equals).
 Each computes what the plain path computes, up to float rounding.
 """
@@ -15,7 +15,7 @@ import torch
 
 def one_query_attention(q, k, v, ring_keys, ring_values, written) -> torch.Tensor:
     """One query per row [B, H, 1, D] over the ring's `written` slots and its own key/value, as
-    `MaglevAttention.attend_ring` computes it: ring logits as keys @ q, the output as probs @ values."""
+    `MaglevAttention.attend` computes it: ring logits as keys @ q, the output as probs @ values."""
     batch, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
