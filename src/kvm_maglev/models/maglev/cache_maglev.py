@@ -545,6 +545,14 @@ class MaglevCache(SavedCache, Cache):
     def update(self, *args, **kwargs):
         raise NotImplementedError("MaglevCache is filled by the Maglev model itself, not through Cache.update")
 
+    def update_conv_state(self, *args, **kwargs):
+        raise NotImplementedError("MaglevCache has no convolution states (its layers hold rings of window keys and "
+                                  "values, which the Maglev model writes itself)")
+
+    def update_recurrent_state(self, *args, **kwargs):
+        raise NotImplementedError("MaglevCache has no linear-attention recurrent states: the recurrent memory is one "
+                                  "vector per row, which the Maglev model carries itself")
+
     # ----- saved caches ("prompt caching") ------------------------------------------------------
     def saved_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """The tensors and JSON fields `save` writes."""

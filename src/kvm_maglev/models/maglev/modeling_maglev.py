@@ -245,14 +245,14 @@ class MaglevAttention(nn.Module):
         chunk's own keys within `window`. A one-token step reads its masks from the layer's `RingStep`, made before
         the forward, and with `one_query_kernel` on runs as runtime_maglev's matrix-vector products (the plain
         attention it equals otherwise); a chunk runs block by block of queries."""
-        step: RingStep | None = None if cache_layer is None else cache_layer.step
-        if step is None:
+        ring_step: RingStep | None = None if cache_layer is None else cache_layer.step
+        if ring_step is None:
             masks = None if ring is None else ring_mask(plan, cache_layer)
             return windowed_attention(plan, q, k, v, window, self.eager, masks, ring)
         if self.one_query_kernel:
-            return one_query_attention(q, k, v, *ring, step.written)
+            return one_query_attention(q, k, v, *ring, ring_step.written)
         keys, values = torch.cat([ring[0], k], dim=2), torch.cat([ring[1], v], dim=2)
-        return attention(q, keys, values, step.mask, self.eager)
+        return attention(q, keys, values, ring_step.mask, self.eager)
 
 
 class MaglevMLP(nn.Module):
@@ -490,7 +490,8 @@ class MaglevModel(MaglevPreTrainedModel):
 
     def run_stack(self, x0, value_embeddings, memory, cache, plan, rotary, prefiller=False, hidden_states=None):
         """One parallel pass over a chunk through P's (or Q's) blocks; returns `h` (after backout) and the
-        vector the memory is read from (`h` itself unless `memory_source_layer` names an earlier block)."""
+        vector the memory is read from (`h` itself unless `memory_source_layer` names an earlier block). A decode
+        step runs the same loop in `forward`, on the model's own layers."""
         config = self.config
         if memory is not None and self.memory_residual_proj is not None:
             x0 = x0 + self.memory_residual_proj(memory)
@@ -800,8 +801,9 @@ class MaglevModel(MaglevPreTrainedModel):
         values = self.value_embeddings_for(input_ids[:, 0], x0.dtype)
         rotary = self.rotary_for(plan.query_positions, x0.dtype)
         memory = cache.last_memory[:, 0] if config.use_memory else None
-        x0 = x0[:, 0] if memory is None or self.memory_residual_proj is None \
-            else x0[:, 0] + self.memory_residual_proj(memory)
+        x0 = x0[:, 0]
+        if memory is not None and self.memory_residual_proj is not None:
+            x0 = x0 + self.memory_residual_proj(memory)
         hidden_states = [] if config_default(output_hidden_states, config, "output_hidden_states") else None
         x, backout, source = x0, None, None
         for i, layer in enumerate(self.layers):
