@@ -312,9 +312,8 @@ class MaglevCache(SavedCache, Cache):
         self.cancel_step()
         self.reserve(length)
         self.seen_tokens += length
-        # a prompt's plan is made in the forward, whose input gives its length
-        self.prepared = PreparedStep(valid, length, self.plan_rings(StepPlan(self.positions, valid, 1) if length == 1
-                                                                    else None))
+        plan = StepPlan(self.positions, valid, 1) if length == 1 else None  # a prompt's: its input gives its length
+        self.prepared = PreparedStep(valid, length, self.plan_rings(plan))
 
     def take_step(self, length: int) -> StepPlan:
         """The plan of the prepared forward of `length` columns (the input's, a dynamic size when compiled): a decode
