@@ -55,12 +55,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Ten
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
     """Maglev layer `layer_name`'s attention of one token per request over its ring pages, the token's keys and
-    values then written into them (`MaglevAttention.attend` on the step's rings and plan), into `output`."""
+    values then written into them (what `MaglevAttention.forward` does with a cache layer, on the step's rings and
+    plan), into `output`."""
     pages = get_forward_context().no_compile_layers[layer_name]
     served, index = pages.served, pages.index
     rings, plan = served.step_rings
-    attention = served.model.layers[index].self_attn
-    output.copy_(attention.attend(q, k, v, served.config.decoder_windows[index], rings[index], plan))
+    ring, attention = rings[index], served.model.layers[index].self_attn
+    output.copy_(attention.attend(q, k, v, served.config.decoder_windows[index], ring.read_ring(k, plan.rows), ring,
+                                  plan))
+    ring.write_tokens(k, v, plan)
 
 
 def token_shift_fake(x, mix, positions, output, layer_name, stream, first) -> None:

@@ -173,7 +173,7 @@ class VllmMaglevForCausalLM(PagedStateModel):
         """A prepared step in which every request decodes, compiled: the rings handed to the operator and the layers
         given `PagedRing`s in their place, so that the graph reads no page."""
         rings = cache.layers
-        self.step_rings = rings, StepPlan(cache.positions, None, 1)
+        self.step_rings = rings, cache.prepared.plan  # its masks and slots on the rings, made when it was prepared
         cache.layers = [PagedRing(pages.prefix) for pages in self.state_layers]
         try:
             return self.compiled_forward(input_ids=input_ids, past_key_values=cache, use_cache=True, return_dict=True)

@@ -54,7 +54,10 @@ def test_row_changes_work():
     (lambda cache: cache.offload(0), "offloading"),
     (lambda cache: cache.prefetch(0), "offloading"),
     (lambda cache: cache.increase_count(0, 0), "no convolution states"),
-], ids=["get_mask_sizes", "early_initialization", "update", "offload", "prefetch", "increase_count"])
+    (lambda cache: cache.update_conv_state(torch.zeros(1), 0), "no convolution states"),
+    (lambda cache: cache.update_recurrent_state(torch.zeros(1), 0), "no linear-attention recurrent states"),
+], ids=["get_mask_sizes", "early_initialization", "update", "offload", "prefetch", "increase_count",
+        "update_conv_state", "update_recurrent_state"])
 def test_what_does_not_apply_is_refused_with_its_reason(call, reason):
     with pytest.raises(NotImplementedError, match=reason):
         call(filled_cache())

@@ -30,20 +30,26 @@ class RowStorage:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
-    def rows(self, rows: torch.Tensor | None) -> torch.Tensor | None:
-        """Storage rows of the forward's rows `rows` (None: all of them, in order)."""
-        if self.index is None:
-            return rows
-        return self.index if rows is None else self.index[rows]
-
     def read(self, name: str, rows: torch.Tensor | None = None, slots: int | None = None) -> torch.Tensor:
         """[rows, ...] of tensor `name` (all rows: `rows` None); only its first `slots` slots (dim 2) when given."""
-        tensor, index = self.tensors[name], self.rows(rows)
+        # storage rows of the forward's rows, resolved here rather than in a helper: a decoding step reads and
+        # writes every layer's ring through these methods, one call each
+        tensor = self.tensors[name]
+        index = rows if self.index is None else self.index if rows is None else self.index[rows]
         if rows is None and self.run is not None:
             index, tensor = None, tensor[self.run]
         if slots is not None and slots < tensor.shape[2]:
             return tensor[:, :, :slots] if index is None else tensor[index, :, :slots]
         return tensor if index is None else tensor[index]
+
+    def read_slots(self, name: str, rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        """[n, ...]: slot `slots[i]` (dim 2) of row `rows[i]` of tensor `name` (rows None: every row, in order), what
+        `write` with `slots` replaces."""
+        tensor = self.tensors[name]
+        index = rows if self.index is None else self.index if rows is None else self.index[rows]
+        if index is None:
+            index = torch.arange(tensor.shape[0], device=tensor.device)
+        return tensor[index, :, slots]
 
     def write(self, name: str, rows: torch.Tensor | None, values: torch.Tensor,
               slots: torch.Tensor | None = None) -> None:
@@ -51,7 +57,8 @@ class RowStorage:
         `values` holds fewer), or one slot per row (`slots`: [n] slots of dim 2, values [n, heads, dim]). Under
         autograd, with values that carry gradients, the tensor is replaced rather than written in place (what
         attention read from it stays as it was for the backward pass)."""
-        tensor, index = self.tensors[name], self.rows(rows)
+        tensor = self.tensors[name]
+        index = rows if self.index is None else self.index if rows is None else self.index[rows]
         if index is None:
             index = torch.arange(tensor.shape[0], device=tensor.device) if slots is not None else slice(None)
         if slots is not None:

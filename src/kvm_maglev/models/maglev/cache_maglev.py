@@ -25,6 +25,40 @@ TENSORS_FILE = "maglev_cache.safetensors"
 META_FILE = "maglev_cache.json"
 
 
+def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
+    """[B, 1, Tq, Tk]: a query sees real keys (position >= 0) from `left` positions back up to its own."""
+    q = query_positions[:, :, None]
+    k = key_positions[:, None, :]
+    return ((k >= 0) & (k <= q) & (k >= q - left))[:, None]
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """Where one token per row meets the rings of one capacity and window, made before the forward so that the
+    layers only read it: the query's mask over the ring's slots and its own key (`mask` [B, 1, 1, capacity + 1]),
+    the slots a row has written (`written` [B, 1, 1, capacity], the one-query kernel's mask), the slot each row's
+    token takes (`slot` [B]) in rows `rows` (None: every row), which rows read a real token (`valid` [B]; None:
+    all) and, while recording, the list the layers' overwritten slots go to (`record`)."""
+
+    mask: torch.Tensor | None
+    written: torch.Tensor | None
+    slot: torch.Tensor
+    rows: torch.Tensor | None
+    valid: torch.Tensor | None
+    record: list | None
+
+    @classmethod
+    def of(cls, plan: StepPlan, ring: "MaglevCacheLayer", rows: torch.Tensor | None,
+           record: list | None) -> "RingStep":
+        """The step of a one-token `plan` over rings like `ring`: a query sees the slots within its window and
+        always its own key."""
+        slots = visible_keys(plan.query_positions, ring.slot_positions(plan), ring.window)
+        own = torch.ones_like(slots[..., :1])
+        written = (torch.arange(ring.capacity, device=plan.start.device) < plan.start[:, None])[:, None, None, :]
+        valid = None if plan.valid is None else plan.valid[:, 0]
+        return cls(torch.cat([slots, own], dim=-1), written, plan.start % ring.capacity, rows, valid, record)
+
+
 class MaglevCacheLayer(RowStorage):
     """One decoder layer's ring of the last `window` keys/values of each row ("keys", "values" [rows, Hkv, capacity,
     D], memory already injected); position p lives in slot p % capacity.
@@ -41,6 +75,7 @@ class MaglevCacheLayer(RowStorage):
         self.capacity = min(window, growing_capacity(0)) if grows else window
         self.batch = 0  # rows of a dense ring (set by the cache)
         self.records: list | None = None  # while recording, per column of the forward: what the layers overwrote
+        self.step: RingStep | None = None  # a one-token forward's masks and slots (`MaglevCache.plan_rings`)
 
     def reserve(self, columns: int) -> None:
         """Make room before a forward that ends at `columns` columns: a growing ring takes more slots (up to its
@@ -79,49 +114,36 @@ class MaglevCacheLayer(RowStorage):
         last = plan.start[:, None] - 1
         return last - (last - slots) % self.capacity
 
-    def written(self, plan: "StepPlan") -> torch.Tensor:
-        """[B, 1, 1, capacity]: the slots a row has written, before a one-token step (shared by the layers)."""
-        return plan.mask(("written", self.capacity), lambda: (
-            torch.arange(self.capacity, device=plan.start.device) < plan.start[:, None])[:, None, None, :])
-
-    def write_tokens(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan") -> None:
+    def write_tokens(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan", step: "RingStep | None" = None) -> None:
         """Store the chunk's keys/values [B, H, T, D] of the plan's rows: each row's newest real tokens replace its
-        oldest slots."""
-        if self.records is None and plan.length > 1:
+        oldest slots. One token per row goes into the slots of `step` (default: the layer's, made before the
+        forward); padding rows keep theirs, and while recording the old slots are remembered."""
+        step = step or self.step
+        if step is None:
+            self.write_chunk(k, v, plan)
+            return
+        k, v = k[:, :, 0], v[:, :, 0]
+        if step.valid is not None or step.record is not None:
+            old_k = self.read_slots("keys", step.rows, step.slot)
+            old_v = self.read_slots("values", step.rows, step.slot)
+            if step.valid is not None:
+                keep = step.valid.view(-1, 1, 1)
+                k, v = torch.where(keep, k, old_k), torch.where(keep, v, old_v)
+            if step.record is not None:  # recording steps every row (no subset)
+                step.record.append((step.slot, old_k, old_v))
+        self.write("keys", step.rows, k, step.slot)
+        self.write("values", step.rows, v, step.slot)
+
+    def write_chunk(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan") -> None:
+        """`write_tokens` of several tokens per row: at once, or column by column while recording (each column
+        remembers what it overwrote)."""
+        if self.records is None:
             self._write_chunk(k, v, plan)
             return
         for t in range(plan.length):
             start, valid = plan.column(t)
-            if plan.length == 1:  # one slot index per step, shared by the layers
-                slot = plan.mask(("slot", self.capacity), lambda: start % self.capacity)
-            else:
-                slot = start % self.capacity
-            record = None if self.records is None else self.records[t]
-            self._write_column(k[:, :, t], v[:, :, t], slot, valid, record, plan)
-
-    def _write_column(self, k, v, slot, valid, record, plan) -> None:
-        """Write one column [B, H, D] into each row's slot (padding rows keep theirs); remember the old slot when
-        recording."""
-        rows = plan.rows
-        if rows is None and self.index is None:  # every row of dense rings: one row index per step, for all layers
-            rows = plan.mask(("rows",), lambda: torch.arange(k.shape[0], device=k.device))
-        if valid is not None or record is not None:
-            old_k, old_v = self.read_slots("keys", rows, slot), self.read_slots("values", rows, slot)
-            if valid is not None:
-                keep = valid.view(-1, 1, 1)
-                k, v = torch.where(keep, k, old_k), torch.where(keep, v, old_v)
-            if record is not None:  # recording steps every row (no subset)
-                record.append((slot, old_k, old_v))
-        self.write("keys", rows, k, slot)
-        self.write("values", rows, v, slot)
-
-    def read_slots(self, name: str, rows: torch.Tensor | None, slot: torch.Tensor) -> torch.Tensor:
-        """[n, H, D]: slot `slot[i]` of row `rows[i]` (rows None: every row, in order)."""
-        index = self.rows(rows)
-        tensor = self.tensors[name]
-        if index is None:
-            index = torch.arange(tensor.shape[0], device=tensor.device)
-        return tensor[index, :, slot]
+            step = RingStep(None, None, start % self.capacity, plan.rows, valid, self.records[t])
+            self.write_tokens(k[:, :, t:t + 1], v[:, :, t:t + 1], plan, step)
 
     def _write_chunk(self, k, v, plan) -> None:
         """Each slot takes the newest real chunk token that maps to it, else keeps its content."""
@@ -165,7 +187,8 @@ class EngineRing:
     the traced forward, so that the pages are no input of a compiled graph."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """`MaglevAttention.attend` of one token per row (q [B, H, 1, D], k and v [B, Hkv, 1, D]): [B, H, 1, D]."""
+        """What `MaglevAttention.forward` does with a cache layer, for one token per row (q [B, H, 1, D], k and v
+        [B, Hkv, 1, D]): its attention over the ring and the token, [B, H, 1, D], then the token written."""
         raise NotImplementedError
 
 
@@ -181,11 +204,12 @@ class ColumnRecord(NamedTuple):
 @dataclass(frozen=True)
 class PreparedStep:
     """A forward whose host side ran before it (`MaglevCache.begin_step`): its real tokens ([B, T] booleans; None:
-    all) and its column count, already counted (read on the host only: a compiled forward takes its length from
-    its input, a dynamic size)."""
+    all), its column count, already counted (read on the host only: a compiled forward takes its length from
+    its input, a dynamic size) and, for a decode step, its plan."""
 
     valid: torch.Tensor | None
     length: int
+    plan: StepPlan | None = None  # a decode step's, with its rings' masks and slots (`MaglevCache.plan_rings`)
 
 
 class MaglevCache(SavedCache, Cache):
@@ -278,20 +302,23 @@ class MaglevCache(SavedCache, Cache):
         self.records = [[] for _ in range(length)] if self.recording else None
         for layer in self.layers:
             layer.records = self.records
-        return StepPlan(self.positions, valid, length)
+        return self.plan_rings(StepPlan(self.positions, valid, length))
 
     def begin_step(self, valid: torch.Tensor | None, length: int = 1) -> None:
         """The host side of a forward of `length` columns (`valid` [B, length]: its real tokens), done before it so
-        that the forward reads only tensors: growing rings make room and the columns are counted. Preparing again
-        before the forward ran replaces the earlier preparation."""
+        that the forward reads only tensors: growing rings make room, the columns are counted and a decode step's
+        plan is made with its ring masks and slots. Preparing again before the forward ran replaces the earlier
+        preparation."""
         self.cancel_step()
         self.reserve(length)
         self.seen_tokens += length
-        self.prepared = PreparedStep(valid, length)
+        plan = StepPlan(self.positions, valid, 1) if length == 1 else None  # a prompt's: its input gives its length
+        self.prepared = PreparedStep(valid, length, self.plan_rings(plan))
 
     def take_step(self, length: int) -> StepPlan:
-        """The plan of the prepared forward of `length` columns (the input's, a dynamic size when compiled)."""
-        return StepPlan(self.positions, self.prepared.valid, length)
+        """The plan of the prepared forward of `length` columns (the input's, a dynamic size when compiled): a decode
+        step's, made when it was prepared."""
+        return self.prepared.plan or StepPlan(self.positions, self.prepared.valid, length)
 
     def cancel_step(self) -> None:
         """Forget a prepared forward that did not run (its columns uncounted), before the cache is changed."""
@@ -304,6 +331,23 @@ class MaglevCache(SavedCache, Cache):
         tokens left."""
         plan = StepPlan(self.positions if rows is None else self.positions[rows], None, 1)
         plan.rows = rows
+        return self.plan_rings(plan)
+
+    def plan_rings(self, plan: StepPlan | None) -> StepPlan | None:
+        """Give each layer the `RingStep` of a one-token `plan` (made once for the layers of one capacity and
+        window), before the forward: its attention and ring write then read masks and slots instead of building
+        them. The layers of a chunk (or of no plan) get none: its attention builds masks per block of queries."""
+        steps, one_token = {}, plan is not None and plan.length == 1
+        record = None if self.records is None else self.records[0]
+        # dense rings written in every row share one row index; an engine's pages resolve their own rows
+        every_row = (torch.arange(plan.start.shape[0], device=plan.start.device)
+                     if one_token and plan.rows is None else None)
+        for layer in self.layers:
+            key = (layer.capacity, layer.window)
+            if one_token and key not in steps:
+                rows = every_row if plan.rows is None and layer.index is None else plan.rows
+                steps[key] = RingStep.of(plan, layer, rows, record)
+            layer.step = steps.get(key)
         return plan
 
     def advance_rows(self, rows: torch.Tensor, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
@@ -446,8 +490,9 @@ class MaglevCache(SavedCache, Cache):
             store.map_rows(fn)
         self.positions, self.last_memory, self.previous_embedding = (
             None if t is None else fn(t) for t in (self.positions, self.last_memory, self.previous_embedding))
-        if self.prepared is not None and self.prepared.valid is not None:
-            self.prepared = PreparedStep(fn(self.prepared.valid), self.prepared.length)
+        if self.prepared is not None:  # prepared again: its plan was made for the rows as they were
+            valid = self.prepared.valid
+            self.begin_step(None if valid is None else fn(valid), self.prepared.length)
         records = list(self.history)
         self.history.clear()
         for record in records:
@@ -498,6 +543,14 @@ class MaglevCache(SavedCache, Cache):
 
     def update(self, *args, **kwargs):
         raise NotImplementedError("MaglevCache is filled by the Maglev model itself, not through Cache.update")
+
+    def update_conv_state(self, *args, **kwargs):
+        raise NotImplementedError("MaglevCache has no convolution states (its layers hold rings of window keys and "
+                                  "values, which the Maglev model writes itself)")
+
+    def update_recurrent_state(self, *args, **kwargs):
+        raise NotImplementedError("MaglevCache has no linear-attention recurrent states: the recurrent memory is one "
+                                  "vector per row, which the Maglev model carries itself")
 
     # ----- saved caches ("prompt caching") ------------------------------------------------------
     def saved_state(self) -> tuple[dict[str, torch.Tensor], dict]:

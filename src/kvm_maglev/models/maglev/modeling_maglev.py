@@ -19,7 +19,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
-from .cache_maglev import EngineRing, MaglevCache, MaglevCacheLayer
+from .cache_maglev import EngineRing, MaglevCache, MaglevCacheLayer, RingStep, visible_keys
 from ...package_only.carried_card import CarriedCardMixin
 from ...package_only.hub_save import HubCodeSaveMixin
 from .configuration_maglev import MaglevConfig
@@ -121,13 +121,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
-    """[B, 1, Tq, Tk]: a query sees real keys (position >= 0) from `left` positions back up to its own."""
-    q = query_positions[:, :, None]
-    k = key_positions[:, None, :]
-    return ((k >= 0) & (k <= q) & (k >= q - left))[:, None]
-
-
 def block_mask(plan: StepPlan, left: int, block: tuple[int, int, int]) -> torch.Tensor:
     """Mask of one block's queries over the chunk's key columns [lo, end): each token sees itself and the real
     keys within `left` positions. Columns stay causal too: a padding query has the position of the next real
@@ -162,11 +155,25 @@ def windowed_attention(plan: StepPlan, q, k, v, left: int, eager: bool, prefix_m
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
+def ring_mask(plan: StepPlan, ring: MaglevCacheLayer):
+    """The mask of a chunk's block of queries over the ring's slots before the chunk and the chunk's own keys (per
+    block, as `windowed_attention` asks for it), built once per forward and shared by the layers of one capacity and
+    window."""
+    def mask(block: tuple[int, int, int]) -> torch.Tensor:
+        begin, end = block[1:]
+
+        def build() -> torch.Tensor:
+            slots = visible_keys(plan.query_positions[:, begin:end], ring.slot_positions(plan), ring.window)
+            return torch.cat([slots, block_mask(plan, ring.window, block)], dim=-1)
+        return plan.mask(("ring", ring.capacity, ring.window, begin), build)
+    return mask
+
+
 class MaglevAttention(nn.Module):
     """nanochat attention (GQA, value embeddings, rotary, QK-norm) with optional memory injection."""
 
     # Inside `runtime_speedups` (which sets it where the seam found runtime_maglev): a one-token step attends the ring
-    # as its matrix-vector products (`attend_ring`); False keeps the plain masked attention, the reference they equal.
+    # as its matrix-vector products (`attend`); False keeps the plain masked attention, the reference they equal.
     one_query_kernel = False
 
     def __init__(self, config: MaglevConfig, layer_idx: int, with_memory: bool):
@@ -199,7 +206,7 @@ class MaglevAttention(nn.Module):
             self.memory_gate = with_init(Linear(config.memory_gate_channels, self.num_kv_heads, bias=False),
                                          "zeros")
 
-    def forward(self, x, value_embedding, memory, rotary, window, store, plan):
+    def forward(self, x, value_embedding, memory, rotary, window, cache_layer, plan):
         # x: [B, T, hidden] gives heads [B, T, H, D]; a decode step's [B, hidden] (one token per row) gives them
         # as [B, H, 1, D], the layout attention reads: plain matrix products and no reshapes around them
         step = x.ndim == 2
@@ -221,7 +228,13 @@ class MaglevAttention(nn.Module):
         q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([q.shape[axis], k.shape[axis]], dim=axis)
         if not step:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        y = self.attend(q, k, v, window, store, plan)
+        if isinstance(cache_layer, EngineRing):  # a serving engine's pages: its operator attends and writes them
+            y = cache_layer.attention(q, k, v)
+        elif cache_layer is None:
+            y = self.attend(q, k, v, window, None, None, plan)
+        else:  # the ring is read before the chunk is written: a token takes the slot of a key it still sees
+            y = self.attend(q, k, v, window, cache_layer.read_ring(k, plan.rows), cache_layer, plan)
+            cache_layer.write_tokens(k, v, plan)
         return self.o_proj(y.reshape(x.shape[0], -1) if step else y.transpose(1, 2).reshape(*x.shape[:-1], -1))
 
     @property
@@ -229,32 +242,19 @@ class MaglevAttention(nn.Module):
         """attn_implementation="eager": attention as explicit products instead of torch's fused kernel."""
         return self.config._attn_implementation == "eager"
 
-    def attend(self, q, k, v, window: int, store, plan: StepPlan) -> torch.Tensor:
-        """The chunk's queries over the keys the layer's cache holds and the chunk's own; the chunk is stored."""
-        if store is None:
-            return windowed_attention(plan, q, k, v, window, self.eager)
-        if isinstance(store, EngineRing):  # a serving engine's pages: its operator attends and writes them
-            return store.attention(q, k, v)
-        y = self.attend_ring(q, k, v, store, plan)
-        store.write_tokens(k, v, plan)
-        return y
-
-    def attend_ring(self, q, k, v, ring: MaglevCacheLayer, plan: StepPlan) -> torch.Tensor:
-        """Over the ring's written slots within the layer's window before the chunk, and the chunk itself: a
-        one-token step with `one_query_kernel` on as runtime_maglev's matrix-vector products, else the plain
-        masked attention they equal."""
-        keys, values = ring.read_ring(k, plan.rows)
-        if runtime_maglev is not None and self.one_query_kernel and plan.length == 1:
-            return runtime_maglev.one_query_attention(q, k, v, keys, values, ring.written(plan))
-        capacity, window = ring.capacity, ring.window
-
-        def ring_mask(block: tuple[int, int, int]) -> torch.Tensor:
-            begin, end = block[1:]
-            def build() -> torch.Tensor:
-                slots = visible_keys(plan.query_positions[:, begin:end], ring.slot_positions(plan), window)
-                return torch.cat([slots, block_mask(plan, window, block)], dim=-1)
-            return plan.mask(("ring", capacity, window, begin), build)
-        return windowed_attention(plan, q, k, v, window, self.eager, ring_mask, (keys, values))
+    def attend(self, q, k, v, window: int, ring, cache_layer: MaglevCacheLayer | None, plan: StepPlan) -> torch.Tensor:
+        """The chunk's queries over `ring` (the cache layer's keys and values before the chunk; None: no cache) and the
+        chunk's own keys within `window`. A one-token step reads its masks from the layer's `RingStep`, made before
+        the forward, and with `one_query_kernel` on runs as runtime_maglev's matrix-vector products (the plain
+        attention it equals otherwise); a chunk runs block by block of queries."""
+        ring_step: RingStep | None = None if cache_layer is None else cache_layer.step
+        if ring_step is None:
+            masks = None if ring is None else ring_mask(plan, cache_layer)
+            return windowed_attention(plan, q, k, v, window, self.eager, masks, ring)
+        if runtime_maglev is not None and self.one_query_kernel:
+            return runtime_maglev.one_query_attention(q, k, v, *ring, ring_step.written)
+        keys, values = torch.cat([ring[0], k], dim=2), torch.cat([ring[1], v], dim=2)
+        return attention(q, keys, values, ring_step.mask, self.eager)
 
 
 class MaglevMLP(nn.Module):
@@ -283,9 +283,9 @@ class MaglevBlock(GradientCheckpointingLayer):
         self.self_attn = MaglevAttention(config, layer_idx, with_memory)
         self.mlp = MaglevMLP(config)
 
-    def forward(self, hidden, value_embedding, memory, rotary, window, store, plan):
+    def forward(self, hidden, value_embedding, memory, rotary, window, cache_layer, plan):
         hidden = hidden + self.self_attn(rms_norm(hidden, self.eps), value_embedding, memory, rotary, window,
-                                         store, plan)
+                                         cache_layer, plan)
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
@@ -492,7 +492,8 @@ class MaglevModel(MaglevPreTrainedModel):
 
     def run_stack(self, x0, value_embeddings, memory, cache, plan, rotary, prefiller=False, hidden_states=None):
         """One parallel pass over a chunk through P's (or Q's) blocks; returns `h` (after backout) and the
-        vector the memory is read from (`h` itself unless `memory_source_layer` names an earlier block)."""
+        vector the memory is read from (`h` itself unless `memory_source_layer` names an earlier block). A decode
+        step runs the same loop in `forward`, on the model's own layers."""
         config = self.config
         if memory is not None and self.memory_residual_proj is not None:
             x0 = x0 + self.memory_residual_proj(memory)
@@ -676,8 +677,9 @@ class MaglevModel(MaglevPreTrainedModel):
         cache that has read tokens) or a "prefiller" prompt (several tokens on an empty cache, Q reading them) - in
         eval mode and not recording for rollback; and if so its host side, done now: the input checks, the rows'
         real tokens and the column count go to the cache (`MaglevCache.begin_step`), so that the forward reads
-        tensors only and traces as one graph (`decode_step`, `prefill_step`). generate() runs it before each
-        forward (`MaglevForCausalLM.prepare_inputs_for_generation`); a forward not prepared runs it itself."""
+        tensors only and traces as one graph (a decode step in `forward`, a prompt in `prefill_step`). generate()
+        runs it before each forward (`MaglevForCausalLM.prepare_inputs_for_generation`); a forward not prepared runs
+        it itself."""
         if self.training or not isinstance(cache, MaglevCache) or cache.recording or cache.prompt_length is not None \
                 or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             return False
@@ -695,33 +697,6 @@ class MaglevModel(MaglevPreTrainedModel):
             self.check_positions(position_ids, cache, valid, input_ids)
         cache.begin_step(valid, length)
         return True
-
-    def decode_step(self, input_ids: torch.Tensor, cache: MaglevCache,
-                    output_hidden_states: bool | None = None) -> MaglevModelOutput:
-        """A prepared decode step (`prepare_step`): P on one token per row fed its row's memory, the rings written in
-        place. Tensors only - no host reads, no Python over rows - so a compiled forward traces it as one graph.
-        The same computation as `recurrent` (memory off: `decode_chunk`) for one token."""
-        config = self.config
-        hidden_states = [] if config_default(output_hidden_states, config, "output_hidden_states") else None
-        plan = cache.take_step(1)
-        x0, raw = self.embed(input_ids, cache.previous_embedding, plan.valid)
-        # the blocks run on [B, hidden] (one token per row): fewer reshapes around every product
-        token_ids = input_ids[:, 0]
-        values = self.value_embeddings_for(token_ids, x0.dtype)
-        memory = cache.last_memory[:, 0] if config.use_memory else None
-        head, memories = self.read_out(*self.run_stack(x0[:, 0], values, memory, cache, plan,
-                                                       self.rotary_for(plan.query_positions, x0.dtype),
-                                                       hidden_states=hidden_states))
-        head, memories = head[:, None], memories[:, None]
-        cache.advance(plan, raw, None if memory is None else memories)
-        if hidden_states is not None:
-            hidden_states = [state[:, None] for state in hidden_states] + [head]
-        return MaglevModelOutput(
-            last_hidden_state=head,
-            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
-            memories=memories if config.use_memory else None,
-            **{CACHE_NAME: cache},
-        )
 
     def prefill_step(self, input_ids: torch.Tensor, cache: MaglevCache,
                      output_hidden_states: bool | None = None) -> MaglevModelOutput:
@@ -795,9 +770,9 @@ class MaglevModel(MaglevPreTrainedModel):
     ) -> MaglevModelOutput:
         """One of FORWARD_MODES, chosen by `forward_mode`: `lifted` (default: in training mode, unless
         `config.training_forward` is "recurrent") runs lifted parallel training when the prefiller is kept;
-        `memory_inputs` (tests, research) runs P in parallel on the given `mu`. A decode step (one token per row
-        on a cache that has read tokens) runs `decode_step`, a "prefiller" prompt `prefill_step`, their host side
-        done first (`prepare_step`).
+        `memory_inputs` (tests, research) runs P in parallel on the given `mu` (`general_forward`). A decode step
+        (one token per row on a cache that has read tokens) runs here, a "prefiller" prompt in `prefill_step`,
+        their host side - input checks, positions, ring masks and slots - done first (`prepare_step`).
 
         Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
         and the model is strictly causal (right padding needs no mask). `position_ids`, when given, must be
@@ -810,12 +785,54 @@ class MaglevModel(MaglevPreTrainedModel):
         plain = use_cache is not False and memory_inputs is None and inputs_embeds is None and not lifted \
             and not boundary_kwargs(kwargs)
         prepared = isinstance(cache, MaglevCache) and cache.prepared is not None
-        if plain and (prepared or not self.training and self.prepare_step(input_ids, cache, attention_mask,
-                                                                           position_ids)):
-            step = self.decode_step if input_ids.shape[1] == 1 else self.prefill_step
-            return step(input_ids, cache, output_hidden_states)
-        if prepared:
-            cache.cancel_step()  # inputs a prepared step does not take: the general path counts its own columns
+        if not (plain and (prepared or not self.training and self.prepare_step(input_ids, cache, attention_mask,
+                                                                                position_ids))):
+            if prepared:
+                cache.cancel_step()  # inputs a prepared step does not take: the general path counts its own columns
+            return self.general_forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache,
+                                        output_attentions, output_hidden_states, lifted, memory_inputs, kwargs)
+        if input_ids.shape[1] > 1:
+            return self.prefill_step(input_ids, cache, output_hidden_states)
+
+        # A decode step: P on one token per row fed its row's memory, the rings written in place; its positions, ring
+        # masks and slots were made with the step (`prepare_step`). The same computation as `recurrent` (memory
+        # off: `decode_chunk`) for one token, on [B, hidden] (fewer reshapes around every product).
+        config = self.config
+        plan = cache.take_step(1)
+        x0, raw = self.embed(input_ids, cache.previous_embedding, plan.valid)
+        values = self.value_embeddings_for(input_ids[:, 0], x0.dtype)
+        rotary = self.rotary_for(plan.query_positions, x0.dtype)
+        memory = cache.last_memory[:, 0] if config.use_memory else None
+        x0 = x0[:, 0]
+        if memory is not None and self.memory_residual_proj is not None:
+            x0 = x0 + self.memory_residual_proj(memory)
+        hidden_states = [] if config_default(output_hidden_states, config, "output_hidden_states") else None
+        x, backout, source = x0, None, None
+        for i, layer in enumerate(self.layers):
+            if self.residual_lambdas is not None:
+                x = self.residual_lambdas[i] * x + self.x0_lambdas[i] * x0
+            if hidden_states is not None:
+                hidden_states.append(x[:, None])
+            x = layer(x, values[i], memory, rotary, config.decoder_windows[i], cache.layers[i], plan)
+            if self.backout_lambda is not None and i == config.backout_layer:
+                backout = x
+            if i == config.memory_source_layer:
+                source = x
+        if backout is not None:
+            x = x - self.backout_lambda.to(x.dtype) * backout
+        head, memories = self.read_out(x, x if source is None else source)
+        head, memories = head[:, None], memories[:, None]
+        cache.advance(plan, raw, None if memory is None else memories)
+        return MaglevModelOutput(
+            last_hidden_state=head,
+            hidden_states=None if hidden_states is None else (*hidden_states, head),
+            memories=memories if config.use_memory else None,
+            **{CACHE_NAME: cache},
+        )
+
+    def general_forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache,
+                        output_attentions, output_hidden_states, lifted, memory_inputs, kwargs) -> MaglevModelOutput:
+        """`forward` of all but a prepared step: packed batches, training, scoring, prompts and chunks on a cache."""
         documents = packed_documents(position_ids, attention_mask, kwargs, *input_ids.shape[:2], "Maglev") \
             if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
         if documents is not None:
@@ -1062,10 +1079,13 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             and not torch.compiler.is_compiling()
         if last_only:
             self.model.last_position_only = True
+        # the base model outside a compiled graph, unless training or a prepared step (their forwards trace as one)
+        base = self.model if training or prepared else partial(run_uncompiled, self.model)
         try:
-            outputs = self._base_forward(training or prepared, input_ids, attention_mask, position_ids, cache,
-                                         inputs_embeds, use_cache, output_attentions, output_hidden_states, lifted,
-                                         memory_inputs, kwargs)
+            outputs = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                           output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                           lifted=lifted, memory_inputs=memory_inputs, return_dict=True, **boundary_kwargs(kwargs))
         finally:
             if last_only:
                 self.model.last_position_only = False
@@ -1089,24 +1109,6 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             logits=logits,
             hidden_states=outputs.hidden_states,
             **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
-        )
-
-    def _base_forward(self, direct, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache,
-                      output_attentions, output_hidden_states, lifted, memory_inputs, kwargs):
-        """The base model's forward (outside a compiled graph unless `direct`: training or a prepared step)."""
-        return (self.model if direct else partial(run_uncompiled, self.model))(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            lifted=lifted,
-            memory_inputs=memory_inputs,
-            return_dict=True,
-            **boundary_kwargs(kwargs),
         )
 
     @staticmethod

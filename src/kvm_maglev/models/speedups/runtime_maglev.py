@@ -1,6 +1,6 @@
 """Maglev's one-query ring attention, kept apart from the math (modeling_maglev): inside `model.runtime_speedups()`
 (runtime_switch), which `generate()` opens, a one-token step attends over a ring as matrix-vector products, without
-copying the ring. `MaglevAttention.attend_ring` calls `one_query_attention` where its seam found this module and the
+copying the ring. `MaglevAttention.attend` calls `one_query_attention` where its seam found this module and the
 `one_query_kernel` flag is on, beside the plain attention it equals up to float rounding.
 """
 
@@ -11,7 +11,7 @@ import torch
 
 def one_query_attention(q, k, v, ring_keys, ring_values, written) -> torch.Tensor:
     """One query per row [B, H, 1, D] over the ring's `written` slots and its own key/value, as
-    `MaglevAttention.attend_ring` computes it: ring logits as keys @ q, the output as probs @ values."""
+    `MaglevAttention.attend` computes it: ring logits as keys @ q, the output as probs @ values."""
     batch, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
