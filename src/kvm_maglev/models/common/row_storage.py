@@ -5,6 +5,7 @@ reads and writes through it the same way in both cases, in place."""
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import CacheLayerMixin
 
 
 class RowStorage:
@@ -93,3 +94,49 @@ class RowStorage:
 
     def map_rows(self, fn) -> None:
         self.tensors = {name: fn(tensor) for name, tensor in self.tensors.items()}
+
+
+class RowCacheLayer(RowStorage, CacheLayerMixin):
+    """A cache layer of per-row tensors on transformers' cache-layer API: what applies works, the rest refuses with
+    its reason (each row stands at its own position, which the cache keeps; the layers hold rings and states,
+    not one key and one value tensor)."""
+
+    supports_early_init = False  # storage is made by the first forward, for its rows
+
+    def __init__(self) -> None:
+        RowStorage.__init__(self)  # not CacheLayerMixin's: no single keys/values tensors here
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.tensors)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        raise NotImplementedError(f"{type(self).__name__} makes its storage in the first forward, for its rows: "
+                                  "rings (and states) per row, not one key and one value tensor")
+
+    def update(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} is written by its model's attention, not through "
+                                  "Cache.update()")
+
+    def get_seq_length(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__}'s rows stand at their own positions: ask the cache "
+                                  "(`get_seq_length()` counts columns, `row_lengths()` each row's tokens)")
+
+    def get_max_length(self) -> int:
+        return -1  # no maximum sequence length: the rings slide
+
+    def get_mask_sizes(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__}: the model builds its own masks over ring slots, per row")
+
+    def offload(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} stays on the model's device (no offloading)")
+
+    def prefetch(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} stays on the model's device (no offloading)")
+
+    def reset(self) -> None:
+        self.tensors = {}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Storage row i becomes old row beam_idx[i] (the cache moves the rows' positions with them)."""
+        self.map_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .configuration_kvm import (CACHE_CONFIG_FIELDS, KVMConfig, folded_blocks, slots_after_folds, state_slots_after,
                                  window_start)
 from .runtime_kvm import PacedFold, paces_folds
 from .state_kvm import Fold, block_fold, readable_state, run_fold
-from ..common.row_storage import RowStorage
+from ..common.row_storage import RowCacheLayer
 from ..common.saved_cache import SavedCache, tensors_under
 from ..common.step_plan import RowTokens
 
@@ -51,51 +51,23 @@ class LayerJournal:
     shifts: dict = field(default_factory=dict)  # stream -> [tokens, width] inputs
 
 
-class RingLayer(RowStorage, CacheLayerMixin):
-    """What both kinds of layer hold, on transformers' cache-layer API: a ring of the newest keys and values
-    (position p in slot p % ring size), the token-shift carries, and how a decoding step writes its token and
-    reads what attention needs (`update`). Its rows stand at their own positions, which the cache keeps."""
+class RingLayer(RowCacheLayer):
+    """What both kinds of layer hold, on transformers' cache-layer API (`RowCacheLayer`): a ring of the newest keys
+    and values (position p in slot p % ring size), the token-shift carries, and how a decoding step writes its
+    token and reads what attention needs (`update`)."""
 
     is_sliding = False
-    supports_early_init = False  # storage is made by the first forward, for its rows
     ring_names = WINDOW  # the ring tensors a decoding step writes (merge gates: when the layer has them)
     read_names = READ  # the state tensors its attention reads beside the ring (none for a sliding layer)
 
     def __init__(self, config: KVMConfig, layer_idx: int, ring_size: int) -> None:
-        RowStorage.__init__(self)  # not CacheLayerMixin's: no single keys/values tensors here
+        super().__init__()
         self.config, self.layer_idx, self.ring_size = config, layer_idx, ring_size
         self.journal: LayerJournal | None = None
 
-    @property
-    def is_initialized(self) -> bool:
-        return bool(self.tensors)
-
-    def lazy_initialization(self, *args, **kwargs) -> None:
-        raise NotImplementedError("KVM cache layers make their storage in the first forward, for its rows: a ring, "
-                                  "a state and carries per row, not one key and one value tensor")
-
-    def get_seq_length(self) -> int:
-        raise NotImplementedError("a KVM cache layer's rows stand at their own positions: ask the cache "
-                                  "(`get_seq_length()` counts columns, `row_lengths()` each row's tokens)")
-
-    def get_max_length(self) -> int:
-        return -1  # the state grows with the context (within `max_state_slots`)
-
-    def get_mask_sizes(self, *args, **kwargs):
-        raise NotImplementedError("KVM layers build their own masks: ring slots and state slots, per row")
-
-    def offload(self) -> None:
-        raise NotImplementedError("KVM cache layers stay on the model's device (no offloading)")
-
-    def prefetch(self) -> None:
-        raise NotImplementedError("KVM cache layers stay on the model's device (no offloading)")
-
     def reset(self) -> None:
-        self.tensors, self.journal, self.pending = {}, None, None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Storage row i becomes old row beam_idx[i] (the cache moves the rows' positions with them)."""
-        self.map_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+        super().reset()
+        self.journal, self.pending = None, None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, gates: torch.Tensor | None, step,
                entering: tuple | None = None) -> tuple:
@@ -259,7 +231,7 @@ def fit_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, 0, 0, slots - tensor.shape[2]))
 
 
-def new_cache_layer(config: KVMConfig, layer_idx: int) -> RowStorage:
+def new_cache_layer(config: KVMConfig, layer_idx: int) -> RingLayer:
     cls = SlidingWindowCacheLayer if config.is_sliding_window_layer(layer_idx) else KVMCacheLayer
     return cls(config, layer_idx)
 

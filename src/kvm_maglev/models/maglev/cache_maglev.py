@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_capacity
-from ..common.row_storage import RowStorage
+from ..common.row_storage import RowCacheLayer
 from ..common.saved_cache import SavedCache, tensors_under
 from ..common.step_plan import StepPlan, gather_columns
 
@@ -59,8 +59,8 @@ class RingStep:
         return cls(torch.cat([slots, own], dim=-1), written, plan.start % ring.capacity, rows, valid, record)
 
 
-class MaglevCacheLayer(RowStorage):
-    """One decoder layer's ring of the last `window` keys/values of each row ("keys", "values" [rows, Hkv, capacity,
+class MaglevCacheLayer(RowCacheLayer):
+    """One decoder layer's ring, on transformers' cache-layer API (`RowCacheLayer`), of the last `window` keys/values of each row ("keys", "values" [rows, Hkv, capacity,
     D], memory already injected); position p lives in slot p % capacity.
 
     A growing ring (nanochat's window pattern, whose windows span the training context) starts small and doubles
@@ -76,6 +76,9 @@ class MaglevCacheLayer(RowStorage):
         self.batch = 0  # rows of a dense ring (set by the cache)
         self.records: list | None = None  # while recording, per column of the forward: what the layers overwrote
         self.step: RingStep | None = None  # a one-token forward's masks and slots (`MaglevCache.plan_rings`)
+
+    def reset(self) -> None:
+        self.__init__(self.window, self.grows)
 
     def reserve(self, columns: int) -> None:
         """Make room before a forward that ends at `columns` columns: a growing ring takes more slots (up to its
@@ -228,11 +231,11 @@ class MaglevCache(SavedCache, Cache):
     CACHE_CONFIG_FIELDS = CACHE_CONFIG_FIELDS
 
     def __init__(self, config: MaglevConfig, max_rollback: int = 256):
-        super().__init__(layers=[])
+        super().__init__(layers=[MaglevCacheLayer(window, grows=config.windows_grow)
+                                 for window in config.decoder_windows])
         self.config = config
         self.fingerprint = self.config_fingerprint(config)
         self.max_rollback = max_rollback
-        self.layers = [MaglevCacheLayer(window, grows=config.windows_grow) for window in config.decoder_windows]
         self.seen_tokens = 0
         self.positions: torch.Tensor | None = None
         self.last_memory: torch.Tensor | None = None
