@@ -166,11 +166,13 @@ class KVMCacheLayer(RingLayer):
 
     def fold_ahead(self, starts: list[int], counts: list[int], normalize, dtype: torch.dtype) -> None:
         """When folds are paced (runtime_kvm.paces_folds), after a forward of rows that stood at `starts` and read
-        `counts` tokens (or before a decoding step), all at one position: start or advance the fold of the block that leaves the window at the next chunk boundary, one stage every
-        `stride` decoding steps, or all of it after a multi-token forward (a prefill). With two or more window
-        chunks the block and the state it folds into are final a chunk ahead."""
+        `counts` tokens (or before a decoding step), all at one position: start or advance the fold of the block
+        that leaves the window at the next chunk boundary, one stage every `stride` decoding steps, or all of it
+        after a multi-token forward (a prefill). With two or more window chunks the block and the state it folds
+        into are final a chunk ahead."""
         config, seen = self.config, starts[0] + counts[0]
-        if not paces_folds(self) or config.window_chunks < 2 or not seen or len(set(starts)) > 1 or len(set(counts)) > 1:
+        if (not paces_folds(self) or config.window_chunks < 2 or not seen or len(set(starts)) > 1
+                or len(set(counts)) > 1):
             return
         block = (seen - 1) // config.chunk_size + 1 - config.window_chunks
         if block < 1 or folded_blocks(config, seen) != block - 1:

@@ -1,15 +1,12 @@
-"""Inference speed-ups for KVM models, kept apart from the math (modeling_kvm, state_kvm).
+"""KVM's paced fold, kept apart from the math (state_kvm) and from the cache layers that carry it (cache_kvm).
 
 Whatever steps the model (generate(), a loop of one's own), a decoding forward on a dense cache whose rows stand at
 one position computes ahead the fold of the block that leaves the window at the next chunk boundary, one of
 state_kvm's fold stages every few decoding steps, so that the boundary step costs what any other step costs: the
 cache's layers carry the fold under way (`pending`) and own it: a forward advances it (`KVMCacheLayer.fold_ahead`)
-and the fold round at the boundary swaps it in (`KVMCacheLayer.take_fold_ahead`). A serving engine's paged cache folds at the boundary, batched.
-Inside `model.runtime_speedups()` (runtime_switch), which `generate()` opens, linear layers also compute on
-oneDNN, batched steps on blocked weight copies (onednn_linear). Each computes what the plain path computes: the
-fold bit for bit, the linears up to float rounding. Measurements behind them: docs/kvm_runtime_notes.md.
+and the fold round at the boundary swaps it in (`KVMCacheLayer.take_fold_ahead`), the same tensors bit for bit. A
+serving engine's paged cache folds at the boundary, batched. Measurements behind it: docs/kvm_runtime_notes.md.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -60,8 +60,9 @@ class RingStep:
 
 
 class MaglevCacheLayer(RowCacheLayer):
-    """One decoder layer's ring, on transformers' cache-layer API (`RowCacheLayer`), of the last `window` keys/values of each row ("keys", "values" [rows, Hkv, capacity,
-    D], memory already injected); position p lives in slot p % capacity.
+    """One decoder layer's ring of the last `window` keys/values of each row ("keys", "values" [rows, Hkv, capacity,
+    D], memory already injected), on transformers' cache-layer API (`RowCacheLayer`); position p lives in slot
+    p % capacity.
 
     A growing ring (nanochat's window pattern, whose windows span the training context) starts small and doubles
     up to its window with the columns read, so a short sequence keeps a short cache; until it reaches its window
