@@ -91,9 +91,12 @@ def token_shift(tokens: RowTokens, x: torch.Tensor, mix: torch.Tensor, cache_lay
     has read tokens before, else itself ("first") or zero ("zero")."""
     if isinstance(tokens, DecodeStep):  # one token per row: its predecessor is the row's carry, which it replaces
         carry = cache_layer.tensors[f"carry.{name}"]
-        rows = slice(None) if cache_layer.index is None else cache_layer.index
-        shifted = x + mix * (carry[rows].to(x.dtype)[None] - x)
-        carry[rows] = x[0].to(carry.dtype)
+        if cache_layer.index is None:  # dense: the carry tensor is the rows'
+            shifted = x + mix * (carry.to(x.dtype)[None] - x)
+            carry.copy_(x[0])
+        else:
+            shifted = x + mix * (carry[cache_layer.index].to(x.dtype)[None] - x)
+            carry[cache_layer.index] = x[0].to(carry.dtype)
         return shifted
     if isinstance(tokens, EngineStep):
         return tokens.token_shift(x, mix, cache_layer, name, first)
