@@ -222,3 +222,20 @@ def test_remote_code_takes_the_installed_speedups_only_at_its_version(kind, tmp_
     assert linears and all(type(module) is torch.nn.Linear for module in linears)
     with torch.no_grad(), model.runtime_speedups():
         assert torch.equal(model(ids, use_cache=False).logits, expected)
+
+
+def test_a_generated_file_carries_only_what_its_model_uses():
+    """Shared modules bring another model's helpers and the docs' table writer along; the generated files leave
+    them out (the folders still load and give the package's logits: the tests above)."""
+    kvm, maglev = hub_code.hub_code_files("kvm"), hub_code.hub_code_files("maglev")
+    assert "def bucket_mask" not in kvm["modeling_kvm.py"] and "def bucket_mask" in maglev["modeling_maglev.py"]
+    assert "class EngineStep" in kvm["modeling_kvm.py"] and "class EngineStep" not in maglev["modeling_maglev.py"]
+    assert all("def markdown_table" not in text for files in (kvm, maglev) for text in files.values())
+
+
+def test_unused_definitions_go_and_named_ones_stay():
+    text = ("def used():\n    pass\n\n\n# nobody calls it\ndef unused():\n    return helper()\n\n\n"
+            "def helper():\n    pass\n\n\nX = used()\n")
+    assert hub_code.without_unused(text) == "def used():\n    pass\n\n\nX = used()\n"
+    assert "def helper" in hub_code.without_unused(text, read_elsewhere="from .x import helper")
+

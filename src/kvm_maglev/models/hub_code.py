@@ -10,8 +10,9 @@ decoding kernel, Maglev's one-query attention), which no model module imports: e
 takes an installed kvm_maglev's speed-ups only at that version and is the plain torch model otherwise. The modeling
 file imports its configuration from the sibling file; everything else it needs is in it, top-down (`hub_layout`):
 the model, the decoder layer, attention, cache, the state math last; then, in a marked section at the end, what
-only paces work at run time (`RUNTIME`: KVM's paced folds). Nothing is copied by hand and no generated file is
-checked in: `build_hub_folder` writes them.
+only paces work at run time (`RUNTIME`: KVM's paced folds). Top-level definitions the files do not use are left
+out (`without_unused`). Nothing is copied by hand and no generated file is checked in: `build_hub_folder` writes
+them.
 
     python -m kvm_maglev.models.hub_code kvm OUT_DIR   # write the two files of a model type, to read them
 """
@@ -262,6 +263,37 @@ def generate(root: str, keep: set[str], told_top_down: bool = False) -> str:
     return "\n\n\n".join(part for part in parts if part) + "\n"
 
 
+def top_level_name(node: ast.stmt) -> str | None:
+    """The one name a top-level function, class or assignment without calls defines (None for any other statement:
+    an assignment that calls something may do more than name its result)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None \
+            or any(isinstance(part, ast.Call) for part in ast.walk(node.value)):
+        return None
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return targets[0].id if len(targets) == 1 and isinstance(targets[0], ast.Name) else None
+
+
+def without_unused(text: str, read_elsewhere: str = "") -> str:
+    """`text` without the top-level definitions that nothing in it names, nor `read_elsewhere` (the file that imports
+    from it): what a shared module brings along that this model does not use (another model's helpers, the docs'
+    table writer). Any mention keeps a name, a docstring's too; comment lines right above a definition go with it."""
+    while True:
+        lines = text.splitlines(keepends=True)
+        for node in ast.parse(text).body:
+            name = top_level_name(node)
+            if name and not name.startswith("__") and len(re.findall(rf"\b{re.escape(name)}\b", text)) + \
+                    len(re.findall(rf"\b{re.escape(name)}\b", read_elsewhere)) == 1:
+                break
+        else:
+            return re.sub(r"\n{4,}", "\n\n\n", text)
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+        while start and lines[start - 1].startswith("# ") and not lines[start - 1].startswith(("# ----", "# ====")):
+            start -= 1
+        text = "".join(lines[:start] + lines[node.end_lineno:])
+
+
 def hub_code_names(model_type: str) -> list[str]:
     """The two code files a Hub folder of `model_type` ("kvm", "maglev") ships."""
     return [f"configuration_{model_type}.py", f"modeling_{model_type}.py"]
@@ -270,8 +302,8 @@ def hub_code_names(model_type: str) -> list[str]:
 def hub_code_files(model_type: str) -> dict[str, str]:
     """File name -> text of the two code files a Hub folder of `model_type` ships."""
     configuration = f"{model_type}.configuration_{model_type}"
-    texts = [generate(configuration, set()), generate(f"{model_type}.modeling_{model_type}", {configuration}, told_top_down=True)]
-    return dict(zip(hub_code_names(model_type), texts))
+    modeling = without_unused(generate(f"{model_type}.modeling_{model_type}", {configuration}, told_top_down=True))
+    return dict(zip(hub_code_names(model_type), [without_unused(generate(configuration, set()), modeling), modeling]))
 
 
 def hub_auto_map(model_type: str) -> dict[str, str]:

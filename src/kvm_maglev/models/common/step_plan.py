@@ -12,8 +12,8 @@ back to the packed layout, where the head and the loss run as usual."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 import torch
 

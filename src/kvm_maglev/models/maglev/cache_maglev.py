@@ -7,8 +7,9 @@ so that `crop` rolls the cache back exactly.
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache
