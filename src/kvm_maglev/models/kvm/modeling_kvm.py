@@ -440,7 +440,7 @@ class KVMAttention(KVMAttentionBase):
         """`attend` on the forward's plan (its pieces and state schedule, made once and shared by the layers); a
         decoding step's in one graph (decode_step_kvm)."""
         if isinstance(tokens, DecodeStep):  # one token per row, in one graph (decode_step_kvm)
-            entering = self.first_chunk_entries(k, v, gate) if tokens.first_chunk is not None else None
+            entering = self.first_chunk_entries(k, v, gate, slice(None)) if tokens.first_chunk is not None else None
             page, state_keys, state_values, window_keys, window_values = cache_layer.update(k, v, gate, tokens,
                                                                                             entering)
             state_temperature = window_temperature = None
@@ -498,7 +498,7 @@ class KVMAttention(KVMAttentionBase):
         in_place = cache_layer is not None and not torch.is_grad_enabled()  # else the states keep their gradients
         if in_place:
             if schedule.first_chunk_rows.numel():
-                self.enter_first_chunk(k, v, gate, tokens, schedule, cache_layer, state_dtype)
+                self.enter_first_chunk(k, v, gate, tokens, schedule, cache_layer)
             working = self.stored_state(cache_layer, schedule) if schedule.folds else None
             if versions.get(0):
                 readers = versions[0]
@@ -558,25 +558,23 @@ class KVMAttention(KVMAttentionBase):
             keys, values = keys * gates, values * gates
         return keys, values, norms
 
-    def first_chunk_entries(self, k, v, gate) -> tuple:
-        """A decoding step's tokens as first-chunk state slots, one each, and those slots' read form (STATE + READ
-        order): what rows still in their first chunk enter their state with."""
-        state = self.first_chunk_slots(k, v, gate, slice(None), state_dtype_for(k.dtype))
+    def first_chunk_entries(self, k, v, gate, index) -> tuple:
+        """Tokens `index` as first-chunk state slots, one each, and those slots' read form (STATE + READ order):
+        what rows still in their first chunk enter their state with."""
+        state = self.first_chunk_slots(k, v, gate, index, state_dtype_for(k.dtype))
         return state + self.readable(state, k.dtype)
 
-    def enter_first_chunk(self, k, v, gate, tokens: RowTokens, schedule: StateSchedule, cache_layer,
-                          state_dtype: torch.dtype) -> None:
+    def enter_first_chunk(self, k, v, gate, tokens: RowTokens, schedule: StateSchedule, cache_layer) -> None:
         """First-chunk tokens into their rows' stored states, one slot each, with the slots' read form (both are
         per slot, so the rest of the state is untouched); kept in the journal while recording."""
         rows, slots = schedule.first_chunk_rows, schedule.first_chunk_slots
-        state = self.first_chunk_slots(k, v, gate, schedule.first_chunk_tokens, state_dtype)
-        read = readable_state(state, self.state_key_norm(state[0]), self.config.state_value_norms, k.dtype)
-        like = {name: (t.shape[1], t.shape[2], t.dtype, t.device) for name, t in zip(STATE + READ, state + read)}
+        entries = self.first_chunk_entries(k, v, gate, schedule.first_chunk_tokens)
+        like = {name: (t.shape[1], t.shape[2], t.dtype, t.device) for name, t in zip(STATE + READ, entries)}
         cache_layer.ensure_state(tokens.batch, schedule.first_chunk_capacity, like)
-        for name, tensor in zip(STATE + READ, state + read):
+        for name, tensor in zip(STATE + READ, entries):
             cache_layer.write(name, rows, tensor.detach(), slots)
         if cache_layer.journal is not None:
-            cache_layer.journal.first_chunk = (rows, slots, tuple(t.detach() for t in state + read))
+            cache_layer.journal.first_chunk = (rows, slots, tuple(t.detach() for t in entries))
 
     def stored_state(self, cache_layer, schedule: StateSchedule) -> tuple:
         """[r, Hkv, capacity, d] stored states of the rows whose state changes in this forward."""
