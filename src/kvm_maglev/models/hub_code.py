@@ -24,6 +24,7 @@ import ast
 import json
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -278,20 +279,21 @@ def top_level_name(node: ast.stmt) -> str | None:
 def without_unused(text: str, read_elsewhere: str = "") -> str:
     """`text` without the top-level definitions that nothing in it names, nor `read_elsewhere` (the file that imports
     from it): what a shared module brings along that this model does not use (another model's helpers, the docs'
-    table writer). Any mention keeps a name, a docstring's too; comment lines right above a definition go with it."""
+    table writer). Any mention keeps a name, a docstring's too; comment lines right above a definition go with it.
+    Each round drops every definition named only where it is defined, until none is."""
+    elsewhere = Counter(re.findall(r"\w+", read_elsewhere))
     while True:
-        lines = text.splitlines(keepends=True)
-        for node in ast.parse(text).body:
-            name = top_level_name(node)
-            if name and not name.startswith("__") and len(re.findall(rf"\b{re.escape(name)}\b", text)) + \
-                    len(re.findall(rf"\b{re.escape(name)}\b", read_elsewhere)) == 1:
-                break
-        else:
+        lines, mentions = text.splitlines(keepends=True), Counter(re.findall(r"\w+", text))
+        unused = [node for node in ast.parse(text).body if (name := top_level_name(node))
+                  and not name.startswith("__") and mentions[name] + elsewhere[name] == 1]
+        if not unused:
             return re.sub(r"\n{4,}", "\n\n\n", text)
-        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
-        while start and lines[start - 1].startswith("# ") and not lines[start - 1].startswith(("# ----", "# ====")):
-            start -= 1
-        text = "".join(lines[:start] + lines[node.end_lineno:])
+        for node in reversed(unused):  # from the bottom up, so that earlier line numbers still hold
+            start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+            while start and lines[start - 1].startswith("# ") and not lines[start - 1].startswith(("# ----", "# ====")):
+                start -= 1
+            del lines[start:node.end_lineno]
+        text = "".join(lines)
 
 
 def hub_code_names(model_type: str) -> list[str]:
