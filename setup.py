@@ -40,6 +40,7 @@ setup(
             "matplotlib>=3.7",
             "tqdm>=4",
             "parameterized>=0.9",  # transformers' own test_modeling_common.py, run by the suite
+            "ruff==0.17.6",  # .ci/run lints with the project's ruff.toml; pinned so that new rules arrive by choice
             "trl==1.16.0",  # tests/ecosystem/test_ecosystem_trl.py: SFT (packed), DPO and GRPO as a client
             # tests/models/kvm/test_decode_attention.py runs the KVM decoding kernel on Triton's CPU interpreter.
             # Unpinned: a CUDA torch pins its own Triton. Triton has no dependencies (no CUDA torch comes with it) and

@@ -25,7 +25,14 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator, set_seed
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+    set_seed,
+)
 
 from kvm_maglev.models.common.activation_checkpointing import enable_activation_checkpointing
 from kvm_maglev.training import (
@@ -34,9 +41,9 @@ from kvm_maglev.training import (
     MAGLEV_SCHEDULES,
     LossComponentsTrainer,
     MaglevStepCallback,
-    maglev_recipe_callbacks,
     group_texts_dataset,
     lora_target_modules,
+    maglev_recipe_callbacks,
     parameter_digest,
     training_block_size,
 )

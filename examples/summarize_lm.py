@@ -23,7 +23,6 @@ import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List
 
 from train_lm import ladder_rows
 
@@ -35,14 +34,14 @@ RECALL_FACTS = (1, 2)  # the recall targets the recipe rule requires, on every s
 RECALL_SEEDS = (0, 1, 2)
 
 
-def run_files(paths: List[Path]) -> List[Path]:
+def run_files(paths: list[Path]) -> list[Path]:
     """Every ``lm.json`` below the folders given, and the files given."""
     return [found for path in paths for found in ([path] if path.is_file() else sorted(path.rglob("lm.json")))]
 
 
-def load(folders: List[Path]) -> Dict[tuple, Dict[int, dict]]:
+def load(folders: list[Path]) -> dict[tuple, dict[int, dict]]:
     """(corpus, arm) -> {seed: that run's result row}."""
-    runs: Dict[tuple, Dict[int, dict]] = defaultdict(dict)
+    runs: dict[tuple, dict[int, dict]] = defaultdict(dict)
     for path in run_files(folders):
         run = json.loads(path.read_text())
         seed = int(run["settings"]["seed"])
@@ -51,12 +50,12 @@ def load(folders: List[Path]) -> Dict[tuple, Dict[int, dict]]:
     return runs
 
 
-def recipe_score(paths: List[Path], arm: str) -> dict:
+def recipe_score(paths: list[Path], arm: str) -> dict:
     """Score (1) of the recipe rule for one arm: per run (corpus, steps, seed) of the arm with a sliding window of
     the same corpus, steps and seed, P's own-memory BPB relative to that window (``own / window - 1``), and their
     mean."""
-    own: Dict[tuple, float] = {}
-    window: Dict[tuple, float] = {}
+    own: dict[tuple, float] = {}
+    window: dict[tuple, float] = {}
     for path in run_files(paths):
         run = json.loads(path.read_text())
         key = (run["corpus"], int(run["settings"]["steps"]), int(run["settings"]["seed"]))
@@ -78,7 +77,7 @@ def required(target: str) -> bool:
     return "prefiller-fed" not in target
 
 
-def recall_check(recall_summary: List[dict], arm: str) -> dict:
+def recall_check(recall_summary: list[dict], arm: str) -> dict:
     """Per fact count the rule asks for, per seed: the required targets the arm's own memory missed (summarize_recall's
     per-seed checks), and whether every one was met on every seed the rule names."""
     checks = {}
@@ -97,10 +96,11 @@ def recall_check(recall_summary: List[dict], arm: str) -> dict:
     return {"per_facts": checks, "all_met": met}
 
 
-def decide(paths: List[Path], recall_paths: List[Path], candidates: List[str]) -> dict:
+def decide(paths: list[Path], recall_paths: list[Path], candidates: list[str]) -> dict:
     """The recipe rule (docs/maglev_memory.md): score (1) and the recall targets per candidate, and the winner
     (candidates[0], the incumbent, keeps a tie and wins if no candidate meets the recall targets)."""
-    from summarize_recall import load_runs, summarize as summarize_recall
+    from summarize_recall import load_runs
+    from summarize_recall import summarize as summarize_recall
 
     recall_summary = summarize_recall(load_runs(recall_paths, {}))
     rows = [{**recipe_score(paths, arm), "recall": recall_check(recall_summary, arm)} for arm in candidates]
@@ -115,11 +115,11 @@ def decide(paths: List[Path], recall_paths: List[Path], candidates: List[str]) -
             "lead_over_incumbent": None if best is incumbent else incumbent["score"] - best["score"]}
 
 
-def spread(values: List[float]) -> Dict[str, float]:
+def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
-def summarize(runs: Dict[tuple, Dict[int, dict]]) -> List[dict]:
+def summarize(runs: dict[tuple, dict[int, dict]]) -> list[dict]:
     summary = []
     for (corpus, arm), per_seed in sorted(runs.items()):
         entry = {"corpus": corpus, "arm": arm, "seeds": sorted(per_seed)}
@@ -147,14 +147,14 @@ def summarize(runs: Dict[tuple, Dict[int, dict]]) -> List[dict]:
     return summary
 
 
-def ladder(runs: Dict[tuple, Dict[int, dict]]) -> List[dict]:
+def ladder(runs: dict[tuple, dict[int, dict]]) -> list[dict]:
     """Per corpus and rung, the seeds' mean BPB and past-window change against the sliding window (train_lm's
     ladder rebuilt per seed from every run of its arms)."""
-    per_seed: Dict[tuple, Dict[str, dict]] = defaultdict(dict)
+    per_seed: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for (corpus, arm), seeds in runs.items():
         for seed, row in seeds.items():
             per_seed[(corpus, seed)][arm] = row
-    rungs: Dict[tuple, List[dict]] = defaultdict(list)
+    rungs: dict[tuple, list[dict]] = defaultdict(list)
     for (corpus, seed), results in sorted(per_seed.items()):
         for row in ladder_rows(results):
             rungs[(corpus, row["rung"])].append({**row, "seed": seed})
@@ -169,7 +169,7 @@ def ladder(runs: Dict[tuple, Dict[int, dict]]) -> List[dict]:
     return table
 
 
-def main(argv: List[str] = None) -> None:
+def main(argv: list[str] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=None)

@@ -17,10 +17,9 @@ import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List
 
 
-def run_files(paths: List[Path]) -> List[Path]:
+def run_files(paths: list[Path]) -> list[Path]:
     """Every ``recall.json`` below the folders given, and the files given."""
     return [found for path in paths for found in ([path] if path.is_file() else sorted(path.rglob("recall.json")))]
 
@@ -29,10 +28,10 @@ def is_capacity_run(run: dict) -> bool:
     return "num_queries" in run["task"]
 
 
-def load_runs(folders: List[Path], aliases: Dict[str, str]) -> Dict[tuple, List[dict]]:
+def load_runs(folders: list[Path], aliases: dict[str, str]) -> dict[tuple, list[dict]]:
     """(facts, model) -> the per-seed result rows (each with its seed); a model trained with another init than
     PyTorch's defaults is its own group. Capacity runs are left to `summarize_capacity`."""
-    groups: Dict[tuple, List[dict]] = defaultdict(list)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
     for path in run_files(folders):
         run = json.loads(path.read_text())
         if is_capacity_run(run):
@@ -46,17 +45,17 @@ def load_runs(folders: List[Path], aliases: Dict[str, str]) -> Dict[tuple, List[
     return groups
 
 
-def _spread(values: List[float]) -> Dict[str, float]:
+def _spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.mean(values), "median": statistics.median(values), "min": min(values),
             "max": max(values)}
 
 
-def summarize_capacity(paths: List[Path]) -> List[dict]:
+def summarize_capacity(paths: list[Path]) -> list[dict]:
     """Per model of the capacity runs (grouped by the run's settings but the seed and output): seeds, recall by
     length and by (length, facts) as mean / median / min / max over seeds, per-seed recall by length, cache bytes
     per length (the same on every seed) and, for KVM, the state slots. A group trained for other steps than most
     runs is labelled with its steps, so an extra arm never mixes with the equal-steps comparison."""
-    groups: Dict[tuple, List[dict]] = defaultdict(list)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
     for path in run_files(paths):
         run = json.loads(path.read_text())
         if not is_capacity_run(run):
@@ -88,22 +87,22 @@ def summarize_capacity(paths: List[Path]) -> List[dict]:
     return summary
 
 
-def median_curve(rows: List[dict], key: str) -> Dict[str, float] | None:
+def median_curve(rows: list[dict], key: str) -> dict[str, float] | None:
     curves = [row[key] for row in rows if key in row]
     if not curves:
         return None
     return {d: statistics.median(curve[d] for curve in curves) for d in curves[0]}
 
 
-def past_window(curve: Dict[str, float], window: int) -> Dict[str, float]:
+def past_window(curve: dict[str, float], window: int) -> dict[str, float]:
     return {d: r for d, r in curve.items() if int(d) > window}
 
 
-def check_targets(facts: int, own: Dict[str, float], fed: Dict[str, float] | None, window: int) -> Dict[str, bool]:
+def check_targets(facts: int, own: dict[str, float], fed: dict[str, float] | None, window: int) -> dict[str, bool]:
     """The issue's targets for P's own memory, on median recall."""
     inside = [r for d, r in own.items() if int(d) <= window]
     beyond = past_window(own, window)
-    checks: Dict[str, bool] = {}
+    checks: dict[str, bool] = {}
     if facts == 1:
         checks["1 fact: >= 95% at every distance up to 8x the window"] = min(own.values()) >= 0.95
     elif facts == 2:
@@ -120,7 +119,7 @@ def check_targets(facts: int, own: Dict[str, float], fed: Dict[str, float] | Non
     return checks
 
 
-def summarize(groups: Dict[tuple, List[dict]]) -> List[dict]:
+def summarize(groups: dict[tuple, list[dict]]) -> list[dict]:
     summary = []
     for (facts, name), rows in sorted(groups.items()):
         window = rows[0]["window"]
@@ -140,7 +139,7 @@ def summarize(groups: Dict[tuple, List[dict]]) -> List[dict]:
     return summary
 
 
-def plot_medians(summary: List[dict], folder: Path) -> None:
+def plot_medians(summary: list[dict], folder: Path) -> None:
     """recall_facts<N>.png: median recall per distance of every model (Maglev also prefiller-fed)."""
     from kvm_maglev.recall import plot_recall
 
@@ -155,7 +154,7 @@ def plot_medians(summary: List[dict], folder: Path) -> None:
         plot_recall(curves, first["chance"], first["window"], folder / f"recall_facts{facts}.png")
 
 
-def main(argv: List[str] = None) -> None:
+def main(argv: list[str] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=None)

@@ -22,8 +22,9 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +37,13 @@ from kvm_maglev.corpora import cast_corpus, cast_header, name_pool, pack_bytes, 
 from kvm_maglev.models.kvm.modeling_kvm import KVMSlidingWindowAttention
 from kvm_maglev.models.maglev.modeling_maglev import rms_norm
 from kvm_maglev.recall import memory_prefill
-from kvm_maglev.training import (MAGLEV_RECIPE, MAGLEV_RECIPES, MaglevRecurrentFrom, MaglevStepCallback,
-                                 maglev_recipe_callbacks)
+from kvm_maglev.training import (
+    MAGLEV_RECIPE,
+    MAGLEV_RECIPES,
+    MaglevRecurrentFrom,
+    MaglevStepCallback,
+    maglev_recipe_callbacks,
+)
 
 WIDTH, LAYERS, HEADS, WINDOW, SEQ_LEN, VOCAB = 64, 2, 2, 32, 256, 257  # 256 bytes + BOS
 BOS = 256
@@ -101,7 +107,7 @@ class CastOracleFed(nn.Module):
         return torch.where(read[..., None], code[:, None, :], self.unread)
 
     def forward(self, input_ids: torch.Tensor, cast: torch.Tensor, header_end: torch.Tensor,
-                labels: Optional[torch.Tensor] = None, **kwargs: Any):
+                labels: torch.Tensor | None = None, **kwargs: Any):
         mu = self.memory_inputs(cast, header_end, input_ids.shape[1])
         return self.maglev(input_ids=input_ids, labels=labels, memory_inputs=mu, **kwargs)
 
@@ -113,7 +119,7 @@ class SelfFeedFrom(TrainerCallback):
     def __init__(self, step: int, passes: int):
         self.step, self.passes = step, passes
 
-    def on_step_begin(self, args, state, control, model: Optional[nn.Module] = None, **kwargs) -> None:
+    def on_step_begin(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
         model.config.memory_self_feed_steps = self.passes if state.global_step >= self.step else 0
 
 
@@ -130,21 +136,21 @@ RecurrentFrom = MaglevRecurrentFrom
 # lifted-then-recurrent arms: name -> (share of the steps trained lifted, MAGLEV_RECIPES fields of that phase). The
 # recipe `self_feed2_then_recurrent_late` (self_feed2, then P on its own rollouts for the last quarter) is a named
 # recipe with a schedule (MAGLEV_SCHEDULES), so its arm is `maglev_self_feed2_then_recurrent_late` like every recipe's.
-SWITCH_ARMS: Dict[str, tuple] = {
+SWITCH_ARMS: dict[str, tuple] = {
     "maglev_w0_then_recurrent": (0.5, MAGLEV_RECIPES["self_feed2_w0"]),
     "maglev_w0_then_recurrent_late": (0.75, MAGLEV_RECIPES["self_feed2_w0"]),
     "maglev_w0_then_recurrent_residual": (0.5, {**MAGLEV_RECIPES["self_feed2_w0"], "memory_residual_injection": True}),
 }
 
 # the teacher-schedule arms: name -> (consistency weight after the switch, extra config fields)
-TEACHER_ARMS: Dict[str, tuple] = {
+TEACHER_ARMS: dict[str, tuple] = {
     "maglev_teacher_w1": (1.0, {}),
     "maglev_teacher_w3": (3.0, {}),
     "maglev_teacher_w1_residual": (1.0, {"memory_residual_injection": True}),
 }
 
 # every arm: name -> builder(training steps)
-ARMS: Dict[str, Callable[[int], nn.Module]] = {
+ARMS: dict[str, Callable[[int], nn.Module]] = {
     "swa_baseline": lambda steps: _nanochat(use_memory=False, sliding_window=WINDOW, has_prefiller=False),
     **{f"maglev_{name}": (lambda steps, recipe=recipe: _maglev(**recipe)) for name, recipe in MAGLEV_RECIPES.items()},
     # the shipped recipe under the name train_recall.py and the examples give it
@@ -179,7 +185,7 @@ LADDER = (
 LADDER_ARMS = list(dict.fromkeys(arm for _, arm, _ in LADDER))
 
 
-def cast_labels(rows: torch.Tensor) -> Dict[str, torch.Tensor]:
+def cast_labels(rows: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per cast-corpus row (a story's opening): `cast` [rows, 3] pool indices and `header_end` [rows], the row
     position of the header's closing "."."""
     index = {name: i for i, name in enumerate(CAST_POOL)}
@@ -210,7 +216,7 @@ def corpus_rows(name: str, seed: int, header_offset: int = 0, min_rows: int = 0)
     return train, validation[pick]
 
 
-def arm_recipe(name: str) -> Optional[str]:
+def arm_recipe(name: str) -> str | None:
     """The MAGLEV_RECIPES entry an arm trains with (`maglev` the shipped one), None for other arms."""
     if name == "maglev":
         return MAGLEV_RECIPE
@@ -218,10 +224,10 @@ def arm_recipe(name: str) -> Optional[str]:
     return recipe if recipe in MAGLEV_RECIPES else None
 
 
-def arm_callbacks(name: str, model: nn.Module, steps: int) -> List[TrainerCallback]:
+def arm_callbacks(name: str, model: nn.Module, steps: int) -> list[TrainerCallback]:
     """The callbacks of a Maglev arm's recipe (the step callback; a recipe's schedule), the teacher arms'
     self-feeding from half way and the switch arms' move to recurrent training."""
-    callbacks: List[TrainerCallback] = []
+    callbacks: list[TrainerCallback] = []
     if isinstance(model, MaglevForCausalLM):
         recipe = arm_recipe(name)
         callbacks = maglev_recipe_callbacks(recipe, steps) if recipe else [MaglevStepCallback()]
@@ -232,7 +238,7 @@ def arm_callbacks(name: str, model: nn.Module, steps: int) -> List[TrainerCallba
     return callbacks
 
 
-def train_one(name: str, rows: torch.Tensor, labels: Optional[Dict[str, torch.Tensor]],
+def train_one(name: str, rows: torch.Tensor, labels: dict[str, torch.Tensor] | None,
               args: argparse.Namespace) -> nn.Module:
     set_seed(args.seed)
     model = ARMS[name](args.steps)
@@ -255,7 +261,7 @@ def train_one(name: str, rows: torch.Tensor, labels: Optional[Dict[str, torch.Te
     return model.eval()
 
 
-def eval_modes(model: nn.Module) -> Dict[str, str]:
+def eval_modes(model: nn.Module) -> dict[str, str]:
     """Result key -> Maglev prompt mode ("" leaves the model alone) under which a model is scored."""
     if isinstance(model, CastOracleFed):
         return {"oracle": ""}
@@ -264,7 +270,7 @@ def eval_modes(model: nn.Module) -> Dict[str, str]:
     return {"recurrent": ""}
 
 
-def probe_features(outputs: Any, mode: str) -> Dict[str, torch.Tensor]:
+def probe_features(outputs: Any, mode: str) -> dict[str, torch.Tensor]:
     """What the probe reads from a base model's output: P's memories (own in "recurrent" mode, fed the prefiller's
     in "prefiller" mode), the prefiller's, or, without memory, the head input."""
     if outputs.memories is None:
@@ -276,12 +282,12 @@ def probe_features(outputs: Any, mode: str) -> Dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def score(model: nn.Module, rows: torch.Tensor, labels: Optional[Dict[str, torch.Tensor]], mode: str, batch: int,
+def score(model: nn.Module, rows: torch.Tensor, labels: dict[str, torch.Tensor] | None, mode: str, batch: int,
           progress: bool, keep_features: bool) -> tuple:
     """(per-byte nats [rows, SEQ_LEN - 1], {feature name: [rows, SEQ_LEN, width]} when kept) of the uncached
     forward in the given Maglev prompt mode; the oracle-fed arm reads each row's cast."""
     base = model.maglev.model if isinstance(model, CastOracleFed) else getattr(model, "model", None)
-    captured: List[Any] = []
+    captured: list[Any] = []
     hook = base.register_forward_hook(lambda module, inputs, output: captured.append(output)) \
         if keep_features and base is not None else None
     losses, features = [], {}
@@ -302,7 +308,7 @@ def score(model: nn.Module, rows: torch.Tensor, labels: Optional[Dict[str, torch
     return torch.cat(losses), {key: torch.cat(parts) for key, parts in features.items()}
 
 
-def bits(nats: torch.Tensor) -> Dict[str, float]:
+def bits(nats: torch.Tensor) -> dict[str, float]:
     """Bits per byte over all predicted bytes, the first window's and the rest's (column j predicts byte j + 1)."""
     return {"all": nats.mean().item() / math.log(2), "first_window": nats[:, : WINDOW - 1].mean().item() / math.log(2),
             "past_window": nats[:, WINDOW - 1:].mean().item() / math.log(2)}
@@ -334,8 +340,8 @@ def fit_probe(x: torch.Tensor, y: torch.Tensor, l2: float = 1e-4, iterations: in
     return probe
 
 
-def cast_probe(train: torch.Tensor, train_labels: Dict[str, torch.Tensor], validation: torch.Tensor,
-               validation_labels: Dict[str, torch.Tensor]) -> Dict[str, float]:
+def cast_probe(train: torch.Tensor, train_labels: dict[str, torch.Tensor], validation: torch.Tensor,
+               validation_labels: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per distance band from the header: top-3 recall on validation rows (the share of the cast among the probe's
     three highest-scoring names; chance 3/200) of a linear probe fit on training rows' features."""
     result = {}
@@ -350,7 +356,7 @@ def cast_probe(train: torch.Tensor, train_labels: Dict[str, torch.Tensor], valid
     return result
 
 
-def ladder_rows(results: Dict[str, dict]) -> List[dict]:
+def ladder_rows(results: dict[str, dict]) -> list[dict]:
     """The ladder's rungs whose arms ran: BPB and the past-window change against the sliding window."""
     baseline = results.get("swa_baseline", {}).get("recurrent", {}).get("past_window")
     rows = []
@@ -363,11 +369,11 @@ def ladder_rows(results: Dict[str, dict]) -> List[dict]:
     return rows
 
 
-def evaluate(model: nn.Module, rows: torch.Tensor, probe_rows: Optional[torch.Tensor],
-             labels: Optional[Dict[str, torch.Tensor]], probe_labels: Optional[Dict[str, torch.Tensor]],
-             args: argparse.Namespace) -> Dict[str, Any]:
+def evaluate(model: nn.Module, rows: torch.Tensor, probe_rows: torch.Tensor | None,
+             labels: dict[str, torch.Tensor] | None, probe_labels: dict[str, torch.Tensor] | None,
+             args: argparse.Namespace) -> dict[str, Any]:
     """BPB per evaluation mode; on cast also the cast-membership probe of every feature the model exposes."""
-    result: Dict[str, Any] = {}
+    result: dict[str, Any] = {}
     probe = labels is not None and not isinstance(model, CastOracleFed) and not isinstance(model, KVMForCausalLM)
     for key, mode in eval_modes(model).items():
         nats, features = score(model, rows, labels, mode, args.eval_batch, args.progress, keep_features=probe)
@@ -380,7 +386,7 @@ def evaluate(model: nn.Module, rows: torch.Tensor, probe_rows: Optional[torch.Te
     return result
 
 
-def main(argv: List[str] = None) -> None:
+def main(argv: list[str] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--corpus", choices=("cast", "stdlib"), default="cast")

@@ -21,15 +21,14 @@ state's slots at the training length (equal state bytes there); full attention i
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
 
 import torch
 from transformers import Trainer, TrainingArguments, set_seed
 
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
-from kvm_maglev.capacity import (CapacityTask, build_capacity_dataset, evaluate_capacity, plot_capacity,
-                                 recall_by_length)
+from kvm_maglev.capacity import CapacityTask, build_capacity_dataset, evaluate_capacity, plot_capacity, recall_by_length
 from kvm_maglev.demo import save_demo_model
 from kvm_maglev.recall import (
     RecallTask,
@@ -81,7 +80,7 @@ def _kvm(args: argparse.Namespace, **budget) -> torch.nn.Module:
     return KVMForCausalLM(config)
 
 
-def _maglev(args: argparse.Namespace, use_memory: bool, sliding_window: Optional[int] = WINDOW,
+def _maglev(args: argparse.Namespace, use_memory: bool, sliding_window: int | None = WINDOW,
             **recipe) -> torch.nn.Module:
     recipe = {"consistency_weight": 0.1, **recipe}  # a recipe may name its own weight
     config = MaglevConfig(
@@ -122,7 +121,7 @@ def _kvm_fixed(args: argparse.Namespace) -> torch.nn.Module:
     return _kvm(args, state_budget_mode="fixed", state_budget_min=2 * CHUNK, state_max_chunks=2)
 
 
-MODELS: Dict[str, Callable[[argparse.Namespace], torch.nn.Module]] = {
+MODELS: dict[str, Callable[[argparse.Namespace], torch.nn.Module]] = {
     "kvm_fixed": _kvm_fixed,
     "kvm_sqrt": lambda args: _kvm(args, state_budget_factor=args.state_factor, **SQRT_BUDGET),
     "maglev": lambda args: _maglev(args, True, weight_init=args.weight_init, **MAGLEV_RECIPES[MAGLEV_RECIPE]),
@@ -136,7 +135,7 @@ DEMO_MODELS = ["kvm_fixed", "kvm_sqrt", "maglev", "swa_baseline"]
 CAPACITY_MODELS = ["kvm_fixed", "kvm_sqrt", "swa_baseline", "full_attention"]
 
 
-def model_recipe(name: str) -> Optional[str]:
+def model_recipe(name: str) -> str | None:
     """The MAGLEV_RECIPES entry a Maglev model trains with (`maglev`: the shipped one), None for other models."""
     if name == "maglev":
         return MAGLEV_RECIPE
@@ -144,7 +143,7 @@ def model_recipe(name: str) -> Optional[str]:
     return recipe if recipe in MAGLEV_RECIPES else None
 
 
-def distance_weights(distances: List[int], in_window_share: Optional[float]) -> Optional[List[float]]:
+def distance_weights(distances: list[int], in_window_share: float | None) -> list[float] | None:
     """Sampling weights giving queries inside the window (distance <= WINDOW) `in_window_share` of the draws,
     uniform within each side; None (uniform over all) when no share is given. Every model of one run sees
     the same data."""
@@ -186,7 +185,7 @@ def train_one(name: str, args: argparse.Namespace, train_data) -> torch.nn.Modul
     return model.eval()
 
 
-def save_recall_model(model, target: Path, name: str, distances: List[int], args: argparse.Namespace) -> None:
+def save_recall_model(model, target: Path, name: str, distances: list[int], args: argparse.Namespace) -> None:
     """Keep config, weights and the task it learned; ``kvm-maglev demo`` adds the package's code and a card."""
     task_spec = {"task": args.task.__dict__, "window": WINDOW, "distances": distances, "steps": args.steps, "seed": args.seed}
     if args.in_window_share is not None:
@@ -196,7 +195,7 @@ def save_recall_model(model, target: Path, name: str, distances: List[int], args
     save_demo_model(model, target, task_spec)
 
 
-def parse_args(argv: List[str] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--task", choices=("recall", "capacity"), default="recall",
@@ -251,7 +250,7 @@ def parse_args(argv: List[str] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: List[str] = None) -> None:
+def main(argv: list[str] = None) -> None:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -292,7 +291,7 @@ def main(argv: List[str] = None) -> None:
         write_results(results, timings, args)  # after every model, so a long run can be read as it goes
 
 
-def measure(model, name: str, task: RecallTask, distances: List[int], examples: int, seed: int) -> Dict:
+def measure(model, name: str, task: RecallTask, distances: list[int], examples: int, seed: int) -> dict:
     """Recall per distance: "recurrent" is the model's own inference (Maglev: P alone on its own memory; other
     models: their cache), "prefiller" a Maglev prompt fed by its prefiller; plus Maglev's memory drift."""
     per_mode = evaluate_recall_per_mode(model, name, task, distances, examples, seed=seed)
@@ -305,7 +304,7 @@ def measure(model, name: str, task: RecallTask, distances: List[int], examples: 
     return row
 
 
-def measure_capacity(model, args: argparse.Namespace, seed: int) -> Dict:
+def measure_capacity(model, args: argparse.Namespace, seed: int) -> dict:
     """Capacity recall per evaluation length (mean over the fact counts) and per (length, facts), the cache's bytes
     per sequence (float32, at the last query's answer) and, for KVM, the state slots per layer at each length."""
     lengths = [args.task.seq_len * multiple for multiple in args.eval_multiples]
@@ -322,7 +321,7 @@ def measure_capacity(model, args: argparse.Namespace, seed: int) -> Dict:
     return row
 
 
-def write_results(results: Dict[str, Dict], timings: Dict[str, float], args: argparse.Namespace) -> None:
+def write_results(results: dict[str, dict], timings: dict[str, float], args: argparse.Namespace) -> None:
     summary = {
         "command": "python examples/train_recall.py " + " ".join(_argv_of(args)),
         "task": args.task.__dict__,
@@ -344,7 +343,7 @@ def write_results(results: Dict[str, Dict], timings: Dict[str, float], args: arg
     print(f"wrote {args.out / 'recall.json'} and {args.out / 'recall.png'}", flush=True)
 
 
-def _argv_of(args: argparse.Namespace) -> List[str]:
+def _argv_of(args: argparse.Namespace) -> list[str]:
     capacity = isinstance(args.task, CapacityTask)
     words = ["--task", "capacity"] if capacity else []
     words += ["--models", *args.models, "--facts", *map(str, args.facts), "--steps", str(args.steps), "--seed",

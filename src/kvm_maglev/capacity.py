@@ -12,13 +12,13 @@ greedy `generate()` tokens on the model's own cache: one prefill up to the first
 continues the same cache with the true answer and the next query appended.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from .compat import CACHE_KEYWORD, returned_cache
-from .recall import PAD_ID, QUERY_ID, BOS_ID, RecallExample, RecallTask
+from .recall import BOS_ID, PAD_ID, QUERY_ID, RecallExample, RecallTask
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class CapacityTask(RecallTask):
         return max(0, (self.queries_start - self.gap - 1) // 2)
 
     @property
-    def answer_positions(self) -> List[int]:
+    def answer_positions(self) -> list[int]:
         return [self.queries_start + 3 * i + 2 for i in range(self.num_queries)]
 
     def cell(self, seq_len: int, num_facts: int) -> "CapacityTask":
@@ -92,7 +92,7 @@ def build_capacity_dataset(task: CapacityTask, num_examples: int, facts: Sequenc
     import datasets
 
     generator = torch.Generator().manual_seed(seed)
-    rows: Dict[str, list] = {"input_ids": [], "labels": [], "answer_positions": [], "distances": [], "num_facts": []}
+    rows: dict[str, list] = {"input_ids": [], "labels": [], "answer_positions": [], "distances": [], "num_facts": []}
     cells = {count: task.cell(task.seq_len, count) for count in facts}
     for count in cells.values():
         count.validate()
@@ -107,7 +107,7 @@ def build_capacity_dataset(task: CapacityTask, num_examples: int, facts: Sequenc
 
 
 @torch.no_grad()
-def answer_queries(model, input_ids: torch.Tensor, answer_positions: Sequence[int]) -> Tuple[torch.Tensor, int]:
+def answer_queries(model, input_ids: torch.Tensor, answer_positions: Sequence[int]) -> tuple[torch.Tensor, int]:
     """Greedy answers [batch, queries] of rows whose queries sit at the same positions, through `generate()` on one
     cache: the first call reads the prompt up to the first answer, each later one continues the cache with the true
     answer and the next query. Also returns the cache's bytes per row when the last answer is asked for."""
@@ -125,13 +125,13 @@ def answer_queries(model, input_ids: torch.Tensor, answer_positions: Sequence[in
 
 
 def evaluate_capacity(model, task: CapacityTask, lengths: Sequence[int], facts: Sequence[int], num_sequences: int,
-                      seed: int, tokens_per_batch: int = 32768) -> Dict[str, Dict]:
+                      seed: int, tokens_per_batch: int = 32768) -> dict[str, dict]:
     """Exact-match recall per (evaluation length, fact count) over ``num_sequences`` sequences of ``num_queries``
     queries each, answered with `answer_queries`; and the cache bytes per sequence at the last answer, per length.
     Batches hold about ``tokens_per_batch`` tokens. Prompts come from a generator seeded with ``seed``."""
     generator = torch.Generator().manual_seed(seed)
-    recall: Dict[int, Dict[int, float]] = {}
-    cache_bytes: Dict[int, int] = {}
+    recall: dict[int, dict[int, float]] = {}
+    cache_bytes: dict[int, int] = {}
     for length in lengths:
         batch = max(1, tokens_per_batch // length)
         recall[length] = {}
@@ -148,12 +148,12 @@ def evaluate_capacity(model, task: CapacityTask, lengths: Sequence[int], facts: 
     return {"recall": recall, "cache_bytes": cache_bytes}
 
 
-def recall_by_length(recall: Dict[int, Dict[int, float]]) -> Dict[int, float]:
+def recall_by_length(recall: dict[int, dict[int, float]]) -> dict[int, float]:
     """Mean recall over the fact counts (equal queries each) per evaluation length."""
     return {length: sum(cells.values()) / len(cells) for length, cells in recall.items()}
 
 
-def plot_capacity(results: Dict[str, Dict], chance: float, train_length: int, path) -> None:
+def plot_capacity(results: dict[str, dict], chance: float, train_length: int, path) -> None:
     """Recall (%) against evaluation length, one panel per fact count and one line per model; ``results`` maps a
     model to {length: {facts: recall}} (keys may be strings, as in the JSON)."""
     import matplotlib

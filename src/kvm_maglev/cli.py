@@ -6,8 +6,7 @@ import importlib
 import importlib.metadata
 import signal
 import sys
-from collections.abc import Iterator
-from typing import Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 _SUBCOMMANDS = {
@@ -79,7 +78,7 @@ def _push_converted(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv == ["--version"]:  # answered before the subcommands (and torch) are imported
         print(f"kvm-maglev {version()}")

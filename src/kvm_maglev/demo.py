@@ -12,8 +12,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Dict, List, Mapping
 
 import torch
 
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234)
 
 
-def find_model_folders(models_dir: Path) -> List[Path]:
+def find_model_folders(models_dir: Path) -> list[Path]:
     """Model folders under ``models_dir`` (each has a config.json and the recall task it learned)."""
     folders = sorted(p.parent for p in models_dir.glob(f"*/{TASK_FILE}"))
     if not folders:
@@ -47,7 +47,7 @@ def find_model_folders(models_dir: Path) -> List[Path]:
     return folders
 
 
-def load_task(folder: Path) -> Dict:
+def load_task(folder: Path) -> dict:
     return json.loads((folder / TASK_FILE).read_text())
 
 
@@ -116,8 +116,9 @@ def _build_key(folder: Path, model_type: str) -> str:
 
 def _demo_card(folder: Path, model_type: str) -> str:
     """The model card, rendered from the kept config and the weights' parameter count."""
-    import kvm_maglev
     from safetensors import safe_open
+
+    import kvm_maglev
 
     from .convert.cards import render_model_card
 
@@ -129,7 +130,7 @@ def _demo_card(folder: Path, model_type: str) -> str:
                              recipe=load_task(folder).get("recipe"))
 
 
-def _numel(shape: List[int]) -> int:
+def _numel(shape: list[int]) -> int:
     count = 1
     for size in shape:
         count *= size
@@ -137,7 +138,7 @@ def _numel(shape: List[int]) -> int:
 
 
 @torch.no_grad()
-def decode_cost(model, task: RecallTask, decode_tokens: int, seed: int) -> Dict[str, float]:
+def decode_cost(model, task: RecallTask, decode_tokens: int, seed: int) -> dict[str, float]:
     """Cache bytes after a full-length prompt, and greedy decode ms/token after it (each step timed
     on the model's own cache, as generate() runs it)."""
     example = make_example(task, torch.Generator().manual_seed(seed), [])
@@ -153,7 +154,7 @@ def decode_cost(model, task: RecallTask, decode_tokens: int, seed: int) -> Dict[
     return {"cache_bytes": float(cache.nbytes()), "ms_per_token": 1e3 * elapsed / max(decode_tokens, 1)}
 
 
-def _table(rows: Dict[str, Dict], distances: List[int]) -> str:
+def _table(rows: dict[str, dict], distances: list[int]) -> str:
     header = f"{'model':<24}" + "".join(f"{'d=' + str(d):>8}" for d in distances) + f"{'cache KiB':>11}{'ms/token':>10}"
     lines = [header, "-" * len(header)]
     for name, row in rows.items():
@@ -165,7 +166,7 @@ def _table(rows: Dict[str, Dict], distances: List[int]) -> str:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     cache_dir = args.cache_dir or default_cache_dir()
-    rows: Dict[str, Dict] = {}
+    rows: dict[str, dict] = {}
     for folder in find_model_folders(args.models_dir):
         spec = load_task(folder)
         task = RecallTask(**spec["task"])

@@ -20,7 +20,6 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path, PurePath
-from typing import Optional, Union
 
 from kvm_maglev.convert.common import check_repo_id, repo_id_argument
 
@@ -48,13 +47,13 @@ TRAINING_STATE_PATTERNS = ["optimizer.pt", "optimizer.bin", "scheduler.pt", "sca
 
 
 def push_folder(
-    folder: Union[str, Path],
+    folder: str | Path,
     repo_id: str,
     *,
     private: bool = False,
-    revision: Optional[str] = None,
-    commit_message: Optional[str] = None,
-    token: Optional[str] = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
     include_training_state: bool = False,
 ) -> str:
     """Upload a converted model folder to `repo_id` (on branch `revision`); returns the commit id.
@@ -178,7 +177,7 @@ def _replace_file(path: Path, text: str) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def default_commit_message(folder: Union[str, Path]) -> str:
+def default_commit_message(folder: str | Path) -> str:
     """'Upload <model> converted from <source checkpoint>' (its file name or Hub reference, never a local
     path), or naming the folder when unrecorded."""
     folder = Path(folder)
@@ -191,7 +190,7 @@ def default_commit_message(folder: Union[str, Path]) -> str:
     return f"Upload {what} from {folder.resolve().name}"
 
 
-def find_source_checkpoint(folder: Union[str, Path]) -> Optional[str]:
+def find_source_checkpoint(folder: str | Path) -> str | None:
     """The source checkpoint recorded by the converter in config.json or the model card, if any."""
     folder = Path(folder)
     config = _read_json(folder / "config.json")
@@ -210,7 +209,7 @@ def find_source_checkpoint(folder: Union[str, Path]) -> Optional[str]:
     return None
 
 
-def _check_folder(folder: Union[str, Path]) -> Path:
+def _check_folder(folder: str | Path) -> Path:
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder: pass the output folder of `kvm-maglev convert`")
@@ -246,7 +245,7 @@ def _check_loadable_config(folder: Path) -> None:
                          "naming code for it, so the pushed folder would not load")
 
 
-def training_state_files(folder: Union[str, Path]) -> list[str]:
+def training_state_files(folder: str | Path) -> list[str]:
     """Names in `folder` that are training state (optimizer, scheduler, RNG, trainer arguments), sorted."""
     folder = Path(folder)
     return sorted({path.name for pattern in TRAINING_STATE_PATTERNS for path in folder.glob(pattern)})
@@ -307,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def push_after_convert(args: argparse.Namespace, out_dir: Union[str, Path]) -> Optional[str]:
+def push_after_convert(args: argparse.Namespace, out_dir: str | Path) -> str | None:
     """Pushes `out_dir` when the converter was given `--push-to-hub`; returns the commit id."""
     if not getattr(args, "push_to_hub", None):
         return None
@@ -322,5 +321,5 @@ def _add_repo_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", metavar="BRANCH", default=None, help="branch to commit to (created from main)")
 
 
-def _report(repo_id: str, revision: Optional[str], commit: str) -> None:
+def _report(repo_id: str, revision: str | None, commit: str) -> None:
     print(f"pushed to {repo_id}@{revision or 'main'}: commit {commit}")

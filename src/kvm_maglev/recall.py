@@ -9,9 +9,9 @@ Filler and values are random, so the only learnable targets are the answers: lab
 ``-100`` everywhere else.
 """
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -63,10 +63,10 @@ class RecallTask:
 
 @dataclass
 class RecallExample:
-    input_ids: List[int]
-    labels: List[int]
-    answer_positions: List[int]  # index i such that input_ids[i] is the answer (predicted at i-1)
-    distances: List[int]
+    input_ids: list[int]
+    labels: list[int]
+    answer_positions: list[int]  # index i such that input_ids[i] is the answer (predicted at i-1)
+    distances: list[int]
 
 
 def _fact_value_position(fact_index: int) -> int:
@@ -106,7 +106,7 @@ def make_example(
 
 def build_dataset(
     task: RecallTask, num_examples: int, distances: Sequence[int], queries_per_example: int, seed: int,
-    weights: Optional[Sequence[float]] = None,
+    weights: Sequence[float] | None = None,
 ):
     """A ``datasets.Dataset`` with input_ids / labels / answer_positions / distances columns.
 
@@ -121,7 +121,7 @@ def build_dataset(
         if weights.shape != pool.shape or (weights < 0).any() or not weights.sum() > 0:
             raise ValueError(f"weights must be {len(pool)} non-negative numbers, one per distance, not all zero")
     generator = torch.Generator().manual_seed(seed)
-    rows: Dict[str, list] = {"input_ids": [], "labels": [], "answer_positions": [], "distances": []}
+    rows: dict[str, list] = {"input_ids": [], "labels": [], "answer_positions": [], "distances": []}
     for _ in range(num_examples):
         if weights is None:
             picks = pool[torch.randint(len(pool), (queries_per_example,), generator=generator)].tolist()
@@ -136,7 +136,7 @@ def build_dataset(
 @torch.no_grad()
 def evaluate_recall(
     model, task: RecallTask, distances: Sequence[int], num_examples: int, seed: int, use_generate: bool = True
-) -> Dict[int, float]:
+) -> dict[int, float]:
     """Exact-match recall per distance: each prompt is cut right before its answer.
 
     The prompts of one distance form one left-padded batch. With ``use_generate`` the answer
@@ -145,7 +145,7 @@ def evaluate_recall(
     """
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    recall: Dict[int, float] = {}
+    recall: dict[int, float] = {}
     for distance in distances:
         prompts, answers = [], []
         attempts = 0
@@ -166,7 +166,7 @@ def evaluate_recall(
     return recall
 
 
-def prompt_modes(model) -> List[str]:
+def prompt_modes(model) -> list[str]:
     """Maglev prompt modes a model can be measured in: "recurrent" always, "prefiller" when the
     prefiller was kept (MAGLEV.md asks for recall under both); other models have one way to run."""
     config = model.config
@@ -190,7 +190,7 @@ def memory_prefill(model, mode: str):
 
 def evaluate_recall_per_mode(
     model, name: str, task: RecallTask, distances: Sequence[int], num_examples: int, seed: int
-) -> Dict[str, Dict[int, float]]:
+) -> dict[str, dict[int, float]]:
     """`evaluate_recall` under each of the model's prompt modes, keyed `name` (the default mode) or
     `name_<mode>_fed` (e.g. a Maglev prompt fed by its prefiller)."""
     results = {}
@@ -202,7 +202,7 @@ def evaluate_recall_per_mode(
 
 
 @torch.no_grad()
-def memory_drift(model, task: RecallTask, num_examples: int, seed: int, bucket: int) -> Dict[str, float]:
+def memory_drift(model, task: RecallTask, num_examples: int, seed: int, bucket: int) -> dict[str, float]:
     """Mean 1 - cosine between P's own recurrent memories m_t and the prefiller's m'_t, per block of
     ``bucket`` positions (keyed by the block's first position): how far inference drifts from what P was
     trained on. Needs a Maglev model that kept its prefiller."""
@@ -218,7 +218,7 @@ def memory_drift(model, task: RecallTask, num_examples: int, seed: int, bucket: 
     return {str(start): distance[start : start + bucket].mean().item() for start in range(0, distance.shape[0], bucket)}
 
 
-def left_pad(rows: List[List[int]], device: torch.device = None):
+def left_pad(rows: list[list[int]], device: torch.device = None):
     """Left-pad token rows with ``PAD_ID``; returns ``(input_ids, attention_mask)``."""
     width = max(len(row) for row in rows)
     input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
@@ -238,7 +238,7 @@ def _predict_next(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -1].argmax(-1)
 
 
-def default_distances(window: int, max_multiple: int = 8) -> List[int]:
+def default_distances(window: int, max_multiple: int = 8) -> list[int]:
     """Distances from half the attention window to ``max_multiple`` windows past it."""
     return sorted({max(2, window // 2), window - 2, *(window * k for k in (2, 4) if k <= max_multiple), window * max_multiple})
 
@@ -247,7 +247,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 LINE_STYLES = ("-", "--", "-.", ":")
 
 
-def plotted_curves(results: Dict[str, Dict[int, float]]) -> Dict[str, Tuple[List[float], List[float], str, str]]:
+def plotted_curves(results: dict[str, dict[int, float]]) -> dict[str, tuple[list[float], list[float], str, str]]:
     """Per model the points `plot_recall` draws - (distances, recall %, marker, line style) - each model nudged
     sideways by a few percent on the log axis and given its own marker, so models with equal recall (two at 100%,
     say) stay visible side by side instead of one hiding the other."""
@@ -261,7 +261,7 @@ def plotted_curves(results: Dict[str, Dict[int, float]]) -> Dict[str, Tuple[List
     return curves
 
 
-def plot_recall(results: Dict[str, Dict[int, float]], chance: float, window: int, path) -> None:
+def plot_recall(results: dict[str, dict[int, float]], chance: float, window: int, path) -> None:
     """Recall (%) against query distance per model, with chance and the attention window marked."""
     import matplotlib
 
@@ -286,7 +286,7 @@ def chance_level(task: RecallTask) -> float:
     return 1.0 / task.num_values
 
 
-def collate(batch: List[dict]) -> Dict[str, torch.Tensor]:
+def collate(batch: list[dict]) -> dict[str, torch.Tensor]:
     """Stack recall rows for Trainer (the task makes every row ``seq_len`` long: no padding)."""
     return {
         "input_ids": torch.tensor([row["input_ids"] for row in batch]),

@@ -14,8 +14,13 @@ import yaml
 from safetensors.torch import load_file
 
 from kvm_maglev.cli import main
-from kvm_maglev.convert.kvm import (CHANGED_DEFAULTS, convert, kvm_config_from_research, read_research_checkpoint,
-                                    research_commit_of)
+from kvm_maglev.convert.kvm import (
+    CHANGED_DEFAULTS,
+    convert,
+    kvm_config_from_research,
+    read_research_checkpoint,
+    research_commit_of,
+)
 from kvm_maglev.models.kvm import KVMForCausalLM
 from tests.convert.test_kvm_parity import assert_matches_reference
 from tests.returned_cache import returned_cache

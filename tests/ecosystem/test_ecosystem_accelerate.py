@@ -45,7 +45,8 @@ def test_two_process_ddp_run_of_the_finetune_example(model_dir, tmp_path):
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
         str(support.REPO_ROOT / "examples" / "finetune.py"),
-        "--model", str(model_dir), "--output-dir", str(out), "--block-size", str(support.training_block_size(model_dir)), "--max-steps", "3",
+        "--model", str(model_dir), "--output-dir", str(out), "--block-size", str(support.training_block_size(model_dir)),
+        "--max-steps", "3",
         "--batch-size", "2", "--logging-steps", "1", "--eval-steps", "3", "--save-steps", "3", "--check-replicas",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}

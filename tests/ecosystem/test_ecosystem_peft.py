@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.ecosystem import ecosystem_support as support
 from kvm_maglev.training import group_texts_dataset, lora_target_modules
+from tests.ecosystem import ecosystem_support as support
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -70,7 +70,8 @@ def test_lora_trainable_parameter_count(model_dir):
 def test_lora_example_trains_saves_reloads_merges_and_generates(model_dir, tmp_path):
     example = support.load_example("finetune")
     out = tmp_path / "lora"
-    argv = ["--model", str(model_dir), "--output-dir", str(out), "--block-size", str(support.training_block_size(model_dir)), "--max-steps", "4",
+    argv = ["--model", str(model_dir), "--output-dir", str(out), "--block-size", str(support.training_block_size(model_dir)),
+    "--max-steps", "4",
             "--batch-size", "2", "--learning-rate", "1e-2", "--eval-fraction", "0", "--save-steps", "4",
             "--lora", "--lora-rank", "4", "--merge-lora"]
     base = load(model_dir)

@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, default_data_collator
 
-from tests.ecosystem import ecosystem_support as support
 from kvm_maglev.models.common.activation_checkpointing import enable_activation_checkpointing
 from kvm_maglev.training import (
     MAGLEV_RECIPE,
@@ -16,6 +15,7 @@ from kvm_maglev.training import (
     group_texts_dataset,
     parameter_digest,
 )
+from tests.ecosystem import ecosystem_support as support
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -64,7 +64,8 @@ def test_finetune_example_lowers_the_loss(model_dir, tmp_path):
     example = support.load_example("finetune")
     out = tmp_path / "run"
     assert example.main([
-        "--model", str(model_dir), "--output-dir", str(out), "--block-size", str(support.training_block_size(model_dir)), "--max-steps", "12",
+        "--model", str(model_dir), "--output-dir", str(out), "--block-size", str(support.training_block_size(model_dir)),
+        "--max-steps", "12",
         "--batch-size", "4", "--learning-rate", "5e-3", "--logging-steps", "4", "--eval-steps", "12",
         "--save-steps", "12",
     ]) == 0

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvm_maglev.models.common.model_inputs import CACHE_NAME
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
-from kvm_maglev.models.common.model_inputs import CACHE_NAME
 
 VOCAB = 61
 PAD = 0

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 from kvm_maglev.models.common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG
+from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 from tests.generation.testers import PAD, TESTERS, cases, left_padded
 
 ALL = cases()

@@ -31,13 +31,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.models.maglev.test_maglev_model import randomize as randomize_maglev
 
-from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import CACHE_NAME, MaglevForCausalLM
+from kvm_maglev.package_only.saved_cache import load_cache, save_cache
+from tests.models.maglev.test_maglev_model import randomize as randomize_maglev
 
 VOCAB = 53
 ATOL = 1e-4  # float32 logits: parallel chunks and token-by-token steps differ only by rounding

@@ -4,7 +4,7 @@ factory, the cache class, and how to read a cache's state so two caches can be c
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch

@@ -47,7 +47,6 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 USER_NAME = "test-user"
@@ -72,13 +71,13 @@ def lfs_pointer(sha256: str, size: int) -> bytes:
 class FileEntry:
     size: int
     git_oid: str  # sha1 of the blob (for LFS files: of the pointer file, as on the Hub)
-    lfs_sha256: Optional[str] = None
+    lfs_sha256: str | None = None
 
 
 @dataclass
 class Commit:
     oid: str
-    parent: Optional[str]
+    parent: str | None
     title: str
     message: str
     date: str
@@ -97,7 +96,7 @@ class Repo:
     blobs: dict = field(default_factory=dict)  # git sha1 -> bytes (regular files)
     lfs: dict = field(default_factory=dict)  # sha256 -> bytes (LFS objects, uploaded before commit)
 
-    def resolve(self, revision: str) -> Optional[Commit]:
+    def resolve(self, revision: str) -> Commit | None:
         """Branch, tag or (possibly abbreviated) commit id -> commit."""
         oid = self.branches.get(revision) or self.tags.get(revision)
         if oid is None and re.fullmatch(r"[0-9a-f]{7,40}", revision):
@@ -109,7 +108,7 @@ class Repo:
 class HubError(Exception):
     """An HTTP error answer with the Hub's error code header."""
 
-    def __init__(self, status: int, message: str, code: Optional[str] = None, headers: Optional[dict] = None, **body):
+    def __init__(self, status: int, message: str, code: str | None = None, headers: dict | None = None, **body):
         super().__init__(message)
         self.status, self.message, self.code, self.headers, self.body = status, message, code, headers or {}, body
 
@@ -134,7 +133,7 @@ class HubState:
         self.lock = threading.RLock()
         self.commit_counter = 0
 
-    def new_commit(self, repo: Repo, parent: Optional[Commit], title: str, message: str, files: dict) -> Commit:
+    def new_commit(self, repo: Repo, parent: Commit | None, title: str, message: str, files: dict) -> Commit:
         self.commit_counter += 1
         listing = "".join(f"{p} {e.git_oid}\n" for p, e in sorted(files.items()))
         content = f"{parent.oid if parent else ''}\n{title}\n{message}\n{listing}{self.commit_counter}"
@@ -217,16 +216,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
         return status
 
-    def _send_json(self, status: int, payload, headers: Optional[dict] = None, method: str = "GET") -> int:
+    def _send_json(self, status: int, payload, headers: dict | None = None, method: str = "GET") -> int:
         return self._send(status, json.dumps(payload).encode(), {"Content-Type": "application/json", **(headers or {})}, method)
 
     def json_body(self):
         try:
             return json.loads(self.body or b"{}")
         except ValueError:
-            raise HubError(400, "Invalid JSON body")
+            raise HubError(400, "Invalid JSON body") from None
 
-    def bearer(self) -> Optional[str]:
+    def bearer(self) -> str | None:
         value = self.headers.get("Authorization", "")
         return value[len("Bearer "):] if value.startswith("Bearer ") else None
 
@@ -429,7 +428,8 @@ def _create_repo(hub, req) -> int:
     repo = Repo(repo_type, repo_id, private, _now())
     attributes = INITIAL_GITATTRIBUTES.encode()
     repo.blobs[git_blob_sha1(attributes)] = attributes
-    first = hub.state.new_commit(repo, None, "initial commit", "", {".gitattributes": FileEntry(len(attributes), git_blob_sha1(attributes))})
+    first = hub.state.new_commit(repo, None, "initial commit", "",
+                                {".gitattributes": FileEntry(len(attributes), git_blob_sha1(attributes))})
     repo.branches["main"] = first.oid
     hub.state.repos[(repo_type, repo_id)] = repo
     return req._send_json(200, {"url": url, "name": repo_id, "id": repo_id})
@@ -470,7 +470,7 @@ def _validate_yaml(req) -> int:
             try:
                 data = yaml.safe_load(match.group(1))
             except yaml.YAMLError as error:
-                raise HubError(400, f"Invalid YAML in README.md: {error}")
+                raise HubError(400, f"Invalid YAML in README.md: {error}") from error
             if data is not None and not isinstance(data, dict):
                 raise HubError(400, "Invalid YAML in README.md: metadata must be a mapping")
     return req._send_json(200, {"errors": [], "warnings": []})
@@ -646,7 +646,7 @@ def _delete_tag(hub, req, repo_type, repo_id, tag) -> int:
     return req._send_json(200, {})
 
 
-def _byte_range(header: Optional[str], size: int) -> Optional[tuple]:
+def _byte_range(header: str | None, size: int) -> tuple | None:
     """Parses a single `bytes=a-b` / `bytes=a-` / `bytes=-n` range; None when absent."""
     if not header:
         return None
@@ -802,7 +802,7 @@ def _commit(hub, req, repo_type, repo_id, revision) -> int:
     try:
         lines = [json.loads(line) for line in req.body.decode().splitlines() if line.strip()]
     except ValueError:
-        raise HubError(400, "Commit payload is not NDJSON")
+        raise HubError(400, "Commit payload is not NDJSON") from None
     if not lines or lines[0].get("key") != "header":
         raise HubError(400, "Commit payload must start with a header line")
     header = lines[0]["value"]

@@ -522,8 +522,8 @@ def test_push_builds_the_hub_folder_of_a_folder_without_code(tmp_path):
 
     from kvm_maglev import demo
     from kvm_maglev.convert.export import build_hub_folder, package_code_files
-    from kvm_maglev.models.hub_code import hub_auto_map
     from kvm_maglev.hub import _with_package_code
+    from kvm_maglev.models.hub_code import hub_auto_map
 
     kept = shutil.copytree(demo.RECALL_MODELS_DIR / "kvm_fixed", tmp_path / "kvm_fixed")
     before = {p.name: p.read_bytes() for p in kept.iterdir()}
@@ -705,7 +705,8 @@ def test_double_resolve_headers_ranges_and_error_codes():
         assert (status, headers["X-Error-Code"]) == (404, "RepoNotFound")
 
         tree = json.loads(_http(server, "GET", "/api/models/test-org/demo/tree/main?recursive=true")[2])
-        assert [(item["type"], item["path"]) for item in tree] == [("directory", "dir"), ("file", ".gitattributes"), ("file", "dir/data.txt")]
+        assert [(item["type"], item["path"]) for item in tree] == [
+            ("directory", "dir"), ("file", ".gitattributes"), ("file", "dir/data.txt")]
         info = json.loads(_http(server, "POST", "/api/models/test-org/demo/paths-info/main", b"paths=dir%2Fdata.txt&paths=nope&expand=true",
                                 {"Content-Type": "application/x-www-form-urlencoded"})[2])
         assert [(i["path"], i["oid"], i["lastCommit"]["id"]) for i in info] == [("dir/data.txt", git_oid, oid)]

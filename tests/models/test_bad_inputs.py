@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.generation.test_determinism import MODELS, PAD, VOCAB, build
 from transformers import DynamicCache
 
-from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
+from kvm_maglev.package_only.saved_cache import load_cache, save_cache
+from tests.generation.test_determinism import MODELS, PAD, VOCAB, build
 
 CACHE_CLASSES = {"kvm": KVMCache, "maglev": MaglevCache}
 

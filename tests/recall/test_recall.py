@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
-from kvm_maglev import demo
+from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM, demo
 from kvm_maglev.recall import (
     BOS_ID,
     QUERY_ID,

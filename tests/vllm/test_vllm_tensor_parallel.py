@@ -13,8 +13,17 @@ import pytest
 import torch
 
 from tests.vllm.folders import make_kvm_folder, make_maglev_folder
-from tests.vllm.test_vllm_serving import (ENGINE, MODELS, NEW_TOKENS, greedy, hf_continuation, hf_model, prompts,
-                                          run_schedule, split_prompts)
+from tests.vllm.test_vllm_serving import (
+    ENGINE,
+    MODELS,
+    NEW_TOKENS,
+    greedy,
+    hf_continuation,
+    hf_model,
+    prompts,
+    run_schedule,
+    split_prompts,
+)
 
 # vLLM's worker RPCs take a callable only with this set (the callables below are the test's own)
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

@@ -7,7 +7,6 @@ import os
 import platform
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, List
 
 import torch
 
@@ -48,14 +47,14 @@ def _progress(total: int):
         return None
 
 
-def run_benchmarks(args: argparse.Namespace) -> List[Measurement]:
+def run_benchmarks(args: argparse.Namespace) -> list[Measurement]:
     shape = SHAPES[args.shape]
     dtype = _DTYPES[args.dtype]
-    results: List[Measurement] = []
+    results: list[Measurement] = []
     runs = [(m, b, c) for m in args.models for b in args.batch_sizes
             for c in [1] + list(args.contexts if b == 1 else args.batched_contexts)]
     bar = _progress(len(runs))
-    models: Dict[str, torch.nn.Module] = {}
+    models: dict[str, torch.nn.Module] = {}
     for name, batch_size, context in runs:
         if name not in models:
             torch.manual_seed(args.seed)
@@ -73,8 +72,9 @@ def run_benchmarks(args: argparse.Namespace) -> List[Measurement]:
     return results
 
 
-def _table(results: List[Measurement]) -> str:
-    header = f"{'model':<16} {'batch':>5} {'context':>8} {'prefill s':>10} {'ms/tok med':>10} {'p99':>8} {'max':>8} {'max/med':>7} {'cpu max/med':>11} {'tok/s':>8} {'cache MiB':>10} {'closed MiB':>10}"
+def _table(results: list[Measurement]) -> str:
+    header = (f"{'model':<16} {'batch':>5} {'context':>8} {'prefill s':>10} {'ms/tok med':>10} {'p99':>8} {'max':>8} "
+              f"{'max/med':>7} {'cpu max/med':>11} {'tok/s':>8} {'cache MiB':>10} {'closed MiB':>10}")
     lines = [header, "-" * len(header)]
     for r in results:
         closed = "" if r.cache_bytes_closed_form is None else f"{r.cache_bytes_closed_form / 2**20:10.2f}"
@@ -88,7 +88,7 @@ def _table(results: List[Measurement]) -> str:
     return "\n".join(lines)
 
 
-def _plot(results: List[Measurement], out_dir: Path) -> Path:
+def _plot(results: list[Measurement], out_dir: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -5,7 +5,6 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 import torch
 
@@ -26,20 +25,20 @@ class Measurement:
     decode_ms_max: float
     decode_tokens_per_s: float
     cache_bytes: int
-    cache_bytes_closed_form: Optional[int]
-    step_ms: List[float] = field(default_factory=list)
+    cache_bytes_closed_form: int | None
+    step_ms: list[float] = field(default_factory=list)
     # CPU time the hypervisor took from this machine's CPUs during each step (None: not on Linux)
-    step_steal_ms: Optional[List[float]] = None
+    step_steal_ms: list[float] | None = None
     # decoding steps ran through torch.compile (the untimed first step compiled them)
     compiled: bool = False
     # the model was stepped directly, outside its runtime_speedups() block, as a server's own loop may
     direct: bool = False
     # CPU time of this process during each step: on a shared machine, unlike wall time, it leaves out the
     # time other processes held the cores (with one thread it is the step's own compute)
-    step_cpu_ms: Optional[List[float]] = None
+    step_cpu_ms: list[float] | None = None
 
     @property
-    def decode_ms_max_unstolen(self) -> Optional[float]:
+    def decode_ms_max_unstolen(self) -> float | None:
         """Slowest step during which the host took no CPU time (None without steal counts)."""
         if self.step_steal_ms is None:
             return None
@@ -47,7 +46,7 @@ class Measurement:
         return max(kept) if kept else None
 
     @property
-    def cpu_max_over_median(self) -> Optional[float]:
+    def cpu_max_over_median(self) -> float | None:
         """Slowest step's CPU time over the median step's (None without CPU times)."""
         if not self.step_cpu_ms:
             return None
@@ -59,7 +58,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _host_steal_ms() -> Optional[float]:
+def _host_steal_ms() -> float | None:
     """CPU time stolen by the hypervisor so far, summed over CPUs (/proc/stat); None where unavailable.
 
     On a virtual machine a step can stall because the host ran something else on its CPU (on this
@@ -73,7 +72,7 @@ def _host_steal_ms() -> Optional[float]:
         return None
 
 
-def _row_lengths(batch_size: int, context: int, generator: torch.Generator) -> List[int]:
+def _row_lengths(batch_size: int, context: int, generator: torch.Generator) -> list[int]:
     """Row 0 has the full context; other rows are shorter by up to a quarter (padded rows)."""
     if batch_size == 1:
         return [context]
@@ -81,7 +80,7 @@ def _row_lengths(batch_size: int, context: int, generator: torch.Generator) -> L
     return [context] + [context - c for c in cuts]
 
 
-def _left_padded_batch(lengths: List[int], vocab: int, generator: torch.Generator, device: torch.device):
+def _left_padded_batch(lengths: list[int], vocab: int, generator: torch.Generator, device: torch.device):
     width = max(lengths)
     ids = torch.randint(vocab, (len(lengths), width), generator=generator)
     mask = torch.zeros(len(lengths), width, dtype=torch.long)

@@ -1,7 +1,7 @@
 """Model shapes and builders for the benchmarks: our models and the baselines users would pick."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
@@ -91,7 +91,7 @@ def _maglev(shape: Shape, memory_prefill: str) -> torch.nn.Module:
     return MaglevForCausalLM(config)
 
 
-MODEL_BUILDERS: Dict[str, Callable[[Shape], torch.nn.Module]] = {
+MODEL_BUILDERS: dict[str, Callable[[Shape], torch.nn.Module]] = {
     # the research kvm_wd / kvm_sqrt16_wd budgets: 256 fixed slots, or 16 * sqrt(N) (min 256)
     "kvm_fixed": lambda shape: _kvm(
         shape, state_budget_mode="fixed", state_budget_min=shape.chunk_len, state_max_chunks=1
@@ -127,7 +127,7 @@ def _grouped(name: str, group: int) -> Callable[[Shape], torch.nn.Module]:
 
 
 # KVM with grouped-query attention: only on request (`--models`), as its head counts need a fitting shape
-GQA_BUILDERS: Dict[str, Callable[[Shape], torch.nn.Module]] = {
+GQA_BUILDERS: dict[str, Callable[[Shape], torch.nn.Module]] = {
     f"{name}_gqa{group}": _grouped(name, group) for name in ("kvm_fixed", "kvm_sqrt16") for group in (2, 4)
 }
 ALL_BUILDERS = {**MODEL_BUILDERS, **GQA_BUILDERS}
@@ -145,7 +145,7 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def closed_form_cache_bytes(model: torch.nn.Module, row_tokens: List[int]) -> Optional[int]:
+def closed_form_cache_bytes(model: torch.nn.Module, row_tokens: list[int]) -> int | None:
     """Cache size predicted from the config alone, for rows that read `row_tokens` real tokens each.
 
     Our caches keep each row's own tokens (a padded row holds less, and a KVM row's window depends on

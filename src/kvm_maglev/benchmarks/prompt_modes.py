@@ -33,9 +33,9 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -71,12 +71,12 @@ def recall_task(folder) -> tuple:
 
 
 def recall_by_length(model, task: RecallTask, window: int, multiples: Sequence[int], seeds: Sequence[int],
-                     examples: int) -> Dict[str, Dict[str, Dict[str, float]]]:
+                     examples: int) -> dict[str, dict[str, dict[str, float]]]:
     """{mode: {k: {seed: recall}}}: the query's answer k windows after its fact (the prompt ends right before it).
 
     Each length gets a task just long enough for its prompts (the facts block, the distance and the query), so the
     prompts of one length are as long as that distance allows and no longer."""
-    result: Dict[str, Dict[str, Dict[str, float]]] = {}
+    result: dict[str, dict[str, dict[str, float]]] = {}
     for mode in MODES:
         with memory_prefill(model, mode):
             for k in multiples:
@@ -118,11 +118,11 @@ def continuation_bits(model, rows: torch.Tensor, prompt: int, continuation: int,
 
 
 def lm_by_length(model, multiples: Sequence[int], seeds: Sequence[int], stories: int, continuation: int,
-                 batch: int) -> Dict[str, Dict[str, Dict[str, float]]]:
+                 batch: int) -> dict[str, dict[str, dict[str, float]]]:
     """{mode: {k: {seed: continuation BPB}}} with prompts of k windows (`config.sliding_window` bytes each)."""
     window = model.config.sliding_window
     rows = {seed: lm_rows(seed, stories, max(multiples) * window + continuation) for seed in seeds}
-    result: Dict[str, Dict[str, Dict[str, float]]] = {}
+    result: dict[str, dict[str, dict[str, float]]] = {}
     for mode in MODES:
         with memory_prefill(model, mode):
             for k in multiples:
@@ -134,7 +134,7 @@ def lm_by_length(model, multiples: Sequence[int], seeds: Sequence[int], stories:
 
 # ----- speed ---------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def time_generate_prompt(model, length: int, repeats: int, seed: int = 0) -> Dict[str, float]:
+def time_generate_prompt(model, length: int, repeats: int, seed: int = 0) -> dict[str, float]:
     """CPU and wall seconds (medians of `repeats`) of ``generate()`` reading one random prompt of `length` tokens
     and choosing one token: the prompt's forward is all it runs. One untimed warm-up call on a short prompt first
     (first-call allocations and dispatch caches are not what a prompt costs)."""
@@ -152,9 +152,9 @@ def time_generate_prompt(model, length: int, repeats: int, seed: int = 0) -> Dic
             "cpu_s_all": cpu, "wall_s_all": wall}
 
 
-def speed_by_length(model, window: int, multiples: Sequence[int], repeats: int) -> Dict[str, Dict[str, dict]]:
+def speed_by_length(model, window: int, multiples: Sequence[int], repeats: int) -> dict[str, dict[str, dict]]:
     """{mode: {k: time_generate_prompt of a k-window prompt}}."""
-    result: Dict[str, Dict[str, dict]] = {}
+    result: dict[str, dict[str, dict]] = {}
     for mode in MODES:
         with memory_prefill(model, mode):
             for k in multiples:
@@ -162,7 +162,7 @@ def speed_by_length(model, window: int, multiples: Sequence[int], repeats: int) 
     return result
 
 
-def generate_4k(length: int, repeats: Dict[str, int], shape_name: str) -> Dict[str, dict]:
+def generate_4k(length: int, repeats: dict[str, int], shape_name: str) -> dict[str, dict]:
     """The issue's measurement: prefill tokens/s of ``generate()`` on a `length`-token prompt, batch 1, for Maglev
     (the benchmark shape, prefiller kept; the same weights read in both modes) and a same-shape Llama from
     transformers, random weights, each with its ratio to Llama's (CPU time)."""
@@ -179,7 +179,7 @@ def generate_4k(length: int, repeats: Dict[str, int], shape_name: str) -> Dict[s
             continue
         with memory_prefill(maglev, mode):
             rows[f"maglev_{mode}"] = time_generate_prompt(maglev, length, repeats[mode])
-    for name, row in rows.items():
+    for row in rows.values():
         row["vs_llama_cpu"] = row["tokens_per_cpu_s"] / rows["llama"]["tokens_per_cpu_s"]
         row["vs_llama_wall"] = row["tokens_per_wall_s"] / rows["llama"]["tokens_per_wall_s"]
     return {"shape": shape_name, "shape_fields": shape.__dict__, "prompt_tokens": length, "rows": rows}
@@ -197,12 +197,12 @@ def decide(files: Sequence[dict], recall_margin: float = 0.02, bits_margin: floa
     recall of each recall model is at least recurrent's minus `recall_margin`, the continuation BPB (mean over the
     language models) at most recurrent's plus `bits_margin`, and from `speed_from` windows on the prefiller
     prompt is at least as fast on every model and on the 4k generate() measurement; otherwise "recurrent"."""
-    checks: List[dict] = []
+    checks: list[dict] = []
 
     def check(name: str, k, prefiller: float, recurrent: float, passed: bool) -> None:
         checks.append({"check": name, "k": k, "prefiller": prefiller, "recurrent": recurrent, "passed": passed})
 
-    bits: Dict[str, Dict[str, List[float]]] = {}
+    bits: dict[str, dict[str, list[float]]] = {}
     generate_rows = []
     for data in files:
         for name, model in data.get("models", {}).items():
@@ -284,7 +284,7 @@ def _progress(folder, row: dict) -> None:
                   flush=True)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     run = sub.add_parser("measure", help="measure folders and/or the 4k generate() comparison")

@@ -4,8 +4,8 @@ Each check is a ratio read off the run; a check whose rows were not measured (ot
 contexts were asked for) is left out rather than guessed.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, List, Optional
 
 from .decode import Measurement
 
@@ -27,21 +27,21 @@ class TargetCheck:
         return self.value <= self.bound if self.at_most else self.value >= self.bound
 
 
-def _row(results: List[Measurement], model: str, batch: int, context: int) -> Optional[Measurement]:
+def _row(results: list[Measurement], model: str, batch: int, context: int) -> Measurement | None:
     return next((r for r in results if (r.model, r.batch_size, r.context) == (model, batch, context)), None)
 
 
 def _ratio(
-    checks: List[TargetCheck], text: str, numerator: Optional[Measurement], denominator: Optional[Measurement],
+    checks: list[TargetCheck], text: str, numerator: Measurement | None, denominator: Measurement | None,
     field: Callable[[Measurement], float], bound: float, at_most: bool = True,
 ) -> None:
     if numerator is not None and denominator is not None and field(denominator) > 0:
         checks.append(TargetCheck(text, field(numerator) / field(denominator), bound, at_most))
 
 
-def check_targets(results: List[Measurement]) -> List[TargetCheck]:
+def check_targets(results: list[Measurement]) -> list[TargetCheck]:
     """Every target the run has the rows for (decode times are medians, batch 1 unless stated)."""
-    checks: List[TargetCheck] = []
+    checks: list[TargetCheck] = []
     contexts = sorted({r.context for r in results if r.context > 1})
     if not contexts:
         return checks
@@ -95,5 +95,5 @@ def check_targets(results: List[Measurement]) -> List[TargetCheck]:
     return checks
 
 
-def format_checks(checks: List[TargetCheck]) -> str:
+def format_checks(checks: list[TargetCheck]) -> str:
     return "\n".join(f"{'met ' if c.met else 'MISS'}  {c.value:8.3f}  {c.target}" for c in checks)

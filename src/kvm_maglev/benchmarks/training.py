@@ -40,8 +40,8 @@ def research_model(research_path: Path, fields: dict, seed: int, checkpointing: 
     """The research model of `fields` with seeded weights (its init zeroes output projections; here every
     parameter is perturbed so that every path carries signal), its per-block checkpointing on or off."""
     sys.path.insert(0, str(research_path))
-    from model.rwkv7_backbone import MixerConfig, RWKV7BackboneForCausalLM
     import utils.grad_cp
+    from model.rwkv7_backbone import MixerConfig, RWKV7BackboneForCausalLM
 
     utils.grad_cp.use_grad_cp = int(checkpointing)
     torch.manual_seed(seed)

@@ -102,7 +102,7 @@ def subsections(body: str) -> list[tuple[str, list[Statement]]]:
             cuts.append((line, []))
         else:
             cuts[-1][1].append(line)
-    return [(rule, statements("\n".join(lines))) for rule, lines in cuts if rule or any(l.strip() for l in lines)]
+    return [(rule, statements("\n".join(lines))) for rule, lines in cuts if rule or any(line.strip() for line in lines)]
 
 
 def reversed_module(parts: list[tuple[str, list[Statement]]]) -> list[tuple[str, Statement]]:

@@ -15,8 +15,8 @@ from vllm.forward_context import get_forward_context
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from kvm_maglev.models.common.step_plan import EngineStep
-from kvm_maglev.models.maglev.cache_maglev import EngineRing
 from kvm_maglev.models.kvm.modeling_kvm import token_shift as plain_token_shift
+from kvm_maglev.models.maglev.cache_maglev import EngineRing
 
 LIBRARY = Library("kvm_maglev", "FRAGMENT")  # alive as long as the module: the operators' lifetime
 

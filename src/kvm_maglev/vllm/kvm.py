@@ -27,12 +27,12 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 
+from kvm_maglev.models.common.step_plan import RowTokens
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_dtype_for
+from kvm_maglev.models.kvm.decode_step_kvm import DecodeStep
 from kvm_maglev.models.kvm.modeling_kvm import KVMModel
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
-from kvm_maglev.models.common.step_plan import RowTokens
-from kvm_maglev.models.kvm.decode_step_kvm import DecodeStep
 from kvm_maglev.vllm.engine_ops import PagedStep
 from kvm_maglev.vllm.pages import PagedStateModel, page_layers, scheduled_step
 from kvm_maglev.vllm.tensor_parallel import shard_by_plan

@@ -74,7 +74,7 @@ class ScheduledStep:
         """The step's tokens as the models lay out a forward's tokens: flat, request after request."""
         return RowTokens(self.starts, self.counts, device)
 
-    def select(self, rows: list[int], device) -> tuple["ScheduledStep", torch.Tensor]:
+    def select(self, rows: list[int], device) -> tuple[ScheduledStep, torch.Tensor]:
         """The step of requests `rows` alone (in that order) and the indices of their tokens in this step's flat
         tokens, for a model that runs a step's requests in more than one forward."""
         bounds = [0]

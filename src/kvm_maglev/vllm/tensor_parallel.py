@@ -25,8 +25,12 @@ import re
 
 import torch
 from torch import nn
-from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group,
-                              tensor_model_parallel_all_reduce)
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+    tensor_model_parallel_all_reduce,
+)
 
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 

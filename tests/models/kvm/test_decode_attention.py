@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[3]
 
 def decode_inputs(groups: int, dtype: torch.dtype, temperatures: bool, seed: int = 0, kv_heads: int = 2,
                   dim: int = 8, value_dim: int = 8, capacity: int = 20, ring: int = 24) -> dict:
-    """Random inputs of the decoding attention (`state_window_attention_torch`'s arguments) for 4 rows on a pool of 6 pages, rows on shuffled pages (as a
-    serving engine places them): row 0 has no state yet, row 1 a full state, the others part of it; each row sees
-    a random part of its ring and always its newest slot."""
+    """Random inputs of the decoding attention (`state_window_attention_torch`'s arguments) for 4 rows on a pool of
+    6 pages, rows on shuffled pages (as a serving engine places them): row 0 has no state yet, row 1 a full state,
+    the others part of it; each row sees a random part of its ring and always its newest slot."""
     generator = torch.Generator().manual_seed(seed)
     rows, pages, heads = 4, 6, kv_heads * groups
 

@@ -11,8 +11,8 @@ import torch
 
 from kvm_maglev import KVMConfig, KVMForCausalLM
 from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
-from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.models.kvm import modeling_kvm
+from kvm_maglev.models.kvm.cache_kvm import KVMCache
 
 BASE = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, chunk_size=4, window_chunks=2)
 VARIANTS = {

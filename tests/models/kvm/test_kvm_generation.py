@@ -15,7 +15,6 @@ from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from tests.generation.testers import KVM, PAD, left_padded
 from tests.returned_cache import returned_cache
 
-
 # layers 0 and 2 are sliding-window layers (sliding_window_every=2): generate() runs both kinds of KVM layer
 CONFIG = dict(
     vocab_size=61, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, rotary_dim=8, chunk_size=4,

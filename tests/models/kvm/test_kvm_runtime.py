@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from kvm_maglev.models.speedups import onednn_linear
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM, modeling_kvm, state_kvm
+from kvm_maglev.models.speedups import onednn_linear
 
 
 def random_model(**overrides) -> KVMForCausalLM:

@@ -9,7 +9,6 @@ from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.curriculum_maglev import Schedule
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
 from kvm_maglev.training import MaglevStepCallback
-
 from tests.models.maglev.test_maglev_model import VOCAB, random_ids, tiny_config, tiny_model
 
 SHAPE_SWITCHES = [

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from kvm_maglev.models.common.step_plan import Document, length_buckets, packed_documents
 from tests.models.kvm.test_kvm_training import random_model as kvm_model
-from tests.models.maglev.test_maglev_model import VOCAB, tiny_model as maglev_model
+from tests.models.maglev.test_maglev_model import VOCAB
+from tests.models.maglev.test_maglev_model import tiny_model as maglev_model
 from tests.models.packing.helpers import check_packed_equals_alone, documents, packed_batch
 
 KVM_VOCAB = 53

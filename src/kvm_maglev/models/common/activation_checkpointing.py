@@ -8,12 +8,12 @@ and none fails on an old one.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
 
-def enable_activation_checkpointing(model: nn.Module, checkpoint_kwargs: Optional[dict[str, Any]] = None) -> None:
+def enable_activation_checkpointing(model: nn.Module, checkpoint_kwargs: dict[str, Any] | None = None) -> None:
     """Recompute `model`'s layer activations in the backward pass instead of keeping them.
 
     `checkpoint_kwargs` go to `torch.utils.checkpoint.checkpoint` (e.g. `{"use_reentrant": False}`); None keeps

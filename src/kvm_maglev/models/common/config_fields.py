@@ -19,8 +19,9 @@ import dataclasses
 import functools
 import inspect
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 ConfigClass = TypeVar("ConfigClass", bound=type)
 

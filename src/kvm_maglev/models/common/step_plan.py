@@ -143,7 +143,7 @@ class RowTokens:
         self._cache: dict = {}
 
     @classmethod
-    def from_batch(cls, starts: list[int], valid: torch.Tensor | None, batch: int, length: int, device) -> "RowTokens":
+    def from_batch(cls, starts: list[int], valid: torch.Tensor | None, batch: int, length: int, device) -> RowTokens:
         """The real tokens of a [batch, length] input (`valid`: which columns are real; None: all)."""
         if valid is None:
             return cls(starts, [length] * batch, device, None, length)

@@ -23,13 +23,19 @@ from functools import partial
 import torch
 from transformers.cache_utils import Cache
 
-from .configuration_kvm import (CACHE_CONFIG_FIELDS, KVMConfig, folded_blocks, slots_after_folds, state_slots_after,
-                                 window_start)
-from .runtime_kvm import PacedFold, paces_folds
-from .state_kvm import Fold, block_fold, readable_state, run_fold
 from ..common.row_storage import RowCacheLayer
 from ..common.saved_cache import SavedCache, tensors_under
 from ..common.step_plan import RowTokens
+from .configuration_kvm import (
+    CACHE_CONFIG_FIELDS,
+    KVMConfig,
+    folded_blocks,
+    slots_after_folds,
+    state_slots_after,
+    window_start,
+)
+from .runtime_kvm import PacedFold, paces_folds
+from .state_kvm import Fold, block_fold, readable_state, run_fold
 
 CACHE_FORMAT = "kvm-cache"
 CACHE_FORMAT_VERSION = 2  # 2: per-row positions and window rings (no row groups)
@@ -276,7 +282,7 @@ class KVMCache(SavedCache, Cache):
 
     @classmethod
     def over_pages(cls, config: KVMConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
-                   seen: list[int]) -> "KVMCache":
+                   seen: list[int]) -> KVMCache:
         """A cache whose layers read and write a serving engine's pages in place: `pages[i]` are layer i's page
         tensors (named as the layers name them, [pages, ...]), `index[i]` the page of each row in them, `seen`
         each row's position."""
@@ -577,7 +583,7 @@ class KVMCache(SavedCache, Cache):
         return tensors, fields
 
     @classmethod
-    def from_saved(cls, config: KVMConfig, meta: dict, tensors: dict[str, torch.Tensor], dtype) -> "KVMCache":
+    def from_saved(cls, config: KVMConfig, meta: dict, tensors: dict[str, torch.Tensor], dtype) -> KVMCache:
         """The cache `saved_state` described (its tensors keep their saved dtypes)."""
         cache = cls(config)
         cache.columns, cache.rows, cache.seen = meta["columns"], meta["batch_size"], list(meta["seen"])

@@ -15,9 +15,9 @@ import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
-from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
-from ..common.config_fields import cache_fields, config_field, declare_fields, declared_fields
 from ...package_only.hub_save import HubCodeSaveMixin
+from ..common.config_fields import cache_fields, config_field, declare_fields, declared_fields
+from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
 
 logger = logging.get_logger(__name__)
 

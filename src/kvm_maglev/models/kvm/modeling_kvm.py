@@ -23,25 +23,47 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple, logging
 
-from .cache_kvm import READ, STATE, WINDOW, KVMCache, fit_slots
 from ...package_only.carried_card import CarriedCardMixin
 from ...package_only.hub_save import HubCodeSaveMixin
+from ...package_only.row_block_loss import RowBlockLossMixin
+from ..common.conventions import (
+    HeadLossMixin,
+    SdpaOrEagerMixin,
+    check_position_ids,
+    config_default,
+    refuse_attention_weights,
+)
+from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
+from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
+from ..common.seams import Linear, as_model_linear, speedups_block
+from ..common.step_plan import (
+    EngineStep,
+    RowTokens,
+    StepPlan,
+    boundary_kwargs,
+    bucket_index,
+    gather_bucket,
+    length_buckets,
+    packed_documents,
+    real_tokens,
+    refuse_packed_cache,
+    scatter_outputs,
+)
+from ..common.tensor_parallel import full_tensor, local_tensor
+from .cache_kvm import READ, STATE, WINDOW, KVMCache, fit_slots
 from .configuration_kvm import KVMConfig, state_dtype_for
 from .decode_attention_kvm import at_least_float32, decoding_attention
 from .decode_step_kvm import DecodeStep, decode_step, rows_folding
-from ..common.conventions import (HeadLossMixin, SdpaOrEagerMixin, check_position_ids, config_default,
-                          refuse_attention_weights)
-from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
-from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
-from ...package_only.row_block_loss import RowBlockLossMixin
-from ..common.seams import Linear, as_model_linear, speedups_block
 from .state_kvm import block_fold, readable_state, run_fold, slot_norms, state_keys
-from ..common.step_plan import (EngineStep, RowTokens, StepPlan, boundary_kwargs, bucket_index, gather_bucket,
-                        length_buckets,
-                        packed_documents, real_tokens, refuse_packed_cache, scatter_outputs)
-from .step_plan_kvm import (Pieces, PromptStep, StateSchedule, chunk_pieces, ring_positions, sliding_pieces,
-                            state_schedule)
-from ..common.tensor_parallel import full_tensor, local_tensor
+from .step_plan_kvm import (
+    Pieces,
+    PromptStep,
+    StateSchedule,
+    chunk_pieces,
+    ring_positions,
+    sliding_pieces,
+    state_schedule,
+)
 
 logger = logging.get_logger(__name__)
 

@@ -93,7 +93,7 @@ class Overflow:
     merge_keys: torch.Tensor
     merge_values: torch.Tensor
 
-    def heads(self, heads: slice) -> "Overflow":
+    def heads(self, heads: slice) -> Overflow:
         return Overflow(*(t[:, heads] for t in (self.keys, self.append_keys, self.append_values,
                                                  self.merge_keys, self.merge_values)))
 
@@ -148,7 +148,7 @@ class Fold:
             self.reference = self.normalize(self.state[0])
         return self.reference
 
-    def heads(self, heads: slice) -> "Fold":
+    def heads(self, heads: slice) -> Fold:
         """The fold of key/value heads `heads` alone (before any stage has run)."""
         return Fold(tuple(t[:, heads] for t in self.state), self.slots,
                     None if self.reference is None else self.reference[:, heads], self.block.heads(heads),

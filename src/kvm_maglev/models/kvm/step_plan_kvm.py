@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .configuration_kvm import folded_blocks, slots_after_folds
 from ..common.step_plan import RowTokens
+from .configuration_kvm import folded_blocks, slots_after_folds
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Pieces:
     identity_rows: bool  # one piece per row of the batch, in row order: per-row tensors line up with the pieces
     spans: list[tuple[int, int, int, int]]  # (row, first position, last position, lowest key position) per piece
     sliding: int | None
-    groups: list[tuple[torch.Tensor | None, "Pieces"]] | None = None  # `by_width`'s, once made
+    groups: list[tuple[torch.Tensor | None, Pieces]] | None = None  # `by_width`'s, once made
 
     @property
     def count(self) -> int:
@@ -52,7 +52,7 @@ class Pieces:
         """The flat token of each real query, in the order of `order`."""
         return self.query_index.reshape(-1)[self.order]
 
-    def by_width(self, tokens: RowTokens) -> list[tuple[torch.Tensor | None, "Pieces"]]:
+    def by_width(self, tokens: RowTokens) -> list[tuple[torch.Tensor | None, Pieces]]:
         """The pieces in groups that attend in one call each - pieces of one query (decoding rows) apart from
         longer ones (prompt chunks), so that no decoding row is padded to a prompt chunk's queries and keys - with
         each group's piece indices (None: all the pieces, in order). Made once, with the pieces."""

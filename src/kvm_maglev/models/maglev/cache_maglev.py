@@ -14,10 +14,10 @@ from typing import NamedTuple
 import torch
 from transformers.cache_utils import Cache
 
-from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_capacity
 from ..common.row_storage import RowCacheLayer
 from ..common.saved_cache import SavedCache, tensors_under
 from ..common.step_plan import StepPlan, gather_columns
+from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_capacity
 
 CACHE_FORMAT = "maglev-cache"
 CACHE_FORMAT_VERSION = 3  # 2: nanochat window patterns keep growing rings, no longer every column;

@@ -15,9 +15,9 @@ import math
 import torch
 from transformers import PretrainedConfig
 
-from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
-from ..common.config_fields import cache_fields, config_field, declare_fields, declared_fields
 from ...package_only.hub_save import HubCodeSaveMixin
+from ..common.config_fields import cache_fields, config_field, declare_fields, declared_fields
+from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
 
 WINDOW_LETTERS = "SL"
 CONSISTENCY_LOSSES = ("mse", "cosine")

@@ -19,21 +19,39 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
-from .cache_maglev import EngineRing, MaglevCache, MaglevCacheLayer, RingStep, visible_keys
 from ...package_only.carried_card import CarriedCardMixin
 from ...package_only.hub_save import HubCodeSaveMixin
-from .configuration_maglev import MaglevConfig
-from ..common.conventions import (HeadLossMixin, SdpaOrEagerMixin, attention, check_position_ids, config_default,
-                          refuse_attention_weights)
-from .curriculum_maglev import Schedule, current_schedule, lifted_passes, schedule_at
+from ...package_only.row_block_loss import RowBlockLossMixin
+from ..common.conventions import (
+    HeadLossMixin,
+    SdpaOrEagerMixin,
+    attention,
+    check_position_ids,
+    config_default,
+    refuse_attention_weights,
+)
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
-from ...package_only.row_block_loss import RowBlockLossMixin
 from ..common.seams import Linear, package_speedups, speedups_block
-from ..common.step_plan import (RowTokens, StepPlan, boundary_kwargs, bucket_index, bucket_mask, gather_bucket, gather_columns,
-                        length_buckets, packed_documents, previous_real_index, real_tokens, refuse_packed_cache,
-                        scatter_outputs)
+from ..common.step_plan import (
+    RowTokens,
+    StepPlan,
+    boundary_kwargs,
+    bucket_index,
+    bucket_mask,
+    gather_bucket,
+    gather_columns,
+    length_buckets,
+    packed_documents,
+    previous_real_index,
+    real_tokens,
+    refuse_packed_cache,
+    scatter_outputs,
+)
 from ..common.tensor_parallel import local_columns, local_tensor
+from .cache_maglev import EngineRing, MaglevCache, MaglevCacheLayer, RingStep, visible_keys
+from .configuration_maglev import MaglevConfig
+from .curriculum_maglev import Schedule, current_schedule, lifted_passes, schedule_at
 
 # the seam of the one-query ring attention (speedups/runtime_maglev): the module where the package's speed-ups are,
 # else None and the plain masked attention runs
