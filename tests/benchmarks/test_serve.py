@@ -13,10 +13,25 @@ def test_workloads_are_seeded_and_within_bounds():
         assert requests != serve.make_requests(workload, seed=1, vocab=4096)
         assert len(requests) == workload.requests
         for request in requests:
-            assert workload.prompt[0] <= len(request.prompt) <= workload.prompt[1], name
+            own = len(request.prompt) - workload.shared_prefix
+            assert workload.prompt[0] <= own <= workload.prompt[1], name
             assert workload.output[0] <= request.max_tokens <= workload.output[1], name
             assert all(0 <= token < 4096 for token in request.prompt)
-    assert [w.requests for w in serve.WORKLOADS.values()] == [32, 32, 16, 8]
+    assert [w.requests for w in serve.WORKLOADS.values()] == [32, 32, 16, 8, 32]
+
+
+def test_chat_requests_share_one_system_prompt_and_differ_after_it():
+    """chat: 32 requests whose prompts start with the same 1,024 tokens, each with its own 16-256 after them."""
+    chat = serve.WORKLOADS["chat"]
+    assert (chat.requests, chat.shared_prefix, chat.prompt, chat.output) == (32, 1024, (16, 256), (32, 128))
+    requests = serve.make_requests(chat, seed=0, vocab=4096)
+    system = requests[0].prompt[:1024]
+    assert all(r.prompt[:1024] == system for r in requests)
+    own = [tuple(r.prompt[1024:]) for r in requests]
+    assert len(set(own)) == 32 and len({len(part) for part in own}) > 8
+    # the workloads without a system prompt draw what they drew before it existed
+    assert serve.make_requests(serve.WORKLOADS["mixed"], 0, 4096) == serve.make_requests(
+        serve.Workload("mixed", 32, (16, 1024), (16, 96), "log-uniform"), 0, 4096)
 
 
 def test_log_uniform_prompts_center_on_the_geometric_mean():
@@ -55,6 +70,34 @@ def test_kvm_config_keywords():
     assert serve.kvm_config_kwargs(serve.parse_args([])) == serve.shape_kwargs(serve.parse_args([]))
 
 
+def test_the_120m_shape_is_the_papers_released_kvm():
+    """`--shape 120M`: kvmpaper_kvmsqrt16_120M (hidden 768, 12 layers, 6 heads, vocabulary 50,304, chunks of 256, a
+    512-token window, 16 sqrt(n) slots), Maglev's and Mistral's window 512; a field given on the command line wins."""
+    from kvm_maglev import KVMConfig, MaglevConfig
+
+    args = serve.parse_args(["--shape", "120M"])
+    config = KVMConfig(**serve.kvm_config_kwargs(args))
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.vocab_size) == (
+        768, 12, 6, 50304)
+    assert (config.chunk_size, config.window_size, config.state_budget_mode) == (256, 512, "power_law")
+    assert (config.state_budget_factor, config.state_budget_exponent, config.state_budget_min) == (16.0, 0.5, 256)
+    # about 16 sqrt(n) slots at 64k tokens (n: the tokens folded, all but the window's): far from the cap
+    assert 16 * 250 <= config.state_slots_after(1 << 16) <= 16 * 256
+    assert args.window == 512 and args.max_model_len == 2048
+    assert MaglevConfig(**serve.shape_kwargs(args), sliding_window=args.window).head_dim == 128
+    assert serve.parse_args(["--shape", "120M", "--layers", "2", "--window", "256"]).layers == 2
+    small = serve.parse_args([])
+    assert (small.hidden, small.layers, small.heads, small.kv_heads, small.vocab, small.window, small.kvm_budget) == (
+        256, 4, 4, 2, 4096, 128, "fixed")
+
+
+def test_requests_option_takes_the_first_requests():
+    args = serve.parse_args(["--requests", "3"])
+    assert args.requests == 3
+    full = serve.make_requests(serve.WORKLOADS["chat"], 0, 4096)
+    assert full[:args.requests] == full[:3] and len(full[:None]) == 32
+
+
 def test_ratio_table_reads_output_rates_and_skips_missing_sides():
     results = {"mixed": {"kvm": {"output_tokens_per_s": 300.0}, "llama": {"output_tokens_per_s": 100.0},
                          "hf-kvm": {"skipped": "--skip-hf-long"}, "maglev": {"output_tokens_per_s": 50.0}}}
@@ -69,6 +112,9 @@ def test_defaults_run_everything_at_32k():
     assert settings["max_model_len"] == 32768 and settings["max_num_seqs"] == 32
     assert not settings["enforce_eager"]  # vLLM's default: the models compiled
     assert serve.vllm_settings(serve.parse_args(["--enforce-eager"]))["enforce_eager"]
+    # vLLM's defaults of prefix caching and token budget, unless asked otherwise
+    assert "enable_prefix_caching" not in settings and "max_num_batched_tokens" not in settings
+    assert serve.vllm_settings(serve.parse_args(["--no-prefix-caching"]))["enable_prefix_caching"] is False
     # every request of the long workload fits in Llama's KV budget at once
     long = serve.make_requests(serve.WORKLOADS["long"], args.seed, args.vocab)
     per_token = serve.full_attention_kv_bytes(args.layers, args.kv_heads, args.hidden // args.heads, 4, 1)
@@ -76,9 +122,12 @@ def test_defaults_run_everything_at_32k():
 
 
 def test_prefiller_engine_gets_a_budget_of_a_whole_prompt():
-    """maglev-prefiller schedules prompts whole: its token budget per step is at least max_model_len, the other
-    engines keep vLLM's CPU default."""
+    """maglev-prefiller schedules prompts whole: at vLLM's defaults the plugin sets its token budget per step to
+    max_model_len, so nothing is passed; a budget given on the command line is at least max_model_len for it, the
+    other engines get the given one."""
     args = serve.parse_args(["--engines", "maglev-prefiller", "maglev", "--workloads", "long-prompt"])
+    assert "max_num_batched_tokens" not in serve.vllm_settings(args, "maglev-prefiller")
+    args = serve.parse_args(["--engines", "maglev-prefiller", "maglev", "--max-num-batched-tokens", "4096"])
     assert serve.vllm_settings(args, "maglev-prefiller")["max_num_batched_tokens"] == args.max_model_len
     assert serve.vllm_settings(args, "maglev")["max_num_batched_tokens"] == 4096
     assert serve.FOLDER_OF["maglev-prefiller"] == "maglev_prefiller"

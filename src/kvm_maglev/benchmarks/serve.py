@@ -4,17 +4,30 @@ same shape and against HF `generate()` in static batches, on seeded workloads.
     python -m kvm_maglev.benchmarks.serve --out docs/bench_serve.json
     python -m kvm_maglev.benchmarks.serve --workloads mixed --engines kvm llama --kvm-budget power_law
     python -m kvm_maglev.benchmarks.serve --workloads long-prompt --engines maglev-prefiller maglev llama
+    python -m kvm_maglev.benchmarks.serve --shape 120M --workloads decode-heavy chat --requests 8
 
 Workloads (every request submitted at once, fixed output lengths: `ignore_eos`, greedy):
 - mixed: 32 requests, prompts log-uniform 16-1024 tokens, outputs 16-96;
 - decode-heavy: 32 requests, prompts 16-64, outputs 128-256;
 - long: 16 requests, prompts 2048-4096, outputs 32-64;
-- long-prompt: 8 requests, prompts 8192-16384, outputs 64-128 (prompt processing dominates).
+- long-prompt: 8 requests, prompts 8192-16384, outputs 64-128 (prompt processing dominates);
+- chat: 32 requests sharing a 1,024-token system prompt, each with its own part of 16-256 tokens after it,
+  outputs 32-128 (what a chat server sees most; vLLM's own models reuse the shared prompt's cache).
 Lengths are uniform integers unless said otherwise; token ids uniform over the vocabulary; one seed (`--seed`).
+Prefix caching is left at vLLM's default (on) for every engine, its cache emptied before each timed run; the
+plugin may turn it off for our models, and the output says which engines ran with it (`--no-prefix-caching`
+turns it off for every engine).
 
-Engines (every model: hidden 256, 4 layers, 4 query / 2 key-value heads, vocabulary 4096, float32, random weights):
-- kvm, maglev: our models on vLLM (KVM: KVMConfig defaults but the shape, or `--kvm-budget power_law`; Maglev:
-  sliding window 128, no prefiller);
+Shapes (`--shape`; every model of a run has it, float32, random weights):
+- benchmark (the default): hidden 256, 4 layers, 4 query / 2 key-value heads, vocabulary 4096, window 128;
+- 120M: the paper's released 120M KVM, `kvmpaper_kvmsqrt16_120M` (hidden 768, 12 layers, 6 heads, vocabulary
+  50,304, chunks of 256, a window of 2 chunks = 512 tokens, a power-law state of 16 sqrt(n) slots, at least 256);
+  Maglev, Llama and Mistral at the same shape, Maglev's and Mistral's window 512 (KVM's).
+`--hidden`, `--layers`, ... override a shape's fields.
+
+Engines:
+- kvm, maglev: our models on vLLM (KVM: KVMConfig defaults but the shape, or the `--kvm-budget`; Maglev:
+  the shape's sliding window, no prefiller);
 - maglev-prefiller: the same Maglev with its prefiller Q kept (Q runs P's blocks with nanochat's default "SSSL"
   windows: L = the training length `--prefiller-sequence-len`, by default max_model_len, so that Q's long layer sees
   every prompt token; S = a quarter of it) and `memory_prefill="prefiller"`: Q reads each prompt in parallel, P
@@ -66,13 +79,15 @@ FOLDER_OF = {"kvm": "kvm", "hf-kvm": "kvm", "maglev": "maglev", "hf-maglev": "ma
 @dataclass(frozen=True)
 class Workload:
     """`requests` requests, prompt lengths in `prompt` (inclusive; log-uniform or uniform), output lengths uniform
-    in `output` (inclusive)."""
+    in `output` (inclusive); with `shared_prefix`, every prompt starts with the same `shared_prefix` tokens (a
+    system prompt) and `prompt` bounds each request's own part after it."""
 
     name: str
     requests: int
     prompt: tuple[int, int]
     output: tuple[int, int]
     prompt_distribution: str = "uniform"  # or "log-uniform"
+    shared_prefix: int = 0
 
 
 WORKLOADS = {
@@ -80,7 +95,23 @@ WORKLOADS = {
     "decode-heavy": Workload("decode-heavy", 32, (16, 64), (128, 256)),
     "long": Workload("long", 16, (2048, 4096), (32, 64)),
     "long-prompt": Workload("long-prompt", 8, (8192, 16384), (64, 128)),
+    "chat": Workload("chat", 32, (16, 256), (32, 128), shared_prefix=1024),
 }
+
+# `--shape`: the fields every model of a run shares (`--hidden` etc. override them)
+SHAPES = {
+    "benchmark": dict(hidden=256, layers=4, heads=4, kv_heads=2, vocab=4096, window=128, kvm_budget="fixed",
+                      max_model_len=32768, kv_cache_memory_bytes=1 << 30),
+    # the paper's released kvmpaper_kvmsqrt16_120M (KVMConfig's default shape: chunks of 256, a 2-chunk window);
+    # Maglev's and Mistral's window = KVM's, 512 tokens. max_model_len 2048 holds every request of the mixed,
+    # decode-heavy and chat workloads: KVM's pages are sized for it (16 sqrt(n) slots of 128 + 128 channels, 6 heads,
+    # 12 layers), and 3 GiB of pages hold each engine's requests on a small machine
+    "120M": dict(hidden=768, layers=12, heads=6, kv_heads=6, vocab=50304, window=512, kvm_budget="sqrt16",
+                 max_model_len=2048, kv_cache_memory_bytes=3 << 30),
+}
+# the paper's sqrt16 models' state: 16 sqrt(n) slots, at least 256, capped far beyond any context
+SQRT16_BUDGET = dict(state_budget_mode="power_law", state_budget_factor=16.0, state_budget_exponent=0.5,
+                     state_budget_min=256, state_max_chunks=10000)
 
 
 @dataclass(frozen=True)
@@ -102,11 +133,12 @@ def make_requests(workload: Workload, seed: int, vocab: int) -> list[Request]:
     """The workload's requests in submission order; the same for a given (workload, seed, vocab) on every
     machine (`random.Random` seeded with a string)."""
     rng = random.Random(f"{seed}:{workload.name}")
+    shared = [rng.randrange(vocab) for _ in range(workload.shared_prefix)]
     requests = []
     for _ in range(workload.requests):
         length = draw_length(rng, workload.prompt, workload.prompt_distribution)
         output = rng.randint(*workload.output)
-        requests.append(Request([rng.randrange(vocab) for _ in range(length)], output))
+        requests.append(Request(shared + [rng.randrange(vocab) for _ in range(length)], output))
     return requests
 
 
@@ -164,9 +196,11 @@ def shape_kwargs(args) -> dict:
 
 def kvm_config_kwargs(args) -> dict:
     """KVMConfig keywords: the defaults (chunks of 256, a 2-chunk window, a fixed 256-slot state) but the shape, or a
-    growing power-law state."""
+    growing power-law state (`--power-law-*`, or the paper's sqrt16)."""
     kwargs = shape_kwargs(args)
-    if args.kvm_budget == "power_law":
+    if args.kvm_budget == "sqrt16":
+        kwargs.update(SQRT16_BUDGET)
+    elif args.kvm_budget == "power_law":
         kwargs.update(state_budget_mode="power_law", state_budget_factor=args.power_law_factor,
                       state_budget_exponent=args.power_law_exponent,
                       state_max_chunks=power_law_max_chunks(args.power_law_factor, args.power_law_exponent,
@@ -275,7 +309,10 @@ def run_vllm(job: dict) -> dict:
     results = {}
     for name, raw in job["workloads"].items():
         requests = [Request(**r) for r in raw]
-        runs = [timed(lambda: generate(requests)) for _ in range(job["repeats"])]
+        runs = []
+        for _ in range(job["repeats"]):
+            llm.reset_prefix_cache()  # each run starts cold: no prompt cached by the warm-up or the run before
+            runs.append(timed(lambda: generate(requests)))
         results[name] = summarize(requests, runs)
         print(f"[{engine}] {name}: {results[name]['output_tokens_per_s']:.1f} output tok/s, "
               f"{results[name]['wall_s']:.2f} s", flush=True)
@@ -355,16 +392,19 @@ def run_job(job: dict) -> dict:
 
 def vllm_settings(args, engine: str | None = None) -> dict:
     """Engine keywords every vLLM engine gets: all requests of a workload run at once (max_num_seqs 32, a KV budget
-    that holds every request of the largest workload in full for Llama), prefix caching off for every engine as our
-    models have it, vLLM's default compilation unless `--enforce-eager`. The prefiller's engine schedules prompts
-    whole, so its token budget per step is at least max_model_len (the plugin refuses less)."""
-    budget = args.max_num_batched_tokens
-    if engine == "maglev-prefiller":
-        budget = max(budget, args.max_model_len)
-    return dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=budget, dtype=args.dtype,
-                gpu_memory_utilization=0.3, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                enable_prefix_caching=False)
+    that holds every request of the largest workload in full for Llama), vLLM's default compilation unless
+    `--enforce-eager`, its default prefix caching unless `--no-prefix-caching`, its default token budget per step
+    unless `--max-num-batched-tokens` (the prefiller's engine schedules prompts whole: the plugin sets its budget to
+    max_model_len, and a budget given here is raised to it)."""
+    settings = dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+                    max_num_seqs=args.max_num_seqs, dtype=args.dtype, gpu_memory_utilization=0.3,
+                    kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    if args.max_num_batched_tokens is not None:
+        budget = args.max_num_batched_tokens
+        settings["max_num_batched_tokens"] = max(budget, args.max_model_len) if engine == "maglev-prefiller" else budget
+    if args.no_prefix_caching:
+        settings["enable_prefix_caching"] = False
+    return settings
 
 
 def child_environment(args) -> dict:
@@ -440,6 +480,13 @@ def print_tables(payload: dict) -> None:
     for workload, ratios in payload["ratios"].items():
         print(f"{workload} (wall): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
         print(f"{workload} (CPU):  " + ", ".join(f"{k} {v:.2f}x" for k, v in payload["ratios_cpu"][workload].items()))
+    for engine, report in payload["engines"].items():
+        settings = report.get("engine_settings", {})
+        if "prefix_caching" in settings:
+            asked = "off (--no-prefix-caching)" if payload["settings"]["no_prefix_caching"] else "vLLM's default (on)"
+            ran = "on" if settings["prefix_caching"] else "off"
+            print(f"{engine}: prefix caching asked {asked}, ran {ran}"
+                  + (" (turned off by the plugin)" if ran == "off" and asked.startswith("vLLM") else ""))
     memory = payload["memory"]
     for engine, pages in memory["pages"].items():
         allocated = pages["allocated"] or pages["padded_to_largest"]
@@ -452,8 +499,14 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(DEFAULT_WORKLOADS))
     parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(DEFAULT_ENGINES))
-    parser.add_argument("--kvm-budget", choices=["fixed", "power_law"], default="fixed",
-                        help="KVM's state: KVMConfig's default fixed 256 slots, or a growing power-law state")
+    parser.add_argument("--shape", choices=list(SHAPES), default="benchmark",
+                        help="every model's shape: the benchmark's small one, or the paper's released 120M KVM "
+                             "(kvmpaper_kvmsqrt16_120M); the options below override its fields")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="the first N requests of each workload (default: all of them)")
+    parser.add_argument("--kvm-budget", choices=["fixed", "power_law", "sqrt16"], default=None,
+                        help="KVM's state: KVMConfig's default fixed 256 slots, a growing power-law state "
+                             "(--power-law-*), or the paper's sqrt16 (default: the shape's)")
     parser.add_argument("--power-law-factor", type=float, default=16.0)
     parser.add_argument("--power-law-exponent", type=float, default=0.5)
     parser.add_argument("--skip-hf-long", action="store_true", help="leave the HF engines out of the long workload")
@@ -461,28 +514,35 @@ def parse_args(argv: list[str] | None):
                         help="every vLLM engine eager (default: vLLM's default, the model compiled)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each workload (the median is reported)")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--window", type=int, default=128, help="Maglev's and Mistral's sliding window")
+    parser.add_argument("--hidden", type=int, default=None, help="default: the shape's")
+    parser.add_argument("--layers", type=int, default=None, help="default: the shape's")
+    parser.add_argument("--heads", type=int, default=None, help="default: the shape's")
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: the shape's")
+    parser.add_argument("--vocab", type=int, default=None, help="default: the shape's")
+    parser.add_argument("--window", type=int, default=None, help="Maglev's and Mistral's sliding window (default: the shape's)")
     parser.add_argument("--prefiller-sequence-len", type=int, default=None,
                         help="maglev-prefiller's training length, which sets Q's windows (L = it, S = a quarter); "
                              "default: --max-model-len")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, default=32768,
-                        help="every vLLM engine's max_model_len; the pages are measured at it")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="every vLLM engine's max_model_len; the pages are measured at it (default: the shape's)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096,
-                        help="vLLM's CPU default for LLM(); maglev-prefiller's is at least --max-model-len")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="every engine's token budget per step (default: vLLM's, 4096 on CPU for LLM(); "
+                             "the plugin's max_model_len for maglev-prefiller, which a value here is raised to)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="prefix caching off for every engine (default: vLLM's default, on)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="default: the shape's")
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every engine")
     parser.add_argument("--in-process", action="store_true",
                         help="run the engines in this process (for profilers) rather than one process each")
     add_output_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for field, value in SHAPES[args.shape].items():
+        if getattr(args, field) is None:
+            setattr(args, field, value)
+    return args
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -499,7 +559,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         args.job_out.write_text(json.dumps(run_job(json.loads(args.job.read_text()))))
         return None
     command = "python -m kvm_maglev.benchmarks.serve " + shlex.join(sys.argv[1:] if argv is None else argv)
-    requests = {name: make_requests(WORKLOADS[name], args.seed, args.vocab) for name in args.workloads}
+    requests = {name: make_requests(WORKLOADS[name], args.seed, args.vocab)[:args.requests]
+                for name in args.workloads}
     print(f"seed {args.seed}: " + "; ".join(
         f"{name} {len(r)} requests, {workload_tokens(r)['prompt_tokens']} prompt + "
         f"{workload_tokens(r)['output_tokens']} output tokens" for name, r in requests.items()), flush=True)
@@ -549,11 +610,12 @@ def main(argv: list[str] | None = None) -> dict | None:
             versions[package] = __import__(package).__version__
         except Exception:  # noqa: BLE001 - a version is informative only
             versions[package] = None
-    settings = {key: getattr(args, key) for key in ("engines", "workloads", "kvm_budget", "enforce_eager", "seed",
-                                                    "repeats", "hidden", "layers", "heads", "kv_heads", "vocab",
-                                                    "window", "dtype", "max_model_len", "hf_batch_size", "threads",
+    settings = {key: getattr(args, key) for key in ("engines", "workloads", "shape", "requests", "kvm_budget",
+                                                    "enforce_eager", "no_prefix_caching", "seed", "repeats",
+                                                    "hidden", "layers", "heads", "kv_heads", "vocab", "window",
+                                                    "dtype", "max_model_len", "hf_batch_size", "threads",
                                                     "prefiller_sequence_len")}
-    if args.kvm_budget == "power_law":
+    if args.kvm_budget != "fixed":
         settings["kvm_config"] = {k: v for k, v in kvm_config_kwargs(args).items() if k.startswith("state_")}
     settings["vllm"] = vllm_settings(args)
     payload = {"command": command, "seed": args.seed, "settings": settings, "versions": versions,
