@@ -223,6 +223,50 @@ def test_prefiller_schedules_prompts_whole_and_refuses_flags_that_split_them(tmp
             LLM(model=str(folder), **ENGINE, **arguments)
 
 
+def test_prefiller_folder_serves_at_vllms_defaults(tmp_path):
+    """A prefiller folder whose max_model_len is above vLLM's default token budget starts at vLLM's defaults: the
+    plugin raises the budget it was not given to max_model_len (and turns chunked prefill off), and its tokens equal
+    generate(memory_prefill="prefiller")'s. A budget the user set below max_model_len is refused by its flag."""
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    max_len = 8192
+    folder = make_maglev_folder(tmp_path / "prefiller", has_prefiller=True, prefiller_shares_blocks=False,
+                                memory_prefill="prefiller", sequence_len=16, max_position_embeddings=2 * max_len)
+    defaults = dict(ENGINE, max_model_len=max_len)
+    assert max(EngineArgs.get_batch_defaults(1)[0].values()) < max_len  # vLLM alone would cap prompts below it
+    llm = LLM(model=str(folder), **defaults)
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    assert (scheduler.max_num_batched_tokens, scheduler.enable_chunked_prefill) == (max_len, False)
+    batch = prompts()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy())
+    model = hf_model(folder)
+    for prompt, output in zip(batch, outputs):
+        assert list(output.outputs[0].token_ids) == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
+    del llm
+    with pytest.raises(Exception, match=r"reads each prompt whole.*--max-num-batched-tokens \(4096\) is below "
+                                         r"--max-model-len \(8192\)"):
+        LLM(model=str(folder), **defaults, max_num_batched_tokens=4096)
+
+
+def test_quantization_the_plugin_cannot_serve_is_refused_by_name(folder, tmp_path):
+    """`--quantization` and a folder's `quantization_config` name a method the plugin's layers cannot run: refused
+    at start-up, naming the method and where it came from, never served unquantized."""
+    import shutil
+
+    from vllm import LLM
+
+    with pytest.raises(Exception, match=r"quantization method 'fp8' \(from --quantization\) is not supported"):
+        LLM(model=str(folder), **ENGINE, quantization="fp8")
+    quantized = tmp_path / "quantized"
+    shutil.copytree(folder, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match=r"quantization method 'fp8' \(from the folder's config.json"):
+        LLM(model=str(quantized), **ENGINE)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -2,11 +2,49 @@
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import logging
 
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 logger = logging.getLogger("kvm_maglev.vllm")
+
+# `--quantization` methods (or a folder's `quantization_config`) the plugin serves: none yet, its linears are built
+# without vLLM's quant_config, so a quantized folder or flag would run in full precision or fail at weight load
+SERVABLE_QUANTIZATION: tuple[str, ...] = ()
+# engine arguments whose default vLLM resolves from others, so that a hook sees a value whether or not the user set it
+DEFAULTED_FLAGS = ("max_num_batched_tokens",)
+# the DEFAULTED_FLAGS the user set, while vLLM builds an engine's config (`record_user_flags`); None: not known
+USER_FLAGS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("kvm_maglev_user_flags",
+                                                                                   default=None)
+
+
+def record_user_flags(engine_args_class: type) -> None:
+    """Make `engine_args_class.create_engine_config` note which DEFAULTED_FLAGS the user set (USER_FLAGS) before
+    vLLM fills the others in: the config hook then sets what a prefiller folder needs only where the user did not
+    (vLLM keeps no record of it). Idempotent; vLLM loads plugins in every process it starts."""
+    original = engine_args_class.create_engine_config
+    if getattr(original, "records_user_flags", False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        token = USER_FLAGS.set(frozenset(flag for flag in DEFAULTED_FLAGS if getattr(self, flag) is not None))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            USER_FLAGS.reset(token)
+
+    create_engine_config.records_user_flags = True
+    engine_args_class.create_engine_config = create_engine_config
+
+
+def user_set(flag: str) -> bool:
+    """Whether the user set engine argument `flag` (one of DEFAULTED_FLAGS); True when vLLM's config was built
+    without the record (the hook then refuses rather than overrides)."""
+    flags = USER_FLAGS.get()
+    return flags is None or flag in flags
 
 
 class RecurrentStateServing(VerifyAndUpdateConfig):
@@ -20,6 +58,7 @@ class RecurrentStateServing(VerifyAndUpdateConfig):
         """Adjust `vllm_config` in place, or raise a ValueError naming the unsupported feature."""
         model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
         architecture = model_config.architecture
+        check_quantization(architecture, model_config)
         if vllm_config.speculative_config is not None:
             raise ValueError(f"{architecture}: speculative decoding is not supported on vLLM (rejected drafts would "
                              "need the recurrent state rolled back, which vLLM's state pages do not keep); "
@@ -47,13 +86,33 @@ def split_at_state_operators(compilation_config) -> None:
     compilation_config.splitting_ops = current + [op for op in SPLITTING_OPS if op not in current]
 
 
+def check_quantization(architecture: str, model_config) -> None:
+    """Raise a ValueError at start-up for a quantization method the plugin cannot serve (SERVABLE_QUANTIZATION),
+    from `--quantization` or the folder's `quantization_config`, naming it: never run it silently unquantized."""
+    method = model_config.quantization
+    if method is None or method in SERVABLE_QUANTIZATION:
+        return
+    folder = getattr(model_config.hf_config, "quantization_config", None)
+    source = "the folder's config.json (quantization_config)" if folder else "--quantization"
+    servable = ", ".join(SERVABLE_QUANTIZATION) or "none: full-precision folders only (--dtype float32, bfloat16)"
+    raise ValueError(f"{architecture}: quantization method {method!r} (from {source}) is not supported by the "
+                     f"kvm_maglev plugin, whose layers are built without vLLM's quantized linears; the model would run "
+                     f"unquantized or fail to load its weights. Methods it serves: {servable}")
+
+
 def whole_prompt_scheduling(vllm_config) -> None:
     """`memory_prefill="prefiller"`: the prefiller Q reads each prompt whole, so every prompt is scheduled in one
-    step. Chunked prefill is turned off, the plugin's scheduler recomputes a preempted request from its prompt first
-    (`kvm_maglev.vllm.scheduling`), and flags that would still split a prompt are refused by name."""
+    step. Chunked prefill is turned off, a token budget the user did not set is raised to `max_model_len` (as vLLM
+    sizes it without chunked prefill), the plugin's scheduler recomputes a preempted request from its prompt first
+    (`kvm_maglev.vllm.scheduling`), and flags the user set that would still split a prompt are refused by name."""
     from kvm_maglev.vllm.scheduling import QUALIFIED_NAME
 
     scheduler, max_len = vllm_config.scheduler_config, vllm_config.model_config.max_model_len
+    if scheduler.max_num_batched_tokens < max_len and not user_set("max_num_batched_tokens"):
+        logger.info("%s: token budget per step raised from %d to max_model_len (%d): memory_prefill='prefiller' "
+                    "reads each prompt whole", vllm_config.model_config.architecture,
+                    scheduler.max_num_batched_tokens, max_len)
+        whole_prompt_budget(scheduler, max_len)
     conflicts = prompt_splitting_flags(scheduler, max_len)
     if conflicts:
         raise ValueError(f"{vllm_config.model_config.architecture}: memory_prefill='prefiller' reads each prompt "
@@ -67,6 +126,14 @@ def whole_prompt_scheduling(vllm_config) -> None:
     scheduler.scheduler_cls = QUALIFIED_NAME
 
 
+def whole_prompt_budget(scheduler, max_len: int) -> None:
+    """Raise the scheduler's token budget per step to `max_len`, and what vLLM sizes from it when it makes the
+    scheduler config (the encoder budget; no encoder here, kept consistent)."""
+    scheduler.max_num_batched_tokens = max_len
+    scheduler.max_num_encoder_input_tokens = max_len
+    scheduler.encoder_cache_size = max_len
+
+
 def prompt_splitting_flags(scheduler, max_len: int) -> list[str]:
     """What in the scheduler config would split a prompt of up to `max_len` tokens over steps, each naming its flag
     and the fix (empty when nothing does)."""
@@ -75,9 +142,8 @@ def prompt_splitting_flags(scheduler, max_len: int) -> list[str]:
     conflicts = []
     if scheduler.max_num_batched_tokens < max_len:
         conflicts.append(f"--max-num-batched-tokens ({scheduler.max_num_batched_tokens}) is below --max-model-len "
-                         f"({max_len}): raise it to at least {max_len}, lower --max-model-len, or pass "
-                         "--no-enable-chunked-prefill without --max-num-batched-tokens (vLLM then sizes the budget "
-                         "to --max-model-len)")
+                         f"({max_len}): raise it to at least {max_len}, lower --max-model-len, or leave "
+                         "--max-num-batched-tokens out (the plugin then sets the budget to --max-model-len)")
     if scheduler.max_num_scheduled_tokens is not None and scheduler.max_num_scheduled_tokens < max_len:
         conflicts.append(f"--max-num-scheduled-tokens ({scheduler.max_num_scheduled_tokens}) is below "
                          f"--max-model-len ({max_len}): remove it or raise it to at least {max_len}")
