@@ -421,10 +421,11 @@ def test_random_schedules_give_generates_tokens(folder, engines):
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_maglev_decoding_steps_run_compiled_at_vllms_default(tmp_path, monkeypatch, enforce_eager):
-    """At vLLM's default a Maglev engine runs each step in which every request decodes through its compiled graph
-    (rings in `kvm_maglev::ring_attention`), the others eager; `enforce_eager` compiles none. Requests of different
-    lengths make the decoding batch shrink step by step: the batch is a dynamic dimension, so at most two graphs (a
-    batch of one compiles apart). Tokens = generate()'s."""
+    """At vLLM's default a Maglev engine compiles its decoding step while it starts (vLLM's warm-up run: a batch of
+    one and of two, the batch a dynamic dimension from two on) and runs each step in which every request decodes
+    through it (rings in `kvm_maglev::ring_attention`), the others eager; `enforce_eager` compiles none. Requests of
+    different lengths make the decoding batch shrink step by step: no graph is compiled while serving. Tokens =
+    generate()'s."""
     from vllm import LLM
 
     from kvm_maglev.vllm.maglev import VllmMaglevForCausalLM
@@ -435,6 +436,8 @@ def test_maglev_decoding_steps_run_compiled_at_vllms_default(tmp_path, monkeypat
                         lambda self, *args: taken.append(args[0].shape[0]) or original(self, *args))
     folder = MODELS["maglev"](tmp_path)
     llm = LLM(model=str(folder), **(ENGINE | dict(enforce_eager=enforce_eager)))
+    assert taken == ([] if enforce_eager else [1, 2])  # compiled at start-up, before any request
+    taken.clear()
     batch, lengths = prompts()[:4], [4, 7, 10, 12]
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], [greedy(n) for n in lengths])
@@ -445,7 +448,28 @@ def test_maglev_decoding_steps_run_compiled_at_vllms_default(tmp_path, monkeypat
         assert not taken
     else:
         assert {1, 2, 3, 4} <= set(taken)  # decoding batches of every size ran compiled
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # none compiled while serving
+    del llm
+
+
+def test_kvm_compiles_at_start_up_and_never_while_serving(tmp_path):
+    """At vLLM's default a KVM engine's forward is compiled while the engine starts (vLLM's warm-up run; the token
+    count a dynamic dimension); serving prompts of 1-40 tokens, chunked over steps, and decoding batches of 8 down
+    to 1 compiles no graph. Tokens = generate()'s."""
+    from vllm import LLM
+
+    folder = MODELS["kvm_power_law_gqa"](tmp_path)
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    llm = LLM(model=str(folder), **(ENGINE | dict(enforce_eager=False)), **split_prompts(folder, 16))
+    started = graphs["unique_graphs"]
+    assert started > before
+    batch, lengths = prompts(), [3, 12, 5, 9, 1, 7, 12, 2]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], [greedy(n) for n in lengths])
+    model = hf_model(folder)
+    for prompt, new_tokens, output in zip(batch, lengths, outputs):
+        assert list(output.outputs[0].token_ids) == hf_continuation(model, prompt, new_tokens)
+    assert graphs["unique_graphs"] == started
     del llm
 
 

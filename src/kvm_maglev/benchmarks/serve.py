@@ -282,6 +282,14 @@ def engine_settings(llm) -> dict:
             "enforce_eager": config.model_config.enforce_eager}
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (the engine core runs here): compiling one while a
+    workload is timed is a recompilation while serving."""
+    import torch
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def timed(function) -> tuple[float, float]:
     cpu, start = time.process_time(), time.perf_counter()
     function()
@@ -309,14 +317,17 @@ def run_vllm(job: dict) -> dict:
     results = {}
     for name, raw in job["workloads"].items():
         requests = [Request(**r) for r in raw]
-        runs = []
+        runs, graphs = [], compiled_graphs()
         for _ in range(job["repeats"]):
             llm.reset_prefix_cache()  # each run starts cold: no prompt cached by the warm-up or the run before
             runs.append(timed(lambda: generate(requests)))
         results[name] = summarize(requests, runs)
+        results[name]["graphs_compiled_while_serving"] = compiled_graphs() - graphs
         print(f"[{engine}] {name}: {results[name]['output_tokens_per_s']:.1f} output tok/s, "
-              f"{results[name]['wall_s']:.2f} s", flush=True)
-    report = {"results": results, "engine_settings": engine_settings(llm)}
+              f"{results[name]['wall_s']:.2f} s, {results[name]['graphs_compiled_while_serving']} graphs compiled",
+              flush=True)
+    report = {"results": results, "engine_settings": engine_settings(llm),
+              "graphs_compiled_before_timing": compiled_graphs()}
     if engine in STATE_PAGE_ENGINES:
         layers = state_page_bytes(llm)
         config = llm.llm_engine.model_config.hf_config

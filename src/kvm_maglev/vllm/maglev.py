@@ -20,8 +20,9 @@ engine schedules every prompt whole and recomputes a preempted request from its 
 (`serving_config.whole_prompt_scheduling`), so a prompt-starting request reads exactly its prompt.
 
 vLLM's default compiles the steps in which every request decodes (one graph; each layer's ring read and written
-in the operator `kvm_maglev::ring_attention`, so that no page is an input of the graph); `enforce_eager`, tensor
-parallelism and steps that read prompts run eager.
+in the operator `kvm_maglev::ring_attention`, so that no page is an input of the graph), at start-up in vLLM's
+warm-up run, so that serving never compiles; `enforce_eager`, tensor parallelism and steps that read prompts run
+eager.
 
 Tensor parallelism (`kvm_maglev.vllm.tensor_parallel`): each rank holds the share of P's (and Q's) heads, memory
 projections, gates and MLP units that `MaglevConfig.base_model_tp_plan` gives it, its heads' columns of the value
@@ -36,6 +37,7 @@ from __future__ import annotations
 import torch
 from vllm.config import CompilationMode, VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from kvm_maglev.models.common.step_plan import StepPlan
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
@@ -90,9 +92,47 @@ class VllmMaglevForCausalLM(PagedStateModel):
         # model's sharded parameters have not been traced (tensor parallelism runs eager).
         compiles = vllm_config.compilation_config.mode != CompilationMode.NONE and self.tp_size == 1
         self.compiled_forward = torch.compile(self.model.forward, dynamic=True) if compiles else None
+        self.decoding_compiled = False  # the compiled step's graphs made (`compile_decoding_steps`)
         # a compiled step's rings over the pages and its plan (one for all layers, its masks made once), for the
         # operator
         self.step_rings: tuple[list, StepPlan] | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """The step's head inputs (`PagedStateModel.forward`); vLLM's warm-up run, before any request, first
+        compiles the decoding steps, so that no request waits for a compilation."""
+        if (self.compiled_forward is not None and not self.decoding_compiled and is_forward_context_available()
+                and get_forward_context().attn_metadata is None):
+            self.compile_decoding_steps(input_ids)
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+
+    def compile_decoding_steps(self, input_ids: torch.Tensor) -> None:
+        """Compile the step in which every request decodes, for a batch of one and of two rows (from two on the
+        batch is a dynamic dimension, so these are every batch size's graphs), after one eager step that makes the
+        model's lazily built buffers (rotary frequencies), which the graphs guard on."""
+        self.decoding_compiled = True
+        self.hold_speedups()  # the served forward's modules, as the steps will find them
+        with torch.no_grad():
+            tokens, cache = self.scratch_step(input_ids, 1)
+            self.model(input_ids=tokens, past_key_values=cache, use_cache=True, return_dict=True)
+            for rows in (1, 2):
+                tokens, cache = self.scratch_step(input_ids, rows)
+                if self.model.prepare_step(tokens, cache):
+                    self.compiled_decoding(tokens, cache)
+
+    def scratch_step(self, input_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, MaglevCache]:
+        """A decoding step of `rows` rows as vLLM's steps give it (token ids of `input_ids`' dtype, a cache over pages
+        of the state layers' shapes), on scratch pages whose results are dropped; the rows past every ring's width,
+        as most decoding steps find them."""
+        device, config = input_ids.device, self.config
+        rings = [{name: torch.zeros(rows, *shape, dtype=dtype, device=device)
+                  for name, shape, dtype in zip(("keys", "values"), pages.shapes, pages.dtypes)}
+                 for pages in self.state_layers]
+        index = [torch.arange(rows, device=device) for _ in rings]
+        position = max(pages.shapes[0][1] for pages in self.state_layers) + 1  # past the widest ring
+        carry = torch.zeros(rows, config.hidden_size, dtype=self.state_layers[0].dtypes[2], device=device)
+        cache = MaglevCache.over_pages(config, rings, index, [position] * rows, carry, carry, self.model.memory_init)
+        return input_ids.new_zeros(rows, 1), cache
 
     def split_value_embeddings(self) -> dict[str, int]:
         """Under tensor parallelism, each value-embedding table as the rank's columns: layer i's table is added to
