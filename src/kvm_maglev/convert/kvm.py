@@ -36,6 +36,69 @@ from kvm_maglev.convert.identify import check_source_kind
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.tokenization.gpt2 import generation_token_fields, load_research_tokenizer
 
+# where a converted checkpoint's pad/bos/eos token ids come from
+TOKEN_IDS_RESEARCH = "config.json `pad_token_id` / `bos_token_id` / `eos_token_id`"
+# KVMConfig field -> the research `MixerConfig` field(s) `kvm_config_from_research` reads it from (the table in
+# docs/conversion.md shows them); a field not named here is not read from the research config.
+RESEARCH_NAMES = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_key_value_heads",
+    "head_dim": "d_qk_head / d_head",
+    "value_head_dim": "d_v_head / d_head",
+    "intermediate_size": "ffn_expansion",
+    "rope_theta": "rope_theta",
+    "rotary_dim": "rope_partial_dim",
+    "chunk_size": "chunk_len",
+    "window_chunks": "n_bswa_chunks",
+    "sink_slots": "sink_len",
+    "state_budget_mode": "state_budget_mode",
+    "state_budget_min": "state_min_len",
+    "state_budget_factor": "state_growth_factor",
+    "state_budget_exponent": "state_growth_exponent",
+    "state_budget_saturation": "state_saturation_n",
+    "state_budget_round_to": "state_round_down",
+    "state_max_chunks": "n_max_d_chunks",
+    "merge_gate_keys": "kvm_use_merge_gate_keys",
+    "merge_gate_values": "kvm_use_merge_gate_values",
+    "merge_gate_appends": "kvm_apply_merge_gate_to_appends",
+    "merge_gate_initial_state": "kvm_apply_merge_gate_to_initial_state",
+    "merge_routing_dtype": "token_mixer_class_path",
+    "head_temperatures": "kvm_use_head_temps",
+    "state_value_norms": "kvm_use_vlens",
+    "kvm_token_shift": "use_tokenshift_att + kvm_token_shift_mode",
+    "ffn_token_shift": "use_tokenshift_ffn",
+    "value_residual": "use_value_residual",
+    "kvm_value_residual_mode": "kvm_value_residual_mode",
+    "sliding_window_every": "alt_layer_every",
+    "sliding_window": "swa_window_size",
+    "sliding_window_rope_theta": "alt_rope_theta",
+    "sliding_window_rotary_dim": "alt_rope_partial_dim",
+    "sliding_window_token_shift": "use_tokenshift_att + swa_token_shift_mode",
+    "sliding_window_value_residual_mode": "swa_value_residual_mode",
+    "sliding_window_share_value_residual": "alt_share_v0",
+    "block_lambdas": "use_block_lambdas",
+    "residual_scale": "residual_scale",
+    "logit_softcap": "logit_softcap",
+    "pad_token_id": TOKEN_IDS_RESEARCH,
+    "bos_token_id": TOKEN_IDS_RESEARCH,
+    "eos_token_id": TOKEN_IDS_RESEARCH,
+}
+# Research `MixerConfig` fields with no KVMConfig field, and what the converter does with them.
+RESEARCH_ONLY_FIELDS = (
+    ("token_mixer", 'only "kvm" (rejected otherwise)'),
+    ("alt_token_mixer", 'only "swa" (rejected otherwise)'),
+    ("token_mixer_class_path / alt_token_mixer_class_path", "must be unset or the KVM/SWA mixers; the KVM ones "
+     "(model.kvm_mixer, model.kvm_fp32_routing_reference) both become merge_routing_dtype='float32'"),
+    ("use_skip_connections", "rejected when set (no published model uses it)"),
+    ("use_l2wrap", "rejected when set (training-only gradient trick)"),
+    ("param_dtype", "becomes `dtype`"),
+    ("mup_base_dim, use_overflow_v_key_weighting, use_state_deltarule, use_state_decay, gptalpha_*, ovq_*, kda_*, "
+     "gated_deltanet_*, lact_*", "not read by the KVM or SWA layers; ignored"),
+)
+
 # research fields that must have exactly these values (or be absent) for our model to be exact
 _REQUIRED_VALUES = {
     "token_mixer": ("kvm",),
@@ -236,7 +299,7 @@ def resolve_changed_defaults(fields: dict, research_commit: str | None = None) -
 
 
 def kvm_config_from_research(fields: dict, research_commit: str | None = None, **overrides: Any) -> KVMConfig:
-    """Map research MixerConfig fields (the research names KVMConfig's field declarations give) to a KVMConfig;
+    """Map research MixerConfig fields (`RESEARCH_NAMES`) to a KVMConfig;
     keys whose default changed between research commits are resolved first (`resolve_changed_defaults`)."""
     return _config_from_fields(resolve_changed_defaults(fields, research_commit), overrides)
 

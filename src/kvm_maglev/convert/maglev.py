@@ -77,6 +77,22 @@ MAGLEV_META_FIELDS = ("sliding_window", "memory_gate_channels", "prefiller_windo
                       "memory_self_feed_mix", "memory_self_feed_mix_ramp_steps", "memory_noise_std",
                       "consistency_weight_final", "consistency_weight_ramp_steps",
                       "consistency_detach_target_after", "consistency_weight_after_detach")
+SPECIAL_TOKENS = "the tokenizer's special tokens"
+# MaglevConfig field -> where a nanochat checkpoint's meta json gives it (the tables in docs/conversion.md show them);
+# `build_config` reads `model_config` (nanochat's GPT) by these names and takes the `maglev` mapping as it is
+META_NAMES = {
+    "vocab_size": "model_config.vocab_size",
+    "hidden_size": "model_config.n_embd",
+    "num_hidden_layers": "model_config.n_layer",
+    "num_attention_heads": "model_config.n_head",
+    "num_key_value_heads": "model_config.n_kv_head",
+    "sequence_len": "model_config.sequence_len",
+    "window_pattern": "model_config.window_pattern",
+    "pad_token_id": SPECIAL_TOKENS,
+    "bos_token_id": SPECIAL_TOKENS,
+    "eos_token_id": SPECIAL_TOKENS,
+    **{name: f"maglev.{name}" for name in MAGLEV_META_FIELDS},
+}
 
 
 # ----- reading ---------------------------------------------------------------------------------
@@ -156,15 +172,10 @@ def build_config(meta: dict, state: dict[str, torch.Tensor], keep_prefiller: boo
         raise ValueError(f"meta json model_config lacks {missing}")
     maglev = meta.get("maglev")
     use_memory = maglev is not None or "memory_init" in state
-    fields = dict(
-        vocab_size=nano["vocab_size"],
-        hidden_size=nano["n_embd"],
-        num_hidden_layers=nano["n_layer"],
-        num_attention_heads=nano["n_head"],
-        num_key_value_heads=nano["n_kv_head"],
+    fields = {ours: nano[where.removeprefix("model_config.")] for ours, where in META_NAMES.items()
+              if where.startswith("model_config.")}
+    fields.update(
         max_position_embeddings=USABLE_CONTEXT,
-        sequence_len=nano["sequence_len"],
-        window_pattern=nano["window_pattern"],
         use_value_embeddings=any(k.startswith("value_embeds.") for k in state),
         use_smear="smear_gate.weight" in state,
         use_backout="backout_lambda" in state,

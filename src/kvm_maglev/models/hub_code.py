@@ -278,8 +278,9 @@ def top_level_name(node: ast.stmt) -> str | None:
 
 def without_unused(text: str, read_elsewhere: str = "") -> str:
     """`text` without the top-level definitions that nothing in it names, nor `read_elsewhere` (the file that imports
-    from it): what a shared module brings along that this model does not use (another model's helpers, the docs'
-    table writer). Any mention keeps a name, a docstring's too; comment lines right above a definition go with it.
+    from it): what a shared module brings along that this model does not use (another model's helpers, constants
+    only the package reads). Any mention keeps a name, a docstring's too; comment lines right above a definition go
+    with it.
     Each round drops every definition named only where it is defined, until none is."""
     elsewhere = Counter(re.findall(r"\w+", read_elsewhere))
     while True:

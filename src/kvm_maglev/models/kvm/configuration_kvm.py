@@ -1,22 +1,22 @@
 """KVM (Key-Value Means) model configuration.
 
-`KVMConfig` declares every field once, as an annotated class attribute with its default and a docstring; its
-`config_field` metadata gives its name in the research code's `MixerConfig` (github recursal/KVM-paper,
-`model/rwkv7_backbone.py`; the converter applies the mapping) and whether a saved cache depends on it.
-`KVMConfig.__init__`'s signature and docstring, `KVM_FIELDS`, `CACHE_CONFIG_FIELDS` and the table in
-docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from the declarations.
+`KVMConfig` declares its fields as transformers' configs do: annotated class attributes with their defaults,
+documented in its docstring's `Args:`. Their names in the research code (github recursal/KVM-paper) are the
+converter's (`kvm_maglev.convert.kvm.RESEARCH_NAMES`); the table in docs/conversion.md is written from both
+(`python -m kvm_maglev.convert.config_tables`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
 from ...package_only.hub_save import HubCodeSaveMixin
-from ..common.config_fields import cache_fields, config_field, declare_fields, declared_fields
+from ..common.config_fields import init_signature, store_fields
 from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
 
 logger = logging.get_logger(__name__)
@@ -86,6 +86,10 @@ def append_count(config, block: int, slots: int) -> int:
 STATE_BUDGET_MODES = ("fixed", "power_law", "kvm_saturation")
 VALUE_RESIDUAL_MODES = ("linear", "rwkv", "rwkv_post_tokenshift")
 MERGE_ROUTING_DTYPES = ("float32", "model")
+# Switch fields stored as bools: research YAML gives them as 0/1.
+SWITCHES = ("merge_gate_keys", "merge_gate_values", "merge_gate_appends", "merge_gate_initial_state",
+            "head_temperatures", "state_value_norms", "kvm_token_shift", "ffn_token_shift", "value_residual",
+            "sliding_window_token_shift", "sliding_window_share_value_residual", "block_lambdas")
 # Fields that `from_pretrained(..., field=value)` may change: they set state size only, not weights.
 BUDGET_FIELDS = (
     "state_budget_mode",
@@ -97,26 +101,70 @@ BUDGET_FIELDS = (
     "state_max_chunks",
     "sink_slots",
 )
-# where a converted checkpoint's pad/bos/eos token ids come from
-TOKEN_IDS_RESEARCH = "config.json `pad_token_id` / `bos_token_id` / `eos_token_id`"
-
-# Research `MixerConfig` fields with no KVMConfig field, and what the converter does with them.
-RESEARCH_ONLY_FIELDS = (
-    ("token_mixer", 'only "kvm" (rejected otherwise)'),
-    ("alt_token_mixer", 'only "swa" (rejected otherwise)'),
-    ("token_mixer_class_path / alt_token_mixer_class_path", "must be unset or the KVM/SWA mixers; the KVM ones "
-     "(model.kvm_mixer, model.kvm_fp32_routing_reference) both become merge_routing_dtype='float32'"),
-    ("use_skip_connections", "rejected when set (no published model uses it)"),
-    ("use_l2wrap", "rejected when set (training-only gradient trick)"),
-    ("param_dtype", "becomes `dtype`"),
-    ("mup_base_dim, use_overflow_v_key_weighting, use_state_deltarule, use_state_decay, gptalpha_*, ovq_*, kda_*, "
-     "gated_deltanet_*, lact_*", "not read by the KVM or SWA layers; ignored"),
-)
 
 
-@declare_fields
 class KVMConfig(HubCodeSaveMixin, PretrainedConfig):
-    """Configuration of a KVM language model: block sliding window plus key-value-means state."""
+    """Configuration of a KVM language model: block sliding window plus key-value-means state.
+
+    Args:
+        vocab_size (`int`): tokenizer size
+        hidden_size (`int`): model width
+        num_hidden_layers (`int`): decoder layers
+        num_attention_heads (`int`): attention heads
+        num_key_value_heads (`int | None`): key/value heads (grouped-query attention): the window, the state, its merges
+            and the merge gate are kept per key/value head, query head h reads key/value head h // (num_attention_heads
+            // num_key_value_heads) (None: one per query head)
+        head_dim (`int | None`): query/key channels per head (None: hidden_size // num_attention_heads)
+        value_head_dim (`int | None`): value channels per head (None: hidden_size // num_attention_heads)
+        intermediate_size (`int | None`): MLP width; converted: int(ffn_expansion * hidden_size) // 32 * 32 (None: 4 *
+            hidden_size, rounded down to a multiple of 32)
+        layer_norm_eps (`float`): LayerNorm epsilon: PyTorch's default, as the research code uses
+        rope_theta (`float`): rotary base of the KVM layers
+        rotary_dim (`int | None`): rotated channels of a head in KVM layers, zeroed in state keys; the whole head leaves
+            state keys all zero (warned) (None: half the head; research: 64 of 128)
+        chunk_size (`int`): tokens per chunk: the window slides and the state merges a chunk at a time
+        window_chunks (`int`): chunk-aligned blocks in the sliding window
+        sink_slots (`int`): state slots never merged into
+        state_budget_mode (`str`): how the state grows: "fixed", "power_law" or "kvm_saturation"
+        state_budget_min (`int`): fixed: the budget; others: the floor (-1: no appends after the first chunk)
+        state_budget_factor (`float`): power_law: budget = factor * N ** exponent
+        state_budget_exponent (`float`): power_law: the exponent, in [0, 1]
+        state_budget_saturation (`int | None`): kvm_saturation: budget = n * N / (n + N)
+        state_budget_round_to (`int`): budget rounded down to a multiple of this
+        state_max_chunks (`int`): state cap = chunk_size * state_max_chunks
+        merge_gate_keys (`bool`): scale merged keys by 1 + elu(W x)
+        merge_gate_values (`bool`): scale merged values by the gate
+        merge_gate_appends (`bool`): appended slots gated too
+        merge_gate_initial_state (`bool`): first chunk gated too
+        merge_routing_dtype (`str`): dtype the merge routing (each token's most similar slot) is scored in: "float32"
+            (or the state's finer dtype; research kvm_fp32_routing_reference, and this model's state under half
+            precision) or "model" (keys rounded to the model dtype, as the research kvm_mixer scores them in bfloat16)
+        head_temperatures (`bool`): per-head window/state key scales
+        state_value_norms (`bool`): True: renormalise merged values to the slot norm; False: divide by counts (research:
+            +1 on every slot per merged block; only with a one-chunk state)
+        kvm_token_shift (`bool`): token shift of q/k/v in KVM layers
+        ffn_token_shift (`bool`): token shift before the MLP
+        value_residual (`bool`): mix each layer's values with an anchor from the first layer
+        kvm_value_residual_mode (`str`): how, in KVM layers: "linear", "rwkv" or "rwkv_post_tokenshift"
+        sliding_window_every (`int`): layers with index % n == 0 are sliding-window layers; 0: none
+        sliding_window (`int | None`): keys of a sliding-window layer (<= 0 or None: chunk_size)
+        sliding_window_rope_theta (`float`): rotary base of the sliding-window layers
+        sliding_window_rotary_dim (`int | None`): rotated channels of a head in sliding-window layers, 0: no rotary
+            (None: the whole head)
+        sliding_window_token_shift (`bool`): token shift of q/k/v in sliding-window layers
+        sliding_window_value_residual_mode (`str`): kvm_value_residual_mode of the sliding-window layers
+        sliding_window_share_value_residual (`bool`): KVM layers use the first sliding-window layer's value anchor
+        block_lambdas (`bool`): x <- a * x + b * x0 before attention
+        residual_scale (`float`): scale of each residual branch (research None: 1.0)
+        logit_softcap (`float`): tanh soft-capping of the logits; 0: off
+        max_position_embeddings (`int`): usable context: windows and a bounded state keep the cost per token flat at any
+            length
+        tie_word_embeddings (`bool`): share the embedding and output weights
+        use_cache (`bool`): forward returns a KVMCache
+        pad_token_id (`int | None`): id of the padding token (None: none)
+        bos_token_id (`int | None`): id of the beginning-of-sequence token (None: none)
+        eos_token_id (`int | list[int] | None`): id(s) of the end-of-sequence token (None: none)
+    """
 
     model_type = "kvm"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
@@ -143,118 +191,66 @@ class KVMConfig(HubCodeSaveMixin, PretrainedConfig):
         "layers.*.mlp.down_proj": "rowwise",
     }
 
-    # ---- fields, in `__init__` order (positional arguments follow it); switches are coerced to bools (research
-    # YAML gives 0/1)
-    vocab_size: int = config_field(50304, research="vocab_size", cache=True)
-    """tokenizer size"""
-    hidden_size: int = config_field(768, research="hidden_size", cache=True)
-    """model width"""
-    num_hidden_layers: int = config_field(12, research="num_hidden_layers", cache=True)
-    """decoder layers"""
-    num_attention_heads: int = config_field(6, research="num_attention_heads", cache=True)
-    """attention heads"""
-    num_key_value_heads: int | None = config_field(None, research="num_key_value_heads", cache=True)
-    """key/value heads (grouped-query attention): the window, the state, its merges and the merge gate are kept per
-    key/value head, query head h reads key/value head h // (num_attention_heads // num_key_value_heads) (None: one per
-    query head)"""
-    head_dim: int | None = config_field(None, research="d_qk_head / d_head", cache=True)
-    """query/key channels per head (None: hidden_size // num_attention_heads)"""
-    value_head_dim: int | None = config_field(None, research="d_v_head / d_head", cache=True)
-    """value channels per head (None: hidden_size // num_attention_heads)"""
-    intermediate_size: int | None = config_field(None, research="ffn_expansion", cache=True)
-    """MLP width; converted: int(ffn_expansion * hidden_size) // 32 * 32 (None: 4 * hidden_size, rounded down to a
-    multiple of 32)"""
-    layer_norm_eps: float = config_field(1e-5, cache=True)
-    """LayerNorm epsilon: PyTorch's default, as the research code uses"""
-    rope_theta: float = config_field(10000.0, research="rope_theta", cache=True)
-    """rotary base of the KVM layers"""
-    rotary_dim: int | None = config_field(None, research="rope_partial_dim", cache=True)
-    """rotated channels of a head in KVM layers, zeroed in state keys; the whole head leaves state keys all zero
-    (warned) (None: half the head; research: 64 of 128)"""
-    chunk_size: int = config_field(256, research="chunk_len", cache=True)
-    """tokens per chunk: the window slides and the state merges a chunk at a time"""
-    window_chunks: int = config_field(2, research="n_bswa_chunks", cache=True)
-    """chunk-aligned blocks in the sliding window"""
-    sink_slots: int = config_field(1, research="sink_len", cache=True)
-    """state slots never merged into"""
-    state_budget_mode: str = config_field("fixed", research="state_budget_mode", cache=True)
-    """how the state grows: "fixed", "power_law" or "kvm_saturation" """
-    state_budget_min: int = config_field(256, research="state_min_len", cache=True)
-    """fixed: the budget; others: the floor (-1: no appends after the first chunk)"""
-    state_budget_factor: float = config_field(1.0, research="state_growth_factor", cache=True)
-    """power_law: budget = factor * N ** exponent"""
-    state_budget_exponent: float = config_field(0.5, research="state_growth_exponent", cache=True)
-    """power_law: the exponent, in [0, 1]"""
-    state_budget_saturation: int | None = config_field(None, research="state_saturation_n", cache=True)
-    """kvm_saturation: budget = n * N / (n + N)"""
-    state_budget_round_to: int = config_field(1, research="state_round_down", cache=True)
-    """budget rounded down to a multiple of this"""
-    state_max_chunks: int = config_field(1, research="n_max_d_chunks", cache=True)
-    """state cap = chunk_size * state_max_chunks"""
-    merge_gate_keys: bool = config_field(True, research="kvm_use_merge_gate_keys", cache=True, coerce=bool)
-    """scale merged keys by 1 + elu(W x)"""
-    merge_gate_values: bool = config_field(True, research="kvm_use_merge_gate_values", cache=True, coerce=bool)
-    """scale merged values by the gate"""
-    merge_gate_appends: bool = config_field(True, research="kvm_apply_merge_gate_to_appends", cache=True, coerce=bool)
-    """appended slots gated too"""
-    merge_gate_initial_state: bool = config_field(
-        False, research="kvm_apply_merge_gate_to_initial_state", cache=True, coerce=bool)
-    """first chunk gated too"""
-    merge_routing_dtype: str = config_field("float32", research="token_mixer_class_path", cache=True)
-    """dtype the merge routing (each token's most similar slot) is scored in: "float32" (or the state's finer dtype;
-    research kvm_fp32_routing_reference, and this model's state under half precision) or "model" (keys rounded to the
-    model dtype, as the research kvm_mixer scores them in bfloat16)"""
-    head_temperatures: bool = config_field(True, research="kvm_use_head_temps", cache=True, coerce=bool)
-    """per-head window/state key scales"""
-    state_value_norms: bool = config_field(True, research="kvm_use_vlens", cache=True, coerce=bool)
-    """True: renormalise merged values to the slot norm; False: divide by counts (research: +1 on every slot per merged
-    block; only with a one-chunk state)"""
-    kvm_token_shift: bool = config_field(
-        True, research="use_tokenshift_att + kvm_token_shift_mode", cache=True, coerce=bool)
-    """token shift of q/k/v in KVM layers"""
-    ffn_token_shift: bool = config_field(True, research="use_tokenshift_ffn", cache=True, coerce=bool)
-    """token shift before the MLP"""
-    value_residual: bool = config_field(True, research="use_value_residual", cache=True, coerce=bool)
-    """mix each layer's values with an anchor from the first layer"""
-    kvm_value_residual_mode: str = config_field("rwkv", research="kvm_value_residual_mode", cache=True)
-    """how, in KVM layers: "linear", "rwkv" or "rwkv_post_tokenshift" """
-    sliding_window_every: int = config_field(0, research="alt_layer_every", cache=True)
-    """layers with index % n == 0 are sliding-window layers; 0: none"""
-    sliding_window: int | None = config_field(None, research="swa_window_size", cache=True)
-    """keys of a sliding-window layer (<= 0 or None: chunk_size)"""
-    sliding_window_rope_theta: float = config_field(10000.0, research="alt_rope_theta", cache=True)
-    """rotary base of the sliding-window layers"""
-    sliding_window_rotary_dim: int | None = config_field(None, research="alt_rope_partial_dim", cache=True)
-    """rotated channels of a head in sliding-window layers, 0: no rotary (None: the whole head)"""
-    sliding_window_token_shift: bool = config_field(
-        True, research="use_tokenshift_att + swa_token_shift_mode", cache=True, coerce=bool)
-    """token shift of q/k/v in sliding-window layers"""
-    sliding_window_value_residual_mode: str = config_field("rwkv", research="swa_value_residual_mode", cache=True)
-    """kvm_value_residual_mode of the sliding-window layers"""
-    sliding_window_share_value_residual: bool = config_field(False, research="alt_share_v0", cache=True, coerce=bool)
-    """KVM layers use the first sliding-window layer's value anchor"""
-    block_lambdas: bool = config_field(False, research="use_block_lambdas", cache=True, coerce=bool)
-    """x <- a * x + b * x0 before attention"""
-    residual_scale: float = config_field(1.0, research="residual_scale", cache=True)
-    """scale of each residual branch (research None: 1.0)"""
-    logit_softcap: float = config_field(0.0, research="logit_softcap", cache=True)
-    """tanh soft-capping of the logits; 0: off"""
+    # ---- fields, in `__init__` order (positional arguments follow it)
+    vocab_size: int = 50304
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 6
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    value_head_dim: int | None = None
+    intermediate_size: int | None = None
+    layer_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rotary_dim: int | None = None
+    chunk_size: int = 256
+    window_chunks: int = 2
+    sink_slots: int = 1
+    state_budget_mode: str = "fixed"
+    state_budget_min: int = 256
+    state_budget_factor: float = 1.0
+    state_budget_exponent: float = 0.5
+    state_budget_saturation: int | None = None
+    state_budget_round_to: int = 1
+    state_max_chunks: int = 1
+    merge_gate_keys: bool = True
+    merge_gate_values: bool = True
+    merge_gate_appends: bool = True
+    merge_gate_initial_state: bool = False
+    merge_routing_dtype: str = "float32"
+    head_temperatures: bool = True
+    state_value_norms: bool = True
+    kvm_token_shift: bool = True
+    ffn_token_shift: bool = True
+    value_residual: bool = True
+    kvm_value_residual_mode: str = "rwkv"
+    sliding_window_every: int = 0
+    sliding_window: int | None = None
+    sliding_window_rope_theta: float = 10000.0
+    sliding_window_rotary_dim: int | None = None
+    sliding_window_token_shift: bool = True
+    sliding_window_value_residual_mode: str = "rwkv"
+    sliding_window_share_value_residual: bool = False
+    block_lambdas: bool = False
+    residual_scale: float = 1.0
+    logit_softcap: float = 0.0
     max_position_embeddings: int = 1 << 30
-    """usable context: windows and a bounded state keep the cost per token flat at any length"""
     tie_word_embeddings: bool = False
-    """share the embedding and output weights"""
     use_cache: bool = True
-    """forward returns a KVMCache"""
-    pad_token_id: int | None = config_field(None, research=TOKEN_IDS_RESEARCH)
-    """id of the padding token (None: none)"""
-    bos_token_id: int | None = config_field(None, research=TOKEN_IDS_RESEARCH)
-    """id of the beginning-of-sequence token (None: none)"""
-    eos_token_id: int | list[int] | None = config_field(None, research=TOKEN_IDS_RESEARCH)
-    """id(s) of the end-of-sequence token (None: none)"""
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The fields above by keyword or, in their order, by position; the other keywords are transformers' own
+        (`PretrainedConfig.__init__` stores them and then runs `__post_init__`)."""
+        super().__init__(**store_fields(KVMConfig, self, args, kwargs))
 
     def __post_init__(self, **kwargs) -> None:
-        """After `__init__` stored the fields (`declare_fields`) and transformers' own: the defaults that follow
-        from other fields, then validation."""
+        """The switches as bools (research YAML gives 0/1), the defaults that follow from other fields, then
+        validation."""
+        for name in SWITCHES:
+            setattr(self, name, bool(getattr(self, name)))
         super().__post_init__(**kwargs)
         if self.hidden_size and self.num_attention_heads:
             # None: rotate half the head, as the published models do (64 of 128). State keys keep only
@@ -473,10 +469,19 @@ class KVMConfig(HubCodeSaveMixin, PretrainedConfig):
         return self.num_hidden_layers * batch_size * max(num_tokens, 0) * per_token
 
 
-# The declared fields, in `__init__` order.
-KVM_FIELDS = declared_fields(KVMConfig)
-# Config fields that decide what a cache holds and how a model reads it.
-CACHE_CONFIG_FIELDS = cache_fields(KVM_FIELDS)
+KVMConfig.__init__.__signature__ = init_signature(KVMConfig)
+# The fields a saved cache depends on (its config fingerprint): what the cache holds and how a model reads it.
+CACHE_CONFIG_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "value_head_dim", "intermediate_size", "layer_norm_eps", "rope_theta", "rotary_dim", "chunk_size",
+    "window_chunks", "sink_slots", "state_budget_mode", "state_budget_min", "state_budget_factor",
+    "state_budget_exponent", "state_budget_saturation", "state_budget_round_to", "state_max_chunks",
+    "merge_gate_keys", "merge_gate_values", "merge_gate_appends", "merge_gate_initial_state", "merge_routing_dtype",
+    "head_temperatures", "state_value_norms", "kvm_token_shift", "ffn_token_shift", "value_residual",
+    "kvm_value_residual_mode", "sliding_window_every", "sliding_window", "sliding_window_rope_theta",
+    "sliding_window_rotary_dim", "sliding_window_token_shift", "sliding_window_value_residual_mode",
+    "sliding_window_share_value_residual", "block_lambdas", "residual_scale", "logit_softcap",
+)
 
 
 def state_dtype_for(dtype: torch.dtype) -> torch.dtype:

@@ -1,22 +1,22 @@
 """Configuration of Maglev (Sliding Recurrent Memory) on a nanochat GPT backbone.
 
-`MaglevConfig` declares every field once, as an annotated class attribute with its default and a docstring; its
-`config_field` metadata gives where a nanochat checkpoint's meta json gives it (`model_config.*` for nanochat's GPT,
-`maglev.*` for the Maglev fields), whether a saved cache depends on it and whether only training reads it. The
-architecture's and inference's fields (`MAGLEV_MODEL_FIELDS`) come first, the training-only ones
-(`MAGLEV_TRAINING_FIELDS`) after them. `MaglevConfig.__init__`'s signature and docstring, `CACHE_CONFIG_FIELDS`
-and the tables in docs/conversion.md (`python -m kvm_maglev.models.config_tables`) are read from the declarations.
+`MaglevConfig` declares its fields as transformers' configs do: annotated class attributes with their defaults,
+documented in its docstring, the architecture's and inference's (`Args:`) first, the training-only ones after them
+(`Training args:`). Where a nanochat checkpoint's meta json gives them is the converter's
+(`kvm_maglev.convert.maglev.META_NAMES`); the tables in docs/conversion.md are written from both
+(`python -m kvm_maglev.convert.config_tables`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
 from ...package_only.hub_save import HubCodeSaveMixin
-from ..common.config_fields import cache_fields, config_field, declare_fields, declared_fields
+from ..common.config_fields import init_signature, store_fields
 from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
 
 WINDOW_LETTERS = "SL"
@@ -30,7 +30,6 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-@declare_fields
 class MaglevConfig(HubCodeSaveMixin, PretrainedConfig):
     """Every nanochat GPT feature as a switch, plus the Maglev memory and prefiller fields.
 
@@ -38,6 +37,77 @@ class MaglevConfig(HubCodeSaveMixin, PretrainedConfig):
     its per-layer windows taken from `window_pattern`. `sequence_len` is nanochat's training
     sequence length (its L window; default `max_position_embeddings`, as in configs saved before
     the field); `max_position_embeddings` is the usable context, which lm-eval and generate() read.
+
+    Args:
+        vocab_size (`int`): tokenizer size; logits are sliced to it
+        pad_vocab_size_to (`int`): embedding rows (lm_head's too when lm_head_padded) padded to a multiple of this
+            (resize_token_embeddings sets 1: it gives the rows asked for)
+        lm_head_padded (`bool | None`): lm_head rows padded like the embeddings (None: true for configs saved before
+            this field, whose heads from_pretrained unpads; false for new ones): false gives exactly vocab_size rows, so
+            a library that reads the head's weight (TRL's fused log-prob head) normalises over real ids only
+        hidden_size (`int`): model width; also the memory dimension
+        intermediate_size (`int | None`): relu^2 MLP width (None: 4 * hidden_size)
+        num_hidden_layers (`int`): decoder layers
+        num_attention_heads (`int`): attention heads; head_dim = hidden_size / num_attention_heads
+        num_key_value_heads (`int | None`): key/value heads (GQA), a divisor of num_attention_heads (None:
+            num_attention_heads)
+        max_position_embeddings (`int`): usable context, which lm-eval and generate() read (converted models: 2**30)
+        sequence_len (`int | None`): nanochat's training length: the L window; S = a quarter, rounded up to a multiple
+            of 128 (None: max_position_embeddings)
+        window_pattern (`str`): S/L letters per layer, repeated (the last layer is L), used when sliding_window is None
+        rope_theta (`float`): rotary base
+        rms_norm_eps (`float | None`): epsilon of the weightless RMSNorm (None: the dtype's epsilon, as nanochat)
+        qk_norm_scale (`float`): q and k are multiplied by it after QK-norm
+        logit_softcap (`float | None`): tanh soft-capping of the logits (None: off)
+        use_value_embeddings (`bool`): value embeddings on alternating layers, the last included
+        value_embedding_gate_channels (`int`): input channels of the value-embedding gate scale * sigmoid(W
+            x[:channels]), one per KV head
+        value_embedding_gate_scale (`float`): scale of the value-embedding gate
+        use_smear (`bool`): mix in the previous token's embedding (smear)
+        smear_gate_channels (`int`): input channels of the smear gate
+        use_backout (`bool`): subtract backout_lambda x backout_layer's output before the final norm
+        backout_layer (`int | None`): the layer backout subtracts (None: num_hidden_layers // 2)
+        use_layer_lambdas (`bool`): per-layer resid_lambdas / x0_lambdas mixing
+        use_memory (`bool`): Maglev memory injected into keys and values
+        sliding_window (`int | None`): keys per query including itself, in every layer of P (required with the memory)
+        memory_gate_channels (`int`): input channels of the per-KV-head memory gate
+        memory_init_std (`float`): init std of the memory projections W_k, W_v
+        has_prefiller (`bool`): the checkpoint carries the prefiller Q (converter: --keep-prefiller)
+        prefiller_window_pattern (`str`): Q's windows, S/L letters as window_pattern
+        prefiller_shares_blocks (`bool`): Q runs P's blocks (else its own prefiller_layers)
+        memory_prefill (`str`): prompt processing: "recurrent" (token after token) or "prefiller" (needs Q)
+        memory_source_layer (`int | None`): block whose output the memory is read from (None: the head input)
+        memory_projection (`bool`): memory m = rms_norm(W_m source), a learned projection
+        memory_residual_injection (`bool`): the memory also enters P's block input, through a zero-initialised
+            projection
+        weight_init (`str`): fresh weights: "nanochat" (its per-layer inits) or "torch" (PyTorch's layer defaults)
+        initializer_range (`float`): transformers' conventional init std; the model's own init does not read it
+        use_cache (`bool`): forward returns a MaglevCache
+        tie_word_embeddings (`bool`): share the embedding and output weights
+        pad_token_id (`int | None`): id of the padding token (None: none)
+        bos_token_id (`int | None`): id of the beginning-of-sequence token (None: none)
+        eos_token_id (`int | list[int] | None`): id(s) of the end-of-sequence token (None: none)
+
+    Training args:
+        consistency_weight (`float`): loss = lm_loss + consistency_weight * consistency_loss
+        consistency_loss (`str`): "mse" or "cosine"
+        consistency_detach_target (`bool`): stop the consistency gradient into Q's memories
+        training_forward (`str`): forwards in training mode or with labels: "lifted" (lifted parallel training: Q feeds
+            P, when Q is kept) or "recurrent" (P alone fed its own memory, the distribution generate() samples from:
+            scoring samples, e.g. TRL's GRPO)
+        memory_self_feed_steps (`int`): training: passes that feed P its own shifted memories after the prefiller-fed
+            one
+        memory_self_feed_detach (`bool`): training: no gradient through the fed-back memories
+        memory_self_feed_mix (`float`): training: chance per position that a self-fed pass reads P's own memory rather
+            than the prefiller's, in [0, 1]
+        memory_self_feed_mix_ramp_steps (`int`): training: steps over which that chance ramps up from 0 (0: no ramp)
+        memory_noise_std (`float`): training: Gaussian noise on the memory inputs
+        consistency_weight_final (`float | None`): training: the consistency weight a linear ramp ends at (with
+            consistency_weight_ramp_steps)
+        consistency_weight_ramp_steps (`int`): training: steps of that ramp (0: constant weight)
+        consistency_detach_target_after (`int | None`): training: from this step on Q is a frozen teacher (None: never)
+        consistency_weight_after_detach (`float | None`): training: the consistency weight once Q is frozen (None:
+            unchanged)
     """
 
     model_type = "maglev"
@@ -46,131 +116,71 @@ class MaglevConfig(HubCodeSaveMixin, PretrainedConfig):
     attribute_map = {"final_logit_softcapping": "logit_softcap"}
 
     # ---- fields: the architecture's and inference's, in `__init__` order (positional arguments follow it)
-    vocab_size: int = config_field(32768, research="model_config.vocab_size", cache=True)
-    """tokenizer size; logits are sliced to it"""
-    pad_vocab_size_to: int = config_field(64, cache=True)
-    """embedding rows (lm_head's too when lm_head_padded) padded to a multiple of this (resize_token_embeddings sets 1:
-    it gives the rows asked for)"""
+    vocab_size: int = 32768
+    pad_vocab_size_to: int = 64
     lm_head_padded: bool | None = None
-    """lm_head rows padded like the embeddings (None: true for configs saved before this field, whose heads
-    from_pretrained unpads; false for new ones): false gives exactly vocab_size rows, so a library that reads the head's
-    weight (TRL's fused log-prob head) normalises over real ids only"""
-    hidden_size: int = config_field(768, research="model_config.n_embd", cache=True)
-    """model width; also the memory dimension"""
-    intermediate_size: int | None = config_field(None, cache=True)
-    """relu^2 MLP width (None: 4 * hidden_size)"""
-    num_hidden_layers: int = config_field(12, research="model_config.n_layer", cache=True)
-    """decoder layers"""
-    num_attention_heads: int = config_field(6, research="model_config.n_head", cache=True)
-    """attention heads; head_dim = hidden_size / num_attention_heads"""
-    num_key_value_heads: int | None = config_field(None, research="model_config.n_kv_head", cache=True)
-    """key/value heads (GQA), a divisor of num_attention_heads (None: num_attention_heads)"""
-    max_position_embeddings: int = config_field(2048, cache=True)
-    """usable context, which lm-eval and generate() read (converted models: 2**30)"""
-    sequence_len: int | None = config_field(None, research="model_config.sequence_len", cache=True)
-    """nanochat's training length: the L window; S = a quarter, rounded up to a multiple of 128 (None:
-    max_position_embeddings)"""
-    window_pattern: str = config_field("L", research="model_config.window_pattern", cache=True)
-    """S/L letters per layer, repeated (the last layer is L), used when sliding_window is None"""
-    rope_theta: float = config_field(100000.0, cache=True)
-    """rotary base"""
-    rms_norm_eps: float | None = config_field(None, cache=True)
-    """epsilon of the weightless RMSNorm (None: the dtype's epsilon, as nanochat)"""
-    qk_norm_scale: float = config_field(1.2, cache=True)
-    """q and k are multiplied by it after QK-norm"""
+    hidden_size: int = 768
+    intermediate_size: int | None = None
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 6
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int = 2048
+    sequence_len: int | None = None
+    window_pattern: str = "L"
+    rope_theta: float = 100000.0
+    rms_norm_eps: float | None = None
+    qk_norm_scale: float = 1.2
     logit_softcap: float | None = 15.0
-    """tanh soft-capping of the logits (None: off)"""
-    use_value_embeddings: bool = config_field(True, cache=True)
-    """value embeddings on alternating layers, the last included"""
-    value_embedding_gate_channels: int = config_field(12, cache=True)
-    """input channels of the value-embedding gate scale * sigmoid(W x[:channels]), one per KV head"""
-    value_embedding_gate_scale: float = config_field(3.0, cache=True)
-    """scale of the value-embedding gate"""
-    use_smear: bool = config_field(True, cache=True)
-    """mix in the previous token's embedding (smear)"""
-    smear_gate_channels: int = config_field(24, cache=True)
-    """input channels of the smear gate"""
-    use_backout: bool = config_field(True, cache=True)
-    """subtract backout_lambda x backout_layer's output before the final norm"""
-    backout_layer: int | None = config_field(None, cache=True)
-    """the layer backout subtracts (None: num_hidden_layers // 2)"""
-    use_layer_lambdas: bool = config_field(True, cache=True)
-    """per-layer resid_lambdas / x0_lambdas mixing"""
-    use_memory: bool = config_field(True, cache=True)
-    """Maglev memory injected into keys and values"""
-    sliding_window: int | None = config_field(256, research="maglev.sliding_window", cache=True)
-    """keys per query including itself, in every layer of P (required with the memory)"""
-    memory_gate_channels: int = config_field(12, research="maglev.memory_gate_channels", cache=True)
-    """input channels of the per-KV-head memory gate"""
+    use_value_embeddings: bool = True
+    value_embedding_gate_channels: int = 12
+    value_embedding_gate_scale: float = 3.0
+    use_smear: bool = True
+    smear_gate_channels: int = 24
+    use_backout: bool = True
+    backout_layer: int | None = None
+    use_layer_lambdas: bool = True
+    use_memory: bool = True
+    sliding_window: int | None = 256
+    memory_gate_channels: int = 12
     memory_init_std: float = 0.02
-    """init std of the memory projections W_k, W_v"""
     has_prefiller: bool = True
-    """the checkpoint carries the prefiller Q (converter: --keep-prefiller)"""
-    prefiller_window_pattern: str = config_field("SSSL", research="maglev.prefiller_window_pattern")
-    """Q's windows, S/L letters as window_pattern"""
-    prefiller_shares_blocks: bool = config_field(True, research="maglev.prefiller_shares_blocks")
-    """Q runs P's blocks (else its own prefiller_layers)"""
+    prefiller_window_pattern: str = "SSSL"
+    prefiller_shares_blocks: bool = True
     memory_prefill: str = "recurrent"
-    """prompt processing: "recurrent" (token after token) or "prefiller" (needs Q)"""
-    memory_source_layer: int | None = config_field(None, research="maglev.memory_source_layer", cache=True)
-    """block whose output the memory is read from (None: the head input)"""
-    memory_projection: bool = config_field(False, research="maglev.memory_projection", cache=True)
-    """memory m = rms_norm(W_m source), a learned projection"""
-    memory_residual_injection: bool = config_field(False, research="maglev.memory_residual_injection", cache=True)
-    """the memory also enters P's block input, through a zero-initialised projection"""
+    memory_source_layer: int | None = None
+    memory_projection: bool = False
+    memory_residual_injection: bool = False
     weight_init: str = "nanochat"
-    """fresh weights: "nanochat" (its per-layer inits) or "torch" (PyTorch's layer defaults)"""
     initializer_range: float = 0.02
-    """transformers' conventional init std; the model's own init does not read it"""
     use_cache: bool = True
-    """forward returns a MaglevCache"""
     tie_word_embeddings: bool = False
-    """share the embedding and output weights"""
-    pad_token_id: int | None = config_field(None, research="the tokenizer's special tokens")
-    """id of the padding token (None: none)"""
-    bos_token_id: int | None = config_field(None, research="the tokenizer's special tokens")
-    """id of the beginning-of-sequence token (None: none)"""
-    eos_token_id: int | list[int] | None = config_field(None, research="the tokenizer's special tokens")
-    """id(s) of the end-of-sequence token (None: none)"""
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
 
     # ---- training only (the lifted and self-fed passes, the consistency loss, their step schedules:
     # curriculum_maglev), after the others in `__init__`; inference reads none of them
-    consistency_weight: float = config_field(1.0, research="maglev.consistency_weight", training=True)
-    """loss = lm_loss + consistency_weight * consistency_loss"""
-    consistency_loss: str = config_field("mse", research="maglev.consistency_loss", training=True)
-    """ "mse" or "cosine" """
-    consistency_detach_target: bool = config_field(False, research="maglev.consistency_detach_target", training=True)
-    """stop the consistency gradient into Q's memories"""
-    training_forward: str = config_field("lifted", training=True)
-    """forwards in training mode or with labels: "lifted" (lifted parallel training: Q feeds P, when Q is kept) or
-    "recurrent" (P alone fed its own memory, the distribution generate() samples from: scoring samples, e.g. TRL's
-    GRPO)"""
-    memory_self_feed_steps: int = config_field(0, research="maglev.memory_self_feed_steps", training=True)
-    """training: passes that feed P its own shifted memories after the prefiller-fed one"""
-    memory_self_feed_detach: bool = config_field(False, research="maglev.memory_self_feed_detach", training=True)
-    """training: no gradient through the fed-back memories"""
-    memory_self_feed_mix: float = config_field(1.0, research="maglev.memory_self_feed_mix", training=True)
-    """training: chance per position that a self-fed pass reads P's own memory rather than the prefiller's, in [0, 1]"""
-    memory_self_feed_mix_ramp_steps: int = config_field(
-        0, research="maglev.memory_self_feed_mix_ramp_steps", training=True)
-    """training: steps over which that chance ramps up from 0 (0: no ramp)"""
-    memory_noise_std: float = config_field(0.0, research="maglev.memory_noise_std", training=True)
-    """training: Gaussian noise on the memory inputs"""
-    consistency_weight_final: float | None = config_field(
-        None, research="maglev.consistency_weight_final", training=True)
-    """training: the consistency weight a linear ramp ends at (with consistency_weight_ramp_steps)"""
-    consistency_weight_ramp_steps: int = config_field(0, research="maglev.consistency_weight_ramp_steps", training=True)
-    """training: steps of that ramp (0: constant weight)"""
-    consistency_detach_target_after: int | None = config_field(
-        None, research="maglev.consistency_detach_target_after", training=True)
-    """training: from this step on Q is a frozen teacher (None: never)"""
-    consistency_weight_after_detach: float | None = config_field(
-        None, research="maglev.consistency_weight_after_detach", training=True)
-    """training: the consistency weight once Q is frozen (None: unchanged)"""
+    consistency_weight: float = 1.0
+    consistency_loss: str = "mse"
+    consistency_detach_target: bool = False
+    training_forward: str = "lifted"
+    memory_self_feed_steps: int = 0
+    memory_self_feed_detach: bool = False
+    memory_self_feed_mix: float = 1.0
+    memory_self_feed_mix_ramp_steps: int = 0
+    memory_noise_std: float = 0.0
+    consistency_weight_final: float | None = None
+    consistency_weight_ramp_steps: int = 0
+    consistency_detach_target_after: int | None = None
+    consistency_weight_after_detach: float | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The fields above by keyword or, in their order, by position; the other keywords are transformers' own
+        (`PretrainedConfig.__init__` stores them and then runs `__post_init__`)."""
+        super().__init__(**store_fields(MaglevConfig, self, args, kwargs))
 
     def __post_init__(self, **kwargs) -> None:
-        """After `__init__` stored the fields (`declare_fields`) and transformers' own: the defaults that follow
-        from other fields, then validation."""
+        """The defaults that follow from other fields, then validation."""
         # None: a size that follows from the others
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
@@ -393,12 +403,16 @@ class MaglevConfig(HubCodeSaveMixin, PretrainedConfig):
         return 2 * self.num_hidden_layers * self.kv_dim * num_tokens * batch_size * _dtype_bytes(dtype)
 
 
-# The declared fields, in `__init__` order: the architecture's and inference's, then the training-only ones.
-MAGLEV_FIELDS = declared_fields(MaglevConfig)
-MAGLEV_MODEL_FIELDS = tuple(field for field in MAGLEV_FIELDS if not field.training)
-MAGLEV_TRAINING_FIELDS = tuple(field for field in MAGLEV_FIELDS if field.training)
-# Config fields that decide what a cache holds and how a model reads it (training-only fields excluded).
-CACHE_CONFIG_FIELDS = cache_fields(MAGLEV_FIELDS)
+MaglevConfig.__init__.__signature__ = init_signature(MaglevConfig)
+# The fields a saved cache depends on (its config fingerprint): what the cache holds and how a model reads it.
+CACHE_CONFIG_FIELDS = (
+    "vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "sequence_len", "window_pattern",
+    "rope_theta", "rms_norm_eps", "qk_norm_scale", "use_value_embeddings", "value_embedding_gate_channels",
+    "value_embedding_gate_scale", "use_smear", "smear_gate_channels", "use_backout", "backout_layer",
+    "use_layer_lambdas", "use_memory", "sliding_window", "memory_gate_channels", "memory_source_layer",
+    "memory_projection", "memory_residual_injection",
+)
 
 
 def growing_capacity(num_tokens: int) -> int:
