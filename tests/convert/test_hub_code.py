@@ -86,6 +86,29 @@ def test_a_remote_code_model_saved_by_transformers_loads_again_with_its_logits(k
         assert (tmp_path / "saved" / name).read_text() == (folder / name).read_text()
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["kvm", "maglev"])
+def test_a_hub_folder_models_cache_is_saved_by_the_package(kind, tmp_path):
+    """Saving caches is the package's alone (the folder's files carry none of it): the cache of a model loaded with
+    trust_remote_code, of the folder's own class, saves and loads back by its class name, and continues like the
+    live one."""
+    from transformers import AutoModelForCausalLM
+
+    from kvm_maglev.models.common.model_inputs import CACHE_NAME
+    from kvm_maglev.package_only.saved_cache import load_cache, save_cache
+
+    folder = build_hub_folder(tiny(kind), tmp_path / kind, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(model).__module__.startswith("transformers_modules.")
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    live = getattr(model(ids[:, :6], use_cache=True), CACHE_NAME)
+    save_cache(live, tmp_path / "cache")
+    loaded = load_cache(tmp_path / "cache", model)
+    assert type(loaded) is type(live) and loaded.get_seq_length() == live.get_seq_length() == 6
+    assert torch.equal(model(ids[:, 6:], past_key_values=loaded).logits,
+                       model(ids[:, 6:], past_key_values=live).logits)
+
+
 def writes_or_reaches_out(text: str) -> list[str]:
     """What in a generated file would reach the network or write files: Hub downloads and uploads, safetensors or
     torch saving, `write_text` / `write_bytes`, and `open` in a writing mode."""

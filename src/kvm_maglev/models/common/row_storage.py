@@ -1,23 +1,35 @@
 """Per-row tensors of a cache layer, addressed by row, whoever owns them: a cache's own dense tensors (one storage
 row per batch row, generate()) or a serving engine's pages (one page per request, bound for each step). The layer code
-reads and writes through it the same way in both cases, in place."""
+reads and writes through it the same way in both cases, in place. On it, what both models' caches share: the cache
+layer (`RowCacheLayer`), which records what a step overwrites and undoes it on crop, and the cache (`RowCache`)."""
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, field
+
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@dataclass
+class LayerRecord:
+    """What one recorded step did to a cache layer: the values its writes replaced, in order (undone newest first);
+    a layer that redoes part of a step adds what it needs (`RowCacheLayer.record_type`)."""
+
+    replaced: list = field(default_factory=list)  # (tensor name, where, the values the write replaced)
 
 
 class RowStorage:
     """A layer's tensors, each [storage rows, ...], and the storage row of each of the forward's rows (`index`;
     None: storage row i is row i). Reading all rows of a dense storage is the tensor itself, no copy; writes go
-    into the tensors in place and, while a journal is open, keep what they replaced."""
+    into the tensors in place and, while a record is open, keep what they replaced."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.index: torch.Tensor | None = None
         self.run: slice | None = None  # `index` as a slice when it is a run of consecutive storage rows
-        self.replaced: list | None = None  # while recording: (name, where, the values a write replaced)
+        self.record: LayerRecord | None = None  # while recording a step: where its writes keep what they replace
 
     def bind(self, tensors: dict[str, torch.Tensor], index: torch.Tensor) -> None:
         """Read and write `tensors` (an engine's pages, [pages, ...] each), the forward's rows being storage rows
@@ -68,8 +80,8 @@ class RowStorage:
             where = (index, slice(None), slice(0, values.shape[2]))
         else:
             where = (index,)
-        if self.replaced is not None:
-            self.replaced.append((name, where, tensor[where].clone()))
+        if self.record is not None:
+            self.record.replaced.append((name, where, tensor[where].clone()))
         if torch.is_grad_enabled() and values.requires_grad:
             tensor = self.tensors[name] = tensor.clone()
         tensor[where] = values.to(tensor.dtype)
@@ -102,9 +114,25 @@ class RowCacheLayer(RowStorage, CacheLayerMixin):
     not one key and one value tensor)."""
 
     supports_early_init = False  # storage is made by the first forward, for its rows
+    is_sliding = False
+    record_type: type[LayerRecord] = LayerRecord  # what a recorded step keeps in this kind of layer
 
     def __init__(self) -> None:
         RowStorage.__init__(self)  # not CacheLayerMixin's: no single keys/values tensors here
+
+    def open_record(self) -> LayerRecord:
+        """Record a step: until `close_record` the layer's writes keep what they replace in the record returned,
+        which the cache keeps for `undo`."""
+        self.record = self.record_type()
+        return self.record
+
+    def close_record(self) -> None:
+        self.record = None
+
+    def undo(self, record: LayerRecord) -> None:
+        """Put back what a recorded step overwrote, newest write first."""
+        for name, where, old in reversed(record.replaced):
+            self.tensors[name][where] = old
 
     @property
     def is_initialized(self) -> bool:
@@ -140,3 +168,218 @@ class RowCacheLayer(RowStorage, CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Storage row i becomes old row beam_idx[i] (the cache moves the rows' positions with them)."""
         self.map_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+
+
+@dataclass
+class StepRecord:
+    """One recorded step of a cache: the columns read before it and by it, the cache's own row state before it
+    (attribute -> value, put back when it is undone), its layers' records and, for a step a crop may fall inside,
+    its tokens (what `RowCache.redo` needs)."""
+
+    columns: int
+    width: int
+    rows: dict
+    layers: list[LayerRecord]
+    tokens: object = None
+
+
+class RowCache(Cache):
+    """A cache of rows that each stand at their own position, one `RowCacheLayer` per decoder layer: `columns`
+    read (padding included: generate() slices its inputs by it), transformers' queries answered or refused with
+    the reason, row changes, and rollback (while recording, each step keeps the rows' state and each layer what the
+    step overwrote: `crop` undoes steps). A model's cache adds `rows`, `select_rows` and its own state."""
+
+    MODEL_NAME: str  # as errors name the model
+    CACHE_CONFIG_FIELDS: tuple[str, ...]
+    ROW_START: str  # what each row starts from on the first forward
+
+    def __init__(self, config, layers: list[RowCacheLayer], max_rollback: int) -> None:
+        super().__init__(layers=layers)
+        self.config, self.max_rollback = config, max_rollback
+        self.columns = 0
+        self.recording = False
+        self.history: deque[StepRecord] = deque()  # while recording: the last steps, oldest first
+
+    def check_compatible(self, config) -> None:
+        """Refuse to serve a model whose config differs in a field that decides what the cache holds."""
+        if config is self.config:
+            return
+        differences = [f"{name}: cache {getattr(self.config, name)!r} vs model {getattr(config, name)!r}"
+                       for name in self.CACHE_CONFIG_FIELDS if getattr(self.config, name) != getattr(config, name)]
+        if differences:
+            raise ValueError(f"this {type(self).__name__} was made for another {self.MODEL_NAME} config: "
+                             + "; ".join(differences))
+
+    # ---- what transformers' generic code asks -----------------------------------------------------------------
+    @property
+    def is_compileable(self) -> bool:
+        """False: generate() would then compile its own decode forward (CUDA graphs, its 4D masks); the models'
+        prepared decode steps trace as one graph when `model.forward` is compiled (docs/serving.md)."""
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        """Crop rolls back only what was recorded (activate_past_recording)."""
+        return self.recording
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the rows exist (the first forward makes them)."""
+        return self.rows > 0
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [layer.is_sliding for layer in self.layers]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows if self.rows else -1
+
+    @property
+    def max_batch_size(self) -> int:
+        """The rows the cache holds, fixed by its first forward (-1 before)."""
+        return self.batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        """-1: no maximum length (rings and states bound the cache's size, not the number of tokens read)."""
+        return -1
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns read so far (padding included)."""
+        return self.columns
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether the rows carry state from earlier forwards."""
+        return self.columns > 0
+
+    def early_initialization(self, *args, **kwargs) -> None:
+        raise NotImplementedError(f"{type(self).__name__} starts its rows on the first forward: {self.ROW_START}")
+
+    def increase_count(self, *args, **kwargs) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no convolution states to count: the model counts "
+                                  "its columns")
+
+    def update(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} is filled by the {self.MODEL_NAME} model itself, not "
+                                  "through Cache.update()")
+
+    def update_conv_state(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} has no convolution states (its layers hold rings of "
+                                  f"window keys and values, which the {self.MODEL_NAME} model writes itself)")
+
+    def update_recurrent_state(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} has no linear-attention recurrent states: what each row "
+                                  f"carries is the {self.MODEL_NAME} model's own")
+
+    def get_mask_sizes(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} builds its own masks (ring slots per layer, a position "
+                                  "per row), so transformers' mask sizes do not describe it")
+
+    def offload(self, *args, **kwargs) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support offloading: its layers stay on the "
+                                  "model's device")
+
+    def prefetch(self, *args, **kwargs) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support offloading, so there is nothing to "
+                                  "prefetch")
+
+    def reset(self) -> None:
+        self.__init__(self.config, self.max_rollback)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(columns={self.columns}, rows={self.rows}, nbytes={self.nbytes()})"
+
+    # ---- row changes (beam search, batch selection) ---------------------------------------------------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """New row i is old row beam_idx[i] (beam search)."""
+        self.change_rows(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.change_rows([row for row in range(self.rows) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.rows:  # no rows yet: the first forward starts them
+            self.change_rows(torch.arange(self.rows)[indices.cpu() if isinstance(indices, torch.Tensor) else indices]
+                             .reshape(-1).tolist())
+
+    def change_rows(self, source: list[int]) -> None:
+        """Rebuild the batch so that new row i holds old row source[i]; rollback records are dropped (they hold
+        the old rows)."""
+        if self.rows:
+            self.select_rows(source)
+            self.history.clear()
+
+    # ---- rollback ---------------------------------------------------------------------------------------------
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """Keep, for the steps of the last `max_rollback` columns, what each overwrote, so `crop` can undo them.
+        transformers >= 5.25 passes how many drafted columns it may remove; a larger count widens
+        `max_rollback`."""
+        self.recording = True
+        if recurrent_states_to_keep is not None:
+            self.max_rollback = max(self.max_rollback, int(recurrent_states_to_keep))
+
+    def records_steps_of(self, width: int) -> bool:
+        """Whether a step of `width` columns is recorded: while recording, one no longer than `max_rollback` (never
+        cropped that far back: no copy of a long prompt is kept, and the records before it are dropped)."""
+        if width > self.max_rollback:
+            self.history.clear()
+        return self.recording and width <= self.max_rollback
+
+    def remember(self, step: StepRecord) -> None:
+        """Keep a recorded step, and only as many earlier ones as the last `max_rollback` columns need."""
+        self.history.append(step)
+        while sum(record.width for record in self.history) - self.history[0].width >= self.max_rollback:
+            self.history.popleft()
+
+    def crop(self, max_length: int) -> None:
+        """Roll back to `max_length` columns (absolute, > 0) or remove `-max_length` columns (<= 0; 0 removes
+        nothing). Exact: every layer's tensors and every row's state return to what they were after those
+        columns. Needs recording (activate_past_recording) since before the removed columns were read."""
+        max_length = int(max_length)  # generate may pass a 0-d tensor
+        target = self.columns + max_length if max_length <= 0 else min(max_length, self.columns)
+        if target >= self.columns:
+            return
+        history = self.history
+        if not history or history[-1].columns + history[-1].width != self.columns or history[0].columns > target:
+            reason = ("recording is not active (call activate_past_recording before reading them)"
+                      if not self.recording else "they are not recorded (only the last max_rollback columns are)")
+            raise ValueError(f"{type(self).__name__} cannot remove {self.columns - target} columns: {reason}")
+        while history[-1].columns > target:
+            self.undo(history.pop())
+        step = history.pop()
+        self.undo(step)
+        if target > step.columns:
+            self.redo(step, target - step.columns)
+        self.columns = target
+
+    def undo(self, step: StepRecord) -> None:
+        """Put back everything a recorded step overwrote, its layers' writes and the rows' state."""
+        for layer, record in zip(self.layers, step.layers):
+            layer.undo(record)
+        for name, value in step.rows.items():
+            setattr(self, name, value)
+        self.columns = step.columns
+
+    def redo(self, step: StepRecord, keep: int) -> None:
+        """Redo the first `keep` columns of an undone step: the model's, where its steps are longer than a
+        column."""
+        raise NotImplementedError(f"{type(self).__name__} records steps of one column: a crop never falls inside "
+                                  "one")

@@ -10,21 +10,19 @@ values and its carries. How much of each is live follows from the row's position
 
 A layer's tensors are addressed by row (`RowStorage`): generate()'s cache owns dense tensors with one storage row
 per batch row; a serving engine binds its own per-request pages (`KVMCache.over_pages`) and the same layer code
-reads and writes them in place. While recording (assisted decoding) every write keeps what it replaced and each
-forward keeps what it computed, so `crop` rolls back exactly.
+reads and writes them in place. While recording (assisted decoding) each layer keeps, per forward, what its writes
+replaced and what the forward computed (`KVMLayerRecord`), so `crop` undoes forwards and redoes the kept columns of
+one it falls inside, exactly.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from transformers.cache_utils import Cache
 
-from ..common.row_storage import RowCacheLayer
-from ..common.saved_cache import SavedCache, tensors_under
+from ..common.row_storage import LayerRecord, RowCache, RowCacheLayer, StepRecord
 from ..common.step_plan import RowTokens
 from .configuration_kvm import (
     CACHE_CONFIG_FIELDS,
@@ -37,19 +35,16 @@ from .configuration_kvm import (
 from .runtime_kvm import PacedFold, paces_folds
 from .state_kvm import Fold, block_fold, readable_state, run_fold
 
-CACHE_FORMAT = "kvm-cache"
-CACHE_FORMAT_VERSION = 2  # 2: per-row positions and window rings (no row groups)
-TENSORS_FILE = "kvm_cache.safetensors"
-META_FILE = "kvm_cache.json"
 WINDOW = ("window_keys", "window_values", "window_gates")
 STATE = ("state_keys", "state_values", "state_norms")
 READ = ("read_keys", "read_values")
 
 
 @dataclass
-class LayerJournal:
-    """What one recorded forward did in one layer: its new keys/values/gates, each state it computed (the rows,
-    the state and its read form, and how many of the row's tokens it follows), and the token-shift inputs."""
+class KVMLayerRecord(LayerRecord):
+    """What one recorded forward did in one layer: what its writes replaced and, to redo its first columns, its new
+    keys/values/gates, each state it computed (the rows, the state and its read form, and how many of the row's
+    tokens it follows), and the token-shift inputs."""
 
     inputs: tuple | None = None
     first_chunk: tuple | None = None  # (rows, slots, state + read form slot values) of the first-chunk tokens
@@ -62,18 +57,47 @@ class RingLayer(RowCacheLayer):
     and values (position p in slot p % ring size), the token-shift carries, and how a decoding step writes its
     token and reads what attention needs (`update`)."""
 
-    is_sliding = False
     ring_names = WINDOW  # the ring tensors a decoding step writes (merge gates: when the layer has them)
     read_names = READ  # the state tensors its attention reads beside the ring (none for a sliding layer)
+    record_type = KVMLayerRecord
 
     def __init__(self, config: KVMConfig, layer_idx: int, ring_size: int) -> None:
         super().__init__()
         self.config, self.layer_idx, self.ring_size = config, layer_idx, ring_size
-        self.journal: LayerJournal | None = None
 
     def reset(self) -> None:
         super().reset()
-        self.journal, self.pending = None, None
+        self.record, self.pending = None, None
+
+    def undo(self, record: KVMLayerRecord) -> None:
+        super().undo(record)
+        self.pending = None  # a fold computed ahead from what was undone
+
+    def redo(self, record: KVMLayerRecord, tokens: RowTokens, kept: list[int]) -> None:
+        """Redo each row's first `kept` tokens of an undone forward from its record (no model needed): the kept
+        tokens into the row's window, the state it had computed after them, its carries at its last kept token."""
+        device = tokens.device
+        for row, (start, offset, count) in enumerate(zip(tokens.starts, tokens.offsets, kept)):
+            if not count:
+                continue
+            index = torch.tensor([row], device=device)
+            stop = start + count
+            flat = torch.arange(offset + max(0, count - self.ring_size), offset + count, device=device)
+            slots = tokens.position[flat] % self.ring_size
+            for name, inputs in zip(WINDOW, record.inputs):
+                if inputs is not None:
+                    self.write(name, index.expand(len(flat)), inputs[flat], slots)
+            for stream, inputs in record.shifts.items():
+                self.write(f"carry.{stream}", index, inputs[offset + count - 1][None])
+            if record.first_chunk is not None:  # the kept first-chunk tokens' slots
+                rows, first_slots, values = record.first_chunk
+                entered = ((rows == row) & (first_slots < stop)).nonzero().squeeze(1)
+                for name, tensor in zip(STATE + READ, values):
+                    self.write(name, rows[entered], tensor[entered], first_slots[entered])
+            state = None if self.is_sliding else latest_state(record.states, row, stop)
+            if state is not None:
+                for name, tensor in zip(STATE + READ, state):
+                    self.write(name, index, tensor)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, gates: torch.Tensor | None, step,
                entering: tuple | None = None) -> tuple:
@@ -244,18 +268,7 @@ def new_cache_layer(config: KVMConfig, layer_idx: int) -> RingLayer:
     return cls(config, layer_idx)
 
 
-@dataclass
-class ForwardRecord:
-    """One recorded forward: where the rows stood before it, its tokens, and each layer's writes and journal."""
-
-    seen: list[int]
-    columns: int
-    tokens: RowTokens
-    replaced: list = field(default_factory=list)  # per layer: what its writes replaced
-    journals: list = field(default_factory=list)  # per layer: LayerJournal
-
-
-class KVMCache(SavedCache, Cache):
+class KVMCache(RowCache):
     """Cache of a KVM model; created by the model (`generate` or a forward with use_cache).
 
     `layers[i]` is decoder layer i's storage. `get_seq_length()` counts columns (padding included), as generate()
@@ -263,21 +276,14 @@ class KVMCache(SavedCache, Cache):
     """
 
     MODEL_NAME = "KVM"
-    CACHE_FORMAT, CACHE_FORMAT_VERSION = CACHE_FORMAT, CACHE_FORMAT_VERSION
-    TENSORS_FILE, META_FILE = TENSORS_FILE, META_FILE
     CACHE_CONFIG_FIELDS = CACHE_CONFIG_FIELDS
+    ROW_START = "each row's ring, state and carries follow its own real tokens"
 
     def __init__(self, config: KVMConfig, max_rollback: int = 256, **kwargs) -> None:
-        super().__init__(layers=[new_cache_layer(config, i) for i in range(config.num_hidden_layers)])
-        self.config = config
-        self.fingerprint = self.config_fingerprint(config)
-        self.max_rollback = max_rollback
+        super().__init__(config, [new_cache_layer(config, i) for i in range(config.num_hidden_layers)], max_rollback)
         self.seen: list[int] = []  # real tokens each row has read
-        self.columns = 0
         self.rows = 0
         self.paged = False
-        self.recording = False
-        self.history: deque[ForwardRecord] = deque()
         self.prepared_step = None  # a decoding step's geometry, prepared before its forward (modeling's DecodeStep)
 
     @classmethod
@@ -305,7 +311,7 @@ class KVMCache(SavedCache, Cache):
 
     def prepare(self, tokens: RowTokens) -> None:
         """Before a forward over `tokens`: start rows on the first forward, check the batch after; empty the
-        storage of rows that start over on used pages; open the journals while recording."""
+        storage of rows that start over on used pages; open the layers' records while recording."""
         self.row_starts(tokens.batch)
         if not self.rows:
             self.rows, self.seen = tokens.batch, [0] * tokens.batch
@@ -315,8 +321,9 @@ class KVMCache(SavedCache, Cache):
                 index = torch.tensor(fresh, device=tokens.device)
                 for layer in self.layers:
                     layer.zero_rows(index)
-        if self.recording:
-            self._record(tokens)
+        if self.records_steps_of(tokens.width if tokens.width else max(tokens.counts, default=0)):
+            self.remember(StepRecord(self.columns, tokens.width, {"seen": list(self.seen)},
+                                     [layer.open_record() for layer in self.layers], tokens))
 
     def take_prepared_step(self):
         """The decoding step prepared for the next forward (None: none), which that forward takes."""
@@ -329,55 +336,13 @@ class KVMCache(SavedCache, Cache):
         self.columns += 1
 
     def advance(self, tokens: RowTokens, columns: int) -> None:
-        """After a forward: each row has read its tokens; the journals close."""
+        """After a forward: each row has read its tokens; the layers' records close."""
         self.seen = [start + count for start, count in zip(tokens.starts, tokens.counts)]
         self.columns += columns
         for layer in self.layers:
-            layer.replaced, layer.journal = None, None
+            layer.close_record()
 
-    # ---- what generate() asks -----------------------------------------------------------------------------
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_croppable(self) -> bool:
-        """Crop rolls back only what was recorded (activate_past_recording)."""
-        return self.recording
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.columns > 0
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [layer.is_sliding for layer in self.layers]
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * len(self.layers)
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * len(self.layers)
-
-    @property
-    def batch_size(self) -> int:
-        return self.rows if self.rows else -1
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Columns read so far (padding included)."""
-        return self.columns
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return -1
-
+    # ---- what the cache holds -----------------------------------------------------------------------------------
     def row_lengths(self) -> list[int]:
         """Real tokens each row has read."""
         return list(self.seen)
@@ -436,168 +401,31 @@ class KVMCache(SavedCache, Cache):
                         total += per_entry
         return total
 
-    def reset(self) -> None:
-        self.__init__(self.config, self.max_rollback)
-
-    def early_initialization(self, *args, **kwargs) -> None:
-        raise NotImplementedError("KVMCache starts its rows on the first forward: each row's ring, state and "
-                                  "carries follow its own real tokens")
-
-    def increase_count(self, *args, **kwargs) -> None:
-        raise NotImplementedError("KVMCache has no convolution states to count: the model counts its columns")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """New row i is old row beam_idx[i] (beam search)."""
-        self._select_rows(beam_idx.tolist())
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select_rows([row for row in range(self.rows) for _ in range(repeats)])
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if not self.rows:  # no rows yet: the first forward starts them
-            return
-        self._select_rows(torch.arange(self.rows)[indices.cpu() if isinstance(indices, torch.Tensor) else indices]
-                          .reshape(-1).tolist())
-
-    def _select_rows(self, source: list[int]) -> None:
-        """Rebuild the batch so that new row i holds old row source[i] (rollback records are dropped)."""
-        if not self.rows:
-            return
+    def select_rows(self, source: list[int]) -> None:
+        """New row i holds old row source[i] (`RowCache.change_rows`)."""
         for layer in self.layers:
             layer.map_rows(lambda t: t.index_select(0, torch.tensor(source, device=t.device)))
             layer.pending = None
         self.seen = [self.seen[row] for row in source]
         self.rows = len(source)
-        self.history.clear()
 
-    # ---- rollback -----------------------------------------------------------------------------------------
-    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
-        """Keep, for the forwards of the last `max_rollback` columns, what each replaced and computed, so `crop`
-        can undo them. transformers >= 5.25 passes how many drafted columns it may remove; a larger count widens
-        `max_rollback`."""
-        self.recording = True
-        if recurrent_states_to_keep is not None:
-            self.max_rollback = max(self.max_rollback, int(recurrent_states_to_keep))
-
-    def _record(self, tokens: RowTokens) -> None:
-        length = tokens.width if tokens.width else max(tokens.counts, default=0)
-        if length > self.max_rollback:
-            self.history.clear()  # never cropped that far back: keep no copy of a long prompt
-            return
-        record = ForwardRecord(list(self.seen), self.columns, tokens)
-        for layer in self.layers:
-            layer.replaced, layer.journal = [], LayerJournal()
-            record.replaced.append(layer.replaced)
-            record.journals.append(layer.journal)
-        self.history.append(record)
-        while sum(r.tokens.width for r in self.history) - self.history[0].tokens.width >= self.max_rollback:
-            self.history.popleft()
-
-    def crop(self, max_length: int) -> None:
-        """Roll back to `max_length` columns (absolute, > 0) or remove `-max_length` columns (<= 0; 0 removes
-        nothing). Exact: state, window, carries and positions return to what they were after those columns.
-        Needs recording (activate_past_recording) since before the removed columns were read."""
-        max_length = int(max_length)  # generate may pass a 0-d tensor
-        target = self.columns + max_length if max_length <= 0 else min(max_length, self.columns)
-        if target >= self.columns:
-            return
-        history = self.history
-        if not history or history[-1].columns + history[-1].tokens.width != self.columns \
-                or history[0].columns > target:
-            reason = ("recording is not active (call activate_past_recording before reading them)" if not self.recording
-                      else "they are not recorded (only the last max_rollback columns are)")
-            raise ValueError(f"KVMCache cannot remove {self.columns - target} columns: {reason}")
-        while history[-1].columns > target:
-            self._undo(history.pop())
-        record = history.pop()
-        keep = target - record.columns
-        self._undo(record)
-        if keep:
-            self._replay(record, keep)
-        self.columns = target
-
-    def _undo(self, record: ForwardRecord) -> None:
-        """Put back everything a recorded forward overwrote, newest write first."""
-        for layer, writes in zip(self.layers, record.replaced):
-            layer.pending = None
-            for name, where, old in reversed(writes):
-                layer.tensors[name][where] = old
-        self.seen, self.columns = list(record.seen), record.columns
-
-    def _replay(self, record: ForwardRecord, keep: int) -> None:
-        """Redo the first `keep` columns of a recorded forward from its journals (no model needed): each row's kept
-        tokens into its window, the state it had computed after them, its carries at its last kept token."""
-        tokens = record.tokens
+    def redo(self, step: StepRecord, keep: int) -> None:
+        """Redo the first `keep` columns of an undone forward from its layers' records: each row's tokens in
+        them."""
+        tokens = step.tokens
         kept = [min(count, keep) for count in tokens.counts]
         if tokens.padded is not None:
             columns = (tokens.padded % tokens.width).tolist()
             kept = [sum(1 for i in range(offset, offset + count) if columns[i] < keep)
                     for offset, count in zip(tokens.offsets, tokens.counts)]
-        device = tokens.device
-        for layer, journal in zip(self.layers, record.journals):
-            for row, (start, offset, count) in enumerate(zip(tokens.starts, tokens.offsets, kept)):
-                if not count:
-                    continue
-                index = torch.tensor([row], device=device)
-                stop = start + count
-                flat = torch.arange(offset + max(0, count - layer.ring_size), offset + count, device=device)
-                slots = tokens.position[flat] % layer.ring_size
-                for name, inputs in zip(WINDOW, journal.inputs):
-                    if inputs is not None:
-                        layer.write(name, index.expand(len(flat)), inputs[flat], slots)
-                for stream, inputs in journal.shifts.items():
-                    layer.write(f"carry.{stream}", index, inputs[offset + count - 1][None])
-                if journal.first_chunk is not None:  # the kept first-chunk tokens' slots
-                    rows, first_slots, values = journal.first_chunk
-                    entered = ((rows == row) & (first_slots < stop)).nonzero().squeeze(1)
-                    for name, tensor in zip(STATE + READ, values):
-                        layer.write(name, rows[entered], tensor[entered], first_slots[entered])
-                state = None if layer.is_sliding else latest_state(journal.states, row, stop)
-                if state is not None:
-                    for name, tensor in zip(STATE + READ, state):
-                        layer.write(name, index, tensor)
+        for layer, record in zip(self.layers, step.layers):
+            layer.redo(record, tokens, kept)
         self.seen = [start + count for start, count in zip(tokens.starts, kept)]
-
-    def update(self, *args, **kwargs):
-        raise NotImplementedError("KVMCache is updated by the KVM layers themselves, not through Cache.update().")
-
-    def get_mask_sizes(self, *args, **kwargs):
-        raise NotImplementedError("KVMCache builds its own attention masks.")
-
-    def offload(self, *args, **kwargs) -> None:
-        raise NotImplementedError("KVMCache does not support offloading.")
-
-    def prefetch(self, *args, **kwargs) -> None:
-        raise NotImplementedError("KVMCache does not support offloading.")
-
-    # ---- saved caches ("prompt caching") ------------------------------------------------------------------
-    def saved_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """The tensors and JSON fields `save` writes."""
-        if not self.rows or self.columns == 0:
-            raise ValueError("the cache is empty: read some tokens before saving it")
-        tensors = {f"layers.{i}.{name}": tensor for i, layer in enumerate(self.layers)
-                   for name, tensor in layer.tensors.items()}
-        dtype = self.layers[0].tensors["window_keys"].dtype
-        fields = {"columns": self.columns, "batch_size": self.rows, "seen": self.seen,
-                  "dtype": str(dtype).removeprefix("torch.")}
-        return tensors, fields
-
-    @classmethod
-    def from_saved(cls, config: KVMConfig, meta: dict, tensors: dict[str, torch.Tensor], dtype) -> KVMCache:
-        """The cache `saved_state` described (its tensors keep their saved dtypes)."""
-        cache = cls(config)
-        cache.columns, cache.rows, cache.seen = meta["columns"], meta["batch_size"], list(meta["seen"])
-        for i, layer in enumerate(cache.layers):
-            layer.tensors = tensors_under(tensors, f"layers.{i}.")
-        return cache
-
-    def __repr__(self) -> str:
-        return f"KVMCache(columns={self.columns}, rows={self.rows}, nbytes={self.nbytes()})"
 
 
 def latest_state(states: list, row: int, stop: int) -> tuple | None:
     """The last state (with its read form) a recorded forward computed for `row` that is the row's state after
-    `stop` tokens (None: the row's state did not change by then). Each journal entry is (rows, the token count
+    `stop` tokens (None: the row's state did not change by then). Each recorded state is (rows, the token count
     from which it holds per row, its tensors)."""
     found = None
     for rows, valid_from, tensors in states:

@@ -131,7 +131,7 @@ def token_shift(tokens: RowTokens, x: torch.Tensor, mix: torch.Tensor, cache_lay
     carry = f"carry.{name}"
     if cache_layer is not None:
         cache_layer.ensure(carry, tokens.batch, flat.shape[1:], flat.dtype, flat.device)
-    if cache_layer is not None and tokens.one_each and all(tokens.starts) and cache_layer.journal is None:
+    if cache_layer is not None and tokens.one_each and all(tokens.starts) and cache_layer.record is None:
         # a decoding step: each row's carry is its token's predecessor (read before it is overwritten)
         shifted = x + mix * (cache_layer.read(carry).to(flat.dtype)[None] - x)
         cache_layer.write(carry, None, flat.detach())
@@ -144,8 +144,8 @@ def token_shift(tokens: RowTokens, x: torch.Tensor, mix: torch.Tensor, cache_lay
         reading = tokens.once("reading rows", lambda: torch.tensor(
             [row for row, count in enumerate(tokens.counts) if count], dtype=torch.long, device=tokens.device))
         cache_layer.write(carry, reading, source[last_index[reading]].detach())
-        if cache_layer.journal is not None:
-            cache_layer.journal.shifts[name] = flat.detach()
+        if cache_layer.record is not None:
+            cache_layer.record.shifts[name] = flat.detach()
     return x + mix * (source[previous_index][None] - x)
 
 
@@ -270,8 +270,8 @@ def write_ring(cache_layer, tokens: RowTokens, names: tuple[str, ...], tensors: 
     for name, tensor in zip(names, tensors):
         cache_layer.ensure(name, tokens.batch, (tensor.shape[1], size, tensor.shape[2]), tensor.dtype, tensor.device)
         cache_layer.write(name, rows, tensor[flat].detach(), slots)
-    if cache_layer.journal is not None:
-        cache_layer.journal.inputs = tuple(t.detach() for t in tensors) + (None,) * (3 - len(tensors))
+    if cache_layer.record is not None:
+        cache_layer.record.inputs = tuple(t.detach() for t in tensors) + (None,) * (3 - len(tensors))
 
 
 def window_key_sets(k, v, tokens: RowTokens, pieces: Pieces, cache_layer, names,
@@ -551,7 +551,7 @@ class KVMAttention(KVMAttentionBase):
                 picks = torch.tensor([position[schedule.local[pieces.rows[p]]] for p in readers], device=k.device)
                 read = self.readable(folded, k.dtype) if read is None else read
                 reads.append((readers, tuple(t[picks] for t in read)))
-            self.journal_folds(cache_layer, [schedule.rows[i] for i in fold.row_list], fold, working, k.dtype)
+            self.record_folds(cache_layer, [schedule.rows[i] for i in fold.row_list], fold, working, k.dtype)
         if cache_layer is not None and folded_rows:
             self.store_state(cache_layer, tokens.batch, schedule, sorted(folded_rows), working, k.dtype)
         if not reads:
@@ -588,15 +588,15 @@ class KVMAttention(KVMAttentionBase):
 
     def enter_first_chunk(self, k, v, gate, tokens: RowTokens, schedule: StateSchedule, cache_layer) -> None:
         """First-chunk tokens into their rows' stored states, one slot each, with the slots' read form (both are
-        per slot, so the rest of the state is untouched); kept in the journal while recording."""
+        per slot, so the rest of the state is untouched); kept in the layer's record while recording."""
         rows, slots = schedule.first_chunk_rows, schedule.first_chunk_slots
         entries = self.first_chunk_entries(k, v, gate, schedule.first_chunk_tokens)
         like = {name: (t.shape[1], t.shape[2], t.dtype, t.device) for name, t in zip(STATE + READ, entries)}
         cache_layer.ensure_state(tokens.batch, schedule.first_chunk_capacity, like)
         for name, tensor in zip(STATE + READ, entries):
             cache_layer.write(name, rows, tensor.detach(), slots)
-        if cache_layer.journal is not None:
-            cache_layer.journal.first_chunk = (rows, slots, tuple(t.detach() for t in entries))
+        if cache_layer.record is not None:
+            cache_layer.record.first_chunk = (rows, slots, tuple(t.detach() for t in entries))
 
     def stored_state(self, cache_layer, schedule: StateSchedule) -> tuple:
         """[r, Hkv, capacity, d] stored states of the rows whose state changes in this forward."""
@@ -648,14 +648,14 @@ class KVMAttention(KVMAttentionBase):
         state = tuple(t[index] for t in working)
         cache_layer.store(rows, batch, schedule.capacity, state + self.readable(state, dtype))
 
-    def journal_folds(self, cache_layer, rows: list[int], fold, working, dtype) -> None:
+    def record_folds(self, cache_layer, rows: list[int], fold, working, dtype) -> None:
         """While recording: the state rows hold after a round of folds (from the token that started the fold on)."""
-        if cache_layer is None or cache_layer.journal is None:
+        if cache_layer is None or cache_layer.record is None:
             return
         state = tuple(t[fold.rows] for t in working)
         window = self.config.window_chunks
         valid_from = [(block + window) * self.config.chunk_size + 1 for block in fold.blocks]
-        cache_layer.journal.states.append((rows, valid_from, state + self.readable(state, dtype)))
+        cache_layer.record.states.append((rows, valid_from, state + self.readable(state, dtype)))
 
 
 def scatter_into(state: torch.Tensor, slot: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

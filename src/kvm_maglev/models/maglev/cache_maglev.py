@@ -2,28 +2,17 @@
 
 Rows of a batch advance independently: each row has its own position (the number of real tokens
 it has read), and padding (attention_mask == 0) never enters a window, the memory or the smear
-carry. While recording is active (assisted decoding), every column remembers what it overwrote
-so that `crop` rolls the cache back exactly.
+carry. While recording is active (assisted decoding), every column is a recorded step: each layer keeps what
+it overwrote and the cache the rows' state before it, so that `crop` rolls the cache back exactly.
 """
 
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import Cache
 
-from ..common.row_storage import RowCacheLayer
-from ..common.saved_cache import SavedCache, tensors_under
+from ..common.row_storage import LayerRecord, RowCache, RowCacheLayer, StepRecord
 from ..common.step_plan import StepPlan, gather_columns
 from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_capacity
-
-CACHE_FORMAT = "maglev-cache"
-CACHE_FORMAT_VERSION = 3  # 2: nanochat window patterns keep growing rings, no longer every column;
-# 3: the config fingerprint records where the memory comes from (source layer, projection, residual injection)
-TENSORS_FILE = "maglev_cache.safetensors"
-META_FILE = "maglev_cache.json"
 
 
 def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
@@ -38,26 +27,24 @@ class RingStep:
     """Where one token per row meets the rings of one capacity and window, made before the forward so that the
     layers only read it: the query's mask over the ring's slots and its own key (`mask` [B, 1, 1, capacity + 1]),
     the slots a row has written (`written` [B, 1, 1, capacity], the one-query kernel's mask), the slot each row's
-    token takes (`slot` [B]) in rows `rows` (None: every row), which rows read a real token (`valid` [B]; None:
-    all) and, while recording, the list the layers' overwritten slots go to (`record`)."""
+    token takes (`slot` [B]) in rows `rows` (None: every row) and which rows read a real token (`valid` [B]; None:
+    all)."""
 
     mask: torch.Tensor | None
     written: torch.Tensor | None
     slot: torch.Tensor
     rows: torch.Tensor | None
     valid: torch.Tensor | None
-    record: list | None
 
     @classmethod
-    def of(cls, plan: StepPlan, ring: "MaglevCacheLayer", rows: torch.Tensor | None,
-           record: list | None) -> "RingStep":
+    def of(cls, plan: StepPlan, ring: "MaglevCacheLayer", rows: torch.Tensor | None) -> "RingStep":
         """The step of a one-token `plan` over rings like `ring`: a query sees the slots within its window and
         always its own key."""
         slots = visible_keys(plan.query_positions, ring.slot_positions(plan), ring.window)
         own = torch.ones_like(slots[..., :1])
         written = (torch.arange(ring.capacity, device=plan.start.device) < plan.start[:, None])[:, None, None, :]
         valid = None if plan.valid is None else plan.valid[:, 0]
-        return cls(torch.cat([slots, own], dim=-1), written, plan.start % ring.capacity, rows, valid, record)
+        return cls(torch.cat([slots, own], dim=-1), written, plan.start % ring.capacity, rows, valid)
 
 
 class MaglevCacheLayer(RowCacheLayer):
@@ -70,13 +57,15 @@ class MaglevCacheLayer(RowCacheLayer):
     it holds every position read in the slot of that number (none has wrapped around).
     """
 
+    is_sliding = True
+
     def __init__(self, window: int, grows: bool = False):
         super().__init__()
         self.window = window
         self.grows = grows
         self.capacity = min(window, growing_capacity(0)) if grows else window
         self.batch = 0  # rows of a dense ring (set by the cache)
-        self.records: list | None = None  # while recording, per column of the forward: what the layers overwrote
+        self.records: list[LayerRecord] | None = None  # while recording, one per column of the forward
         self.step: RingStep | None = None  # a one-token forward's masks and slots (`MaglevCache.plan_rings`)
 
     def reset(self) -> None:
@@ -122,33 +111,30 @@ class MaglevCacheLayer(RowCacheLayer):
     def write_tokens(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan", step: "RingStep | None" = None) -> None:
         """Store the chunk's keys/values [B, H, T, D] of the plan's rows: each row's newest real tokens replace its
         oldest slots. One token per row goes into the slots of `step` (default: the layer's, made before the
-        forward); padding rows keep theirs, and while recording the old slots are remembered."""
+        forward); padding rows keep theirs."""
         step = step or self.step
         if step is None:
             self.write_chunk(k, v, plan)
             return
         k, v = k[:, :, 0], v[:, :, 0]
-        if step.valid is not None or step.record is not None:
-            old_k = self.read_slots("keys", step.rows, step.slot)
-            old_v = self.read_slots("values", step.rows, step.slot)
-            if step.valid is not None:
-                keep = step.valid.view(-1, 1, 1)
-                k, v = torch.where(keep, k, old_k), torch.where(keep, v, old_v)
-            if step.record is not None:  # recording steps every row (no subset)
-                step.record.append((step.slot, old_k, old_v))
+        if step.valid is not None:
+            keep = step.valid.view(-1, 1, 1)
+            k = torch.where(keep, k, self.read_slots("keys", step.rows, step.slot))
+            v = torch.where(keep, v, self.read_slots("values", step.rows, step.slot))
         self.write("keys", step.rows, k, step.slot)
         self.write("values", step.rows, v, step.slot)
 
     def write_chunk(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan") -> None:
-        """`write_tokens` of several tokens per row: at once, or column by column while recording (each column
-        remembers what it overwrote)."""
+        """`write_tokens` of several tokens per row: at once, or column by column while recording (each column's
+        writes go to its own record)."""
         if self.records is None:
             self._write_chunk(k, v, plan)
             return
         for t in range(plan.length):
             start, valid = plan.column(t)
-            step = RingStep(None, None, start % self.capacity, plan.rows, valid, self.records[t])
-            self.write_tokens(k[:, :, t:t + 1], v[:, :, t:t + 1], plan, step)
+            self.record = self.records[t]
+            self.write_tokens(k[:, :, t:t + 1], v[:, :, t:t + 1], plan,
+                              RingStep(None, None, start % self.capacity, plan.rows, valid))
 
     def _write_chunk(self, k, v, plan) -> None:
         """Each slot takes the newest real chunk token that maps to it, else keeps its content."""
@@ -170,10 +156,10 @@ class MaglevCacheLayer(RowCacheLayer):
         self.write("keys", rows, keys)
         self.write("values", rows, values)
 
-    def undo(self, record) -> None:
-        slot, old_k, old_v = record
-        self.write("keys", None, old_k, slot)
-        self.write("values", None, old_v, slot)
+    def open_records(self, columns: int | None) -> None:
+        """Record each of a forward's `columns` columns as a step of its own (None: not recording)."""
+        self.records = None if columns is None else [self.open_record() for _ in range(columns)]
+        self.record = None if columns is None else self.records[0]
 
     def length(self) -> int:
         return self.capacity if "keys" in self else 0
@@ -181,9 +167,6 @@ class MaglevCacheLayer(RowCacheLayer):
     def state(self) -> dict:
         return dict(self.tensors)
 
-    def load_state(self, state: dict) -> None:
-        self.tensors = {name: t.contiguous() for name, t in state.items()}
-        self.capacity = self.tensors["keys"].shape[2]
 
 
 class EngineRing:
@@ -197,15 +180,6 @@ class EngineRing:
         raise NotImplementedError
 
 
-class ColumnRecord(NamedTuple):
-    """What one column changed: the row states before it and, per layer, the slots it overwrote."""
-
-    positions: torch.Tensor
-    memory: torch.Tensor | None
-    embedding: torch.Tensor
-    layers: list
-
-
 @dataclass(frozen=True)
 class PreparedStep:
     """A forward whose host side ran before it (`MaglevCache.begin_step`): its real tokens ([B, T] booleans; None:
@@ -217,7 +191,7 @@ class PreparedStep:
     plan: StepPlan | None = None  # a decode step's, with its rings' masks and slots (`MaglevCache.plan_rings`)
 
 
-class MaglevCache(SavedCache, Cache):
+class MaglevCache(RowCache):
     """Cache of a Maglev decoder: per layer the keys/values its window still needs (memory already
     injected), per row its position, last memory vector and smear's previous-token embedding.
 
@@ -228,23 +202,15 @@ class MaglevCache(SavedCache, Cache):
     """
 
     MODEL_NAME = "Maglev"
-    CACHE_FORMAT, CACHE_FORMAT_VERSION = CACHE_FORMAT, CACHE_FORMAT_VERSION
-    TENSORS_FILE, META_FILE = TENSORS_FILE, META_FILE
     CACHE_CONFIG_FIELDS = CACHE_CONFIG_FIELDS
+    ROW_START = "each row's memory starts at the model's learned memory_init, which the cache does not hold"
 
     def __init__(self, config: MaglevConfig, max_rollback: int = 256):
-        super().__init__(layers=[MaglevCacheLayer(window, grows=config.windows_grow)
-                                 for window in config.decoder_windows])
-        self.config = config
-        self.fingerprint = self.config_fingerprint(config)
-        self.max_rollback = max_rollback
-        self.seen_tokens = 0
+        super().__init__(config, [MaglevCacheLayer(window, grows=config.windows_grow)
+                                  for window in config.decoder_windows], max_rollback)
         self.positions: torch.Tensor | None = None
         self.last_memory: torch.Tensor | None = None
         self.previous_embedding: torch.Tensor | None = None
-        self.recording = False
-        self.records: list | None = None  # the current forward's column records, while recording
-        self.history: deque[ColumnRecord] = deque(maxlen=max_rollback)
         self.prompt_length: int | None = None  # set by assisted decoding: its first forward also carries drafts
         self.prepared: PreparedStep | None = None  # a forward counted before it ran, until it has run
 
@@ -271,7 +237,7 @@ class MaglevCache(SavedCache, Cache):
             cache.last_memory = torch.where(fresh[:, None], memory_init.to(memory.dtype), memory)[:, None]
         # 0 when every row starts fresh: the model's first forward, which the prefiller reads in "prefiller" mode
         # (as generate()'s first); else a count above 0, so that the forward continues the rows
-        cache.seen_tokens = max(positions) + 1 if any(positions) else 0
+        cache.columns = max(positions) + 1 if any(positions) else 0
         return cache
 
     # ----- what the model uses -----------------------------------------------------------
@@ -299,14 +265,14 @@ class MaglevCache(SavedCache, Cache):
     def reserve(self, length: int) -> None:
         """Growing rings make room for `length` more columns."""
         for store in self.layers:
-            store.reserve(self.seen_tokens + length)
+            store.reserve(self.columns + length)
 
     def step_context(self, valid: torch.Tensor | None, length: int) -> StepPlan:
         """The plan of a forward over `length` new columns; growing rings make room for them first."""
         self.reserve(length)
-        self.records = [[] for _ in range(length)] if self.recording else None
+        columns = length if self.records_steps_of(1) else None
         for layer in self.layers:
-            layer.records = self.records
+            layer.open_records(columns)
         return self.plan_rings(StepPlan(self.positions, valid, length))
 
     def begin_step(self, valid: torch.Tensor | None, length: int = 1) -> None:
@@ -316,7 +282,7 @@ class MaglevCache(SavedCache, Cache):
         preparation."""
         self.cancel_step()
         self.reserve(length)
-        self.seen_tokens += length
+        self.columns += length
         plan = StepPlan(self.positions, valid, 1) if length == 1 else None  # a prompt's: its input gives its length
         self.prepared = PreparedStep(valid, length, self.plan_rings(plan))
 
@@ -328,7 +294,7 @@ class MaglevCache(SavedCache, Cache):
     def cancel_step(self) -> None:
         """Forget a prepared forward that did not run (its columns uncounted), before the cache is changed."""
         if self.prepared is not None:
-            self.seen_tokens -= self.prepared.length
+            self.columns -= self.prepared.length
             self.prepared = None
 
     def rows_step(self, rows: torch.Tensor | None) -> StepPlan:
@@ -343,7 +309,6 @@ class MaglevCache(SavedCache, Cache):
         window), before the forward: its attention and ring write then read masks and slots instead of building
         them. The layers of a chunk (or of no plan) get none: its attention builds masks per block of queries."""
         steps, one_token = {}, plan is not None and plan.length == 1
-        record = None if self.records is None else self.records[0]
         # dense rings written in every row share one row index; an engine's pages resolve their own rows
         every_row = (torch.arange(plan.start.shape[0], device=plan.start.device)
                      if one_token and plan.rows is None else None)
@@ -351,7 +316,7 @@ class MaglevCache(SavedCache, Cache):
             key = (layer.capacity, layer.window)
             if one_token and key not in steps:
                 rows = every_row if plan.rows is None and layer.index is None else plan.rows
-                steps[key] = RingStep.of(plan, layer, rows, record)
+                steps[key] = RingStep.of(plan, layer, rows)
             layer.step = steps.get(key)
         return plan
 
@@ -365,10 +330,10 @@ class MaglevCache(SavedCache, Cache):
 
     def advance(self, plan: StepPlan, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
         """Record a processed chunk: per row its real-token count, last real (pre-smear) embedding and memory."""
+        recorded = self.layers[0].records is not None
         if plan.length == 1:
-            if self.records is not None:
-                self.history.append(ColumnRecord(self.positions, self.last_memory, self.previous_embedding,
-                                                 self.records[0]))
+            if recorded:
+                self.remember_column(0, self.positions, self.last_memory, self.previous_embedding)
             if plan.valid is None:
                 self.positions = self.positions + 1
                 self.previous_embedding = embeddings
@@ -382,98 +347,37 @@ class MaglevCache(SavedCache, Cache):
                     self.last_memory = torch.where(keep, memories.to(self.last_memory.dtype), self.last_memory)
         else:
             previous, last = plan.predecessors()
-            if self.records is not None:
+            if recorded:
                 before_embeddings = gather_columns(self.previous_embedding, embeddings, previous)
                 before_memories = (None if memories is None
                                    else gather_columns(self.last_memory, memories, previous))
                 before_positions = plan.query_positions  # the plan starts at this cache's positions
                 for t in range(plan.length):
-                    self.history.append(ColumnRecord(
-                        before_positions[:, t], None if memories is None else before_memories[:, t:t + 1],
-                        before_embeddings[:, t:t + 1], self.records[t]))
+                    self.remember_column(t, before_positions[:, t],
+                                         None if memories is None else before_memories[:, t:t + 1],
+                                         before_embeddings[:, t:t + 1])
             self.previous_embedding = gather_columns(self.previous_embedding, embeddings, last)
             if memories is not None:
                 self.last_memory = gather_columns(self.last_memory, memories, last)
             self.positions = self.positions + (plan.length if plan.valid is None else plan.valid.sum(dim=1))
         if self.prepared is None:
-            self.seen_tokens += plan.length
+            self.columns += plan.length
         self.prepared = None  # a prepared forward's columns were counted when it was prepared
+        if recorded:
+            for layer in self.layers:
+                layer.open_records(None)
 
-    # ----- Cache API --------------------------------------------------------------------------
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seen_tokens
+    def remember_column(self, t: int, positions: torch.Tensor, memory: torch.Tensor | None,
+                        embedding: torch.Tensor) -> None:
+        """Keep column `t` of a recorded forward as a step: the rows' state before it and its layers' records."""
+        rows = {"positions": positions, "last_memory": memory, "previous_embedding": embedding}
+        self.remember(StepRecord(self.columns + t, 1, rows, [layer.records[t] for layer in self.layers]))
 
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return -1
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        raise NotImplementedError("MaglevCache builds its own masks (a ring of window keys per layer, a position "
-                                  "per row), so transformers' mask sizes do not describe it")
-
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        """Whether the rows carry state from earlier forwards (the memory, smear's embedding, the rings)."""
-        return self.seen_tokens > 0
-
+    # ----- what the cache holds ------------------------------------------------------------------
     @property
-    def is_compileable(self) -> bool:
-        """False: transformers' generate() would then compile its own decode forward on CUDA (CUDA graphs, its
-        4D masks), which Maglev has not been run under. Prepared decode steps do trace as one graph: compile
-        `model.forward` (docs/serving.md, "Maglev decode step as one graph")."""
-        return False
-
-    @property
-    def is_initialized(self) -> bool:
-        """Whether the rows exist (the first forward makes them: each row's memory starts at the model's
-        `memory_init`)."""
-        return self.positions is not None
-
-    def early_initialization(self, *args, **kwargs) -> None:
-        raise NotImplementedError("MaglevCache starts its rows on the first forward: each row's memory starts at "
-                                  "the model's learned memory_init, which the cache does not hold")
-
-    @property
-    def max_batch_size(self) -> int:
-        """The rows the cache holds, fixed by its first forward (-1 before)."""
-        return self.batch_size
-
-    @property
-    def max_cache_len(self) -> int:
-        """-1: no maximum length (the rings bound the cache's size, not the number of tokens read)."""
-        return -1
-
-    def increase_count(self, layer_idx: int, state_idx: int) -> None:
-        raise NotImplementedError("MaglevCache has no convolution states to count: the model counts its columns")
-
-    def offload(self, layer_idx: int, only_non_sliding: bool = True) -> None:
-        raise NotImplementedError("MaglevCache does not support offloading: its rings hold one window of keys and "
-                                  "values per layer and stay on the model's device")
-
-    def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
-        raise NotImplementedError("MaglevCache does not support offloading, so there is nothing to prefetch")
-
-    @property
-    def is_croppable(self) -> bool:
-        """Crop can roll back only what was recorded (activate_past_recording)."""
-        return self.recording
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [True] * len(self.layers)
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * len(self.layers)
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * len(self.layers)
-
-    @property
-    def batch_size(self) -> int:
-        return -1 if self.positions is None else self.positions.shape[0]
+    def rows(self) -> int:
+        """The rows the cache holds (0 before the first forward)."""
+        return 0 if self.positions is None else self.positions.shape[0]
 
     def layer_lengths(self) -> list[int]:
         """Key/value slots each layer holds (its ring's capacity; 0 before the first forward)."""
@@ -487,108 +391,28 @@ class MaglevCache(SavedCache, Cache):
         tensors = [t for store in self.layers for t in store.tensors.values()]
         return tensors + [t for t in (self.positions, self.last_memory, self.previous_embedding) if t is not None]
 
-    def reset(self) -> None:
-        self.__init__(self.config, self.max_rollback)
+    def select_rows(self, source: list[int]) -> None:
+        """New row i holds old row source[i] (`RowCache.change_rows`); a prepared forward is prepared again, its
+        plan having been made for the rows as they were."""
+        index = torch.tensor(source)
 
-    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        def select(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.index_select(0, index.to(tensor.device))
+
         for store in self.layers:
-            store.map_rows(fn)
+            store.map_rows(select)
         self.positions, self.last_memory, self.previous_embedding = (
-            None if t is None else fn(t) for t in (self.positions, self.last_memory, self.previous_embedding))
-        if self.prepared is not None:  # prepared again: its plan was made for the rows as they were
+            None if t is None else select(t) for t in (self.positions, self.last_memory, self.previous_embedding))
+        if self.prepared is not None:
             valid = self.prepared.valid
-            self.begin_step(None if valid is None else fn(valid), self.prepared.length)
-        records = list(self.history)
-        self.history.clear()
-        for record in records:
-            layers = [None if layer is None else tuple(fn(t) for t in layer) for layer in record.layers]
-            self.history.append(ColumnRecord(fn(record.positions), None if record.memory is None else fn(record.memory),
-                                             fn(record.embedding), layers))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
-
-    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
-        """Remember, for the last `max_rollback` columns, what each overwrote, so `crop` can undo them.
-        transformers >= 5.25 passes how many drafted columns it may remove; a larger count widens `max_rollback`."""
-        self.recording = True
-        if recurrent_states_to_keep is not None and recurrent_states_to_keep > self.max_rollback:
-            self.max_rollback = int(recurrent_states_to_keep)
-            self.history = deque(self.history, maxlen=self.max_rollback)
+            self.begin_step(None if valid is None else select(valid), self.prepared.length)
 
     def crop(self, max_length: int) -> None:
-        """Roll back to `max_length` columns (absolute, > 0) or remove `-max_length` columns (<= 0; 0 removes nothing).
-
-        Exact: every window slot, memory, smear carry and position returns to its earlier value. Needs
-        recording (activate_past_recording) since before those columns were read.
-        """
+        """`RowCache.crop`, after forgetting a prepared forward that did not run; growing rings then give back the
+        slots only removed columns took."""
         self.cancel_step()
-        remove = -max_length if max_length <= 0 else self.seen_tokens - max_length
-        if remove <= 0:
-            return
-        if remove > len(self.history):
-            reason = ("recording is not active (call activate_past_recording before reading them)"
-                      if not self.recording else f"only the last {len(self.history)} columns are recorded")
-            raise ValueError(f"MaglevCache cannot remove {remove} columns: {reason}")
-        for _ in range(remove):
-            record = self.history.pop()
-            self.positions, self.last_memory = record.positions, record.memory
-            self.previous_embedding = record.embedding
-            for store, layer_record in zip(self.layers, record.layers):
-                store.undo(layer_record)
-        self.seen_tokens -= remove
-        for store in self.layers:
-            store.shrink(self.seen_tokens)
-
-    def update(self, *args, **kwargs):
-        raise NotImplementedError("MaglevCache is filled by the Maglev model itself, not through Cache.update")
-
-    def update_conv_state(self, *args, **kwargs):
-        raise NotImplementedError("MaglevCache has no convolution states (its layers hold rings of window keys and "
-                                  "values, which the Maglev model writes itself)")
-
-    def update_recurrent_state(self, *args, **kwargs):
-        raise NotImplementedError("MaglevCache has no linear-attention recurrent states: the recurrent memory is one "
-                                  "vector per row, which the Maglev model carries itself")
-
-    # ----- saved caches ("prompt caching") ------------------------------------------------------
-    def saved_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """The tensors and JSON fields `save` writes."""
-        if self.positions is None:
-            raise ValueError("the cache is empty: read some tokens before saving it")
-        tensors = {"positions": self.positions, "previous_embedding": self.previous_embedding}
-        if self.last_memory is not None:
-            tensors["last_memory"] = self.last_memory
-        for i, store in enumerate(self.layers):
-            tensors.update({f"layers.{i}.{name}": t for name, t in store.state().items()})
-        fields = {"seen_tokens": self.seen_tokens, "batch_size": self.batch_size,
-                  "dtype": str(self.previous_embedding.dtype).removeprefix("torch.")}
-        return tensors, fields
-
-    @classmethod
-    def from_saved(cls, config: MaglevConfig, meta: dict, tensors: dict[str, torch.Tensor],
-                   dtype: torch.dtype) -> "MaglevCache":
-        """The cache `saved_state` described, in the model's dtype."""
-        cache = cls(config)
-        cache.seen_tokens = meta["seen_tokens"]
-        cache.positions = tensors["positions"]
-        cache.previous_embedding = tensors["previous_embedding"].to(dtype)
-        cache.last_memory = tensors["last_memory"].to(dtype) if "last_memory" in tensors else None
-        for i, store in enumerate(cache.layers):
-            store.batch = meta["batch_size"]
-            state = tensors_under(tensors, f"layers.{i}.")
-            if state:
-                store.load_state({k: v if k == "positions" else v.to(dtype) for k, v in state.items()})
-        return cache
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __repr__(self) -> str:
-        return f"MaglevCache(seen_tokens={self.seen_tokens}, layers={len(self.layers)}, nbytes={self.nbytes()})"
+        columns = self.columns
+        super().crop(max_length)
+        if self.columns < columns:
+            for store in self.layers:
+                store.shrink(self.columns)

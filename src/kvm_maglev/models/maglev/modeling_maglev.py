@@ -634,7 +634,7 @@ class MaglevModel(MaglevPreTrainedModel):
             heads[flat], memories[flat] = head[:, 0], memory[:, 0]
             for layer_states, state in zip(states or [], step_states or []):
                 layer_states[flat] = state[:, 0]
-        cache.seen_tokens += length
+        cache.columns += length
         if hidden_states is not None:
             hidden_states.extend(tokens.unflatten(state) for state in states)
         return tokens.unflatten(heads), tokens.unflatten(memories)
@@ -702,15 +702,15 @@ class MaglevModel(MaglevPreTrainedModel):
                 or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             return False
         batch, length = input_ids.shape
-        decode = length == 1 and cache.seen_tokens > 0
-        if not decode and not (self.config.use_memory and self.uses_prefiller(False, cache.seen_tokens, length)):
+        decode = length == 1 and cache.columns > 0
+        if not decode and not (self.config.use_memory and self.uses_prefiller(False, cache.columns, length)):
             return False  # other forwards take the general path (a recurrent prompt runs Python over its tokens)
         check_input_ids(input_ids, None, self.config.vocab_size, cache)
         check_cache(cache, MaglevCache, self.config)
         if not decode and packed_documents(position_ids, attention_mask, {}, batch, length, "Maglev") is not None:
             return False  # the general forward refuses a packed batch on a cache
         cache.prepare(batch, memories_like(self), self.memory_init)  # new rows, or refuses another batch size
-        valid = real_tokens(attention_mask, batch, length, cache.seen_tokens, input_ids.device)
+        valid = real_tokens(attention_mask, batch, length, cache.columns, input_ids.device)
         if position_ids is not None:
             self.check_positions(position_ids, cache, valid, input_ids)
         cache.begin_step(valid, length)
@@ -870,7 +870,7 @@ class MaglevModel(MaglevPreTrainedModel):
         if not use_cache:
             cache = None
         batch, length = input_ids.shape
-        start = 0 if cache is None else cache.seen_tokens
+        start = 0 if cache is None else cache.columns
         valid = real_tokens(attention_mask, batch, length, start, input_ids.device)
         memory_init = self.memory_init if config.use_memory else None
         if cache is not None:
@@ -1161,7 +1161,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         """transformers' assisted decoding, whose first forward reads the prompt and the first drafts together:
         the cache is told where the prompt ends, so that in "prefiller" mode Q reads the prompt only."""
         cache = model_kwargs.get(GENERATE_CACHE_KWARG)
-        if self.config.memory_prefill == "prefiller" and isinstance(cache, MaglevCache) and cache.seen_tokens == 0:
+        if self.config.memory_prefill == "prefiller" and isinstance(cache, MaglevCache) and cache.columns == 0:
             cache.prompt_length = input_ids.shape[1]
         return super()._assisted_decoding(input_ids, *args, **model_kwargs)
 
