@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvm_maglev
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 from kvm_maglev.convert.export import build_hub_folder
 from kvm_maglev.models import hub_code, speedups
@@ -122,21 +123,48 @@ def test_a_name_two_modules_define_is_refused(tmp_path, monkeypatch):
                                                   'def shared_too():\n    return shared()\n\n\ndef shared():\n    return 2\n')
     monkeypatch.setattr(hub_code, "MODELS_DIR", tmp_path)
     with pytest.raises(ValueError, match="common.first and kvm.second both define 'shared'"):
-        hub_code.generate("kvm.second", set())
+        hub_code.generate("kvm.second", {})
 
 
-def test_package_layer_mixins_leave_class_headers_and_other_uses_are_refused(tmp_path, monkeypatch):
-    """A mixin imported from above the models package is taken out of the class headers of a generated file; used
-    anywhere else it would leave the file unable to run, so the generator refuses."""
+def test_an_import_from_above_the_models_package_is_refused(tmp_path, monkeypatch):
+    """The models package is the bottom layer: a model module importing from the package above it could not run
+    from a generated file, so the generator refuses it."""
     (tmp_path / "kvm").mkdir()
-    header = '"""Model."""\n\nfrom ...package_only.extra import Extra\n\n\nclass Base:\n    pass\n\n\n'
-    (tmp_path / "kvm" / "model.py").write_text(header + "class Model(Extra,\n            Base):\n    pass\n")
+    (tmp_path / "kvm" / "model.py").write_text('"""Model."""\n\nfrom ...package_only.extra import Extra\n\n\n'
+                                               'class Model(Extra):\n    pass\n')
     monkeypatch.setattr(hub_code, "MODELS_DIR", tmp_path)
-    text = hub_code.generate("kvm.model", set())
-    assert "class Model(Base):" in text and "Extra" not in text
-    (tmp_path / "kvm" / "model.py").write_text(header + "def model():\n    return Extra()\n")
-    with pytest.raises(ValueError, match="uses \\['Extra'\\] from the package layer"):
-        hub_code.generate("kvm.model", set())
+    with pytest.raises(ValueError, match="reaches above the models package"):
+        hub_code.generate("kvm.model", {})
+
+
+def package_imports(path: Path) -> list[str]:
+    """The modules of kvm_maglev that the module at `path` (inside the package) imports, relative or absolute."""
+    root = Path(kvm_maglev.__file__).parent
+    here = ["kvm_maglev", *path.relative_to(root).with_suffix("").parts]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[:len(here) - node.level]
+            found += [".".join(base + ([node.module] if node.module else []))]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args \
+                and isinstance(node.args[0], ast.Constant):
+            found.append(node.args[0].value)
+    return [name for name in found if name.split(".")[0] == "kvm_maglev"]
+
+
+def test_the_models_package_imports_nothing_above_it():
+    """Layers point one way: `kvm_maglev.models` is the bottom, and the package's layer (package_only, the
+    converters, the plugin) builds on it. The root package itself is there whenever a submodule is (its version)."""
+    models = Path(kvm_maglev.__file__).parent / "models"
+    upward = {f"{path.relative_to(models)}: {name}" for path in models.rglob("*.py") for name in package_imports(path)
+              if name != "kvm_maglev" and not name.startswith("kvm_maglev.models")}
+    assert upward == set()
+    assert "kvm_maglev.package_only.hub_save" in package_imports(Path(kvm_maglev.__file__).parent / "package_only"
+                                                                  / "classes.py")
 
 
 def speedup_code(text: str) -> list[str]:
@@ -179,7 +207,7 @@ def test_a_speedup_module_is_never_inlined(tmp_path, monkeypatch):
     (tmp_path / "kvm" / "model.py").write_text('"""Model."""\n\nfrom ..speedups.fast import fast\n')
     monkeypatch.setattr(hub_code, "MODELS_DIR", tmp_path)
     with pytest.raises(ValueError, match="speedups.fast is an optional speed-up"):
-        hub_code.generate("kvm.model", set())
+        hub_code.generate("kvm.model", {})
 
 
 def generated_package(kind: str, folder: Path, version: str) -> object:

@@ -15,9 +15,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
-from ...package_only.hub_save import HubCodeSaveMixin
 from ..common.config_fields import cache_fields, config_field, declare_fields, declared_fields
-from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
+from ..common.transformers_versions import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
 
 logger = logging.get_logger(__name__)
 
@@ -115,7 +114,7 @@ RESEARCH_ONLY_FIELDS = (
 
 
 @declare_fields
-class KVMConfig(HubCodeSaveMixin, PretrainedConfig):
+class KVMConfig(PretrainedConfig):
     """Configuration of a KVM language model: block sliding window plus key-value-means state."""
 
     model_type = "kvm"

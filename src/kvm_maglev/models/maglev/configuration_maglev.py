@@ -15,9 +15,8 @@ import math
 import torch
 from transformers import PretrainedConfig
 
-from ...package_only.hub_save import HubCodeSaveMixin
 from ..common.config_fields import cache_fields, config_field, declare_fields, declared_fields
-from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
+from ..common.transformers_versions import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
 
 WINDOW_LETTERS = "SL"
 CONSISTENCY_LOSSES = ("mse", "cosine")
@@ -31,7 +30,7 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
 
 
 @declare_fields
-class MaglevConfig(HubCodeSaveMixin, PretrainedConfig):
+class MaglevConfig(PretrainedConfig):
     """Every nanochat GPT feature as a switch, plus the Maglev memory and prefiller fields.
 
     With `use_memory=False` and `sliding_window=None` the model is exactly nanochat's GPT,
