@@ -210,10 +210,11 @@ def test_a_speedup_module_is_never_inlined(tmp_path, monkeypatch):
         hub_code.generate("kvm.model", {})
 
 
-def generated_package(kind: str, folder: Path, version: str) -> object:
+def generated_package(kind: str, folder: Path, version: str, tag: str = "") -> object:
     """The folder's two generated files imported as a package of their own (as transformers imports remote code),
-    with `version` recorded as the speed-ups' version they were written with; its modeling module."""
-    package = folder / f"generated_{kind}_{abs(hash(version))}"
+    with `version` recorded as the speed-ups' version they were written with; its modeling module (`tag` tells
+    apart two packages of one version)."""
+    package = folder / f"generated_{kind}_{tag}{abs(hash(version))}"
     package.mkdir()
     (package / "__init__.py").write_text("")
     for name, text in hub_code.hub_code_files(kind).items():
@@ -225,18 +226,35 @@ def generated_package(kind: str, folder: Path, version: str) -> object:
         sys.path.remove(str(folder))
 
 
+def plain_linears(model: torch.nn.Module) -> bool:
+    """Whether every linear layer of `model` is a plain nn.Linear (no speed-up's class)."""
+    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    return bool(linears) and all(type(module) is torch.nn.Linear for module in linears)
+
+
 @pytest.mark.parametrize("kind", ["kvm", "maglev"])
-def test_remote_code_takes_the_installed_speedups_only_at_its_version(kind, tmp_path, caplog):
-    """Where kvm_maglev is installed, a folder's code takes its speed-ups when they are the version it recorded
-    (the package's oneDNN linears, its generate() switching them on); at any other version it logs that and is the
-    plain model (nn.Linear, a speed-up block that changes nothing), with the weights loaded and the package model's
-    logits exactly."""
+def test_remote_code_takes_the_installed_speedups_only_when_asked_and_at_its_version(kind, tmp_path, caplog,
+                                                                                     monkeypatch):
+    """Where kvm_maglev is installed, a folder's code is the plain model (nn.Linear, a speed-up block that changes
+    nothing) unless its user asks for the speed-ups (KVM_MAGLEV_SPEEDUPS=1); asked, it takes them when they are the
+    version it recorded (the package's oneDNN linears, its generate() switching them on); at any other version it
+    warns and is the plain model. The plain model has the weights loaded and the package model's logits exactly."""
     prefix = "KVM" if kind == "kvm" else "Maglev"
     folder = build_hub_folder(tiny(kind), tmp_path / kind, progress=False)
     package_model = getattr(sys.modules[f"kvm_maglev.models.{kind}.modeling_{kind}"], f"{prefix}ForCausalLM")
     ids = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = package_model.from_pretrained(folder).eval()(ids, use_cache=False).logits
+
+    def assert_plain(module) -> None:
+        model = getattr(module, f"{prefix}ForCausalLM").from_pretrained(folder).eval()
+        assert plain_linears(model)
+        with torch.no_grad(), model.runtime_speedups():
+            assert torch.equal(model(ids, use_cache=False).logits, expected)
+
+    monkeypatch.delenv("KVM_MAGLEV_SPEEDUPS", raising=False)
+    assert_plain(generated_package(kind, tmp_path, speedups.VERSION, tag="unasked_"))
+    monkeypatch.setenv("KVM_MAGLEV_SPEEDUPS", "1")
     matching = generated_package(kind, tmp_path, speedups.VERSION)
     model = getattr(matching, f"{prefix}ForCausalLM").from_pretrained(folder).eval()
     assert type(model.lm_head) is sys.modules["kvm_maglev.models.speedups.onednn_linear"].OneDNNLinear
@@ -245,11 +263,7 @@ def test_remote_code_takes_the_installed_speedups_only_at_its_version(kind, tmp_
     with caplog.at_level(logging.INFO):
         other = generated_package(kind, tmp_path, "0.0.0+elsewhere")
     assert "not the 0.0.0+elsewhere this model's code was written with" in caplog.text
-    model = getattr(other, f"{prefix}ForCausalLM").from_pretrained(folder).eval()
-    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
-    assert linears and all(type(module) is torch.nn.Linear for module in linears)
-    with torch.no_grad(), model.runtime_speedups():
-        assert torch.equal(model(ids, use_cache=False).logits, expected)
+    assert_plain(other)
 
 
 def test_a_generated_file_carries_only_what_its_model_uses():

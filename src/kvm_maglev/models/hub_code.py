@@ -7,8 +7,8 @@ the bottom layer: its modules import nothing from above it (the package's classe
 subclass the models' classes), and an import that reaches above is refused. Nor do the files carry the optional
 speed-ups (`models/speedups`: oneDNN linears, the Triton decoding kernel, Maglev's one-query attention), which no
 model module imports: each is picked at its seam (`common/seams`), which the file carries with the speed-ups' version
-it was written with (`CODE_VERSION`), so that it takes an installed kvm_maglev's speed-ups only at that version,
-and is the plain torch model otherwise. The modeling file
+it was written with (`CODE_VERSION`), so that it takes an installed kvm_maglev's speed-ups only when its user asks
+(`KVM_MAGLEV_SPEEDUPS=1`) and only at that version, and is the plain torch model otherwise. The modeling file
 imports its configuration, and what the configuration file carries, from the sibling file; everything else it
 needs is in it, top-down (`hub_layout`): the model, the decoder layer, attention, cache, the state math last; then,
 in a marked section at the end, what only paces work at run time (`RUNTIME`: KVM's paced folds). Top-level
