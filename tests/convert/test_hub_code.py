@@ -281,3 +281,28 @@ def test_unused_definitions_go_and_named_ones_stay():
     assert hub_code.without_unused(text) == "def used():\n    pass\n\n\nX = used()\n"
     assert "def helper" in hub_code.without_unused(text, read_elsewhere="from .x import helper")
 
+
+
+def test_a_section_left_without_code_loses_its_rule():
+    """A module's rule stays while code or one of its own parts' rules follows; a rule with nothing under it goes."""
+    rule = "# ---- {} " + "-" * 10 + "\n# its docstring\n\n\n"
+    text = (rule.format("a.py") + rule.format("b.py") + "x = 1\n\n\n" + rule.format("c.py") + rule.format("part")
+            + "y = 2\n\n\n" + rule.format("d.py") + rule.format("empty part"))
+    assert hub_code.without_empty_sections(text) == (rule.format("b.py") + "x = 1\n\n\n" + rule.format("c.py")
+                                                     + rule.format("part") + "y = 2\n\n\n")
+
+
+@pytest.mark.parametrize("kind", ["kvm", "maglev"])
+def test_a_generated_file_defines_one_logger_and_no_empty_section(kind):
+    """Each package module defines its own logger; a generated file, one. Modules whose every statement is built
+    first (the mixins of generation_cache, RowStorage) leave no empty section behind. The modeling file carries
+    nothing twice that the configuration file carries."""
+    for name, text in hub_code.hub_code_files(kind).items():
+        assert text.count("\nlogger = ") <= 1, name
+        assert hub_code.without_empty_sections(text) == text, name
+    modeling = hub_code.hub_code_files(kind)[f"modeling_{kind}.py"]
+    assert "\nlogger = " in modeling and "# ---- generation_cache.py" not in modeling
+    assert "class OwnCacheGenerationMixin" in modeling and "# ---- row_storage.py" not in modeling
+    # what the configuration file carries (the version check, the cache's keyword) is imported from it, not repeated
+    assert "\nCACHE_NAME = " not in modeling and "MIN_TRANSFORMERS" not in modeling
+    assert "CACHE_NAME" in modeling.split("\n\n\n# ----")[0]
