@@ -9,15 +9,17 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# the configs and models are the package's classes (the models' own with saving, the carried card and the row-block
+# loss added); the caches are the models' own
 _EXPORTS = {
-    "KVMConfig": "kvm_maglev.models.kvm.configuration_kvm",
+    "KVMConfig": "kvm_maglev.package_only.classes",
     "KVMCache": "kvm_maglev.models.kvm.cache_kvm",
-    "KVMModel": "kvm_maglev.models.kvm.modeling_kvm",
-    "KVMForCausalLM": "kvm_maglev.models.kvm.modeling_kvm",
-    "MaglevConfig": "kvm_maglev.models.maglev.configuration_maglev",
+    "KVMModel": "kvm_maglev.package_only.classes",
+    "KVMForCausalLM": "kvm_maglev.package_only.classes",
+    "MaglevConfig": "kvm_maglev.package_only.classes",
     "MaglevCache": "kvm_maglev.models.maglev.cache_maglev",
-    "MaglevModel": "kvm_maglev.models.maglev.modeling_maglev",
-    "MaglevForCausalLM": "kvm_maglev.models.maglev.modeling_maglev",
+    "MaglevModel": "kvm_maglev.package_only.classes",
+    "MaglevForCausalLM": "kvm_maglev.package_only.classes",
 }
 
 __all__ = sorted(_EXPORTS) + ["register_auto_classes"]

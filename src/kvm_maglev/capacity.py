@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .compat import CACHE_KEYWORD, returned_cache
+from .models.common.transformers_versions import CACHE_NAME, returned_cache
 from .recall import BOS_ID, PAD_ID, QUERY_ID, RecallExample, RecallTask
 
 
@@ -116,7 +116,7 @@ def answer_queries(model, input_ids: torch.Tensor, answer_positions: Sequence[in
     cache, answers = None, []
     for position in answer_positions:
         prompt = input_ids[:, :position]
-        kwargs = {} if cache is None else {CACHE_KEYWORD: cache}
+        kwargs = {} if cache is None else {CACHE_NAME: cache}
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=False,
                              pad_token_id=PAD_ID, return_dict_in_generate=True, **kwargs)
         cache = returned_cache(out)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .compat import CACHE_KEYWORD, returned_cache
+from .models.common.transformers_versions import CACHE_NAME, returned_cache
 from .recall import RecallTask, chance_level, evaluate_recall_per_mode, make_example, plot_recall
 
 RECALL_MODELS_DIR = Path(__file__).parent / "assets" / "recall_models"
@@ -148,7 +148,7 @@ def decode_cost(model, task: RecallTask, decode_tokens: int, seed: int) -> dict[
     elapsed = 0.0
     for _ in range(decode_tokens):
         start = time.perf_counter()
-        out = model(token, use_cache=True, **{CACHE_KEYWORD: cache})
+        out = model(token, use_cache=True, **{CACHE_NAME: cache})
         elapsed += time.perf_counter() - start
         cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
     return {"cache_bytes": float(cache.nbytes()), "ms_per_token": 1e3 * elapsed / max(decode_tokens, 1)}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvm_maglev
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 from kvm_maglev.convert.export import build_hub_folder
 from kvm_maglev.models import hub_code, speedups
@@ -145,21 +146,48 @@ def test_a_name_two_modules_define_is_refused(tmp_path, monkeypatch):
                                                   'def shared_too():\n    return shared()\n\n\ndef shared():\n    return 2\n')
     monkeypatch.setattr(hub_code, "MODELS_DIR", tmp_path)
     with pytest.raises(ValueError, match="common.first and kvm.second both define 'shared'"):
-        hub_code.generate("kvm.second", set())
+        hub_code.generate("kvm.second", {})
 
 
-def test_package_layer_mixins_leave_class_headers_and_other_uses_are_refused(tmp_path, monkeypatch):
-    """A mixin imported from above the models package is taken out of the class headers of a generated file; used
-    anywhere else it would leave the file unable to run, so the generator refuses."""
+def test_an_import_from_above_the_models_package_is_refused(tmp_path, monkeypatch):
+    """The models package is the bottom layer: a model module importing from the package above it could not run
+    from a generated file, so the generator refuses it."""
     (tmp_path / "kvm").mkdir()
-    header = '"""Model."""\n\nfrom ...package_only.extra import Extra\n\n\nclass Base:\n    pass\n\n\n'
-    (tmp_path / "kvm" / "model.py").write_text(header + "class Model(Extra,\n            Base):\n    pass\n")
+    (tmp_path / "kvm" / "model.py").write_text('"""Model."""\n\nfrom ...package_only.extra import Extra\n\n\n'
+                                               'class Model(Extra):\n    pass\n')
     monkeypatch.setattr(hub_code, "MODELS_DIR", tmp_path)
-    text = hub_code.generate("kvm.model", set())
-    assert "class Model(Base):" in text and "Extra" not in text
-    (tmp_path / "kvm" / "model.py").write_text(header + "def model():\n    return Extra()\n")
-    with pytest.raises(ValueError, match="uses \\['Extra'\\] from the package layer"):
-        hub_code.generate("kvm.model", set())
+    with pytest.raises(ValueError, match="reaches above the models package"):
+        hub_code.generate("kvm.model", {})
+
+
+def package_imports(path: Path) -> list[str]:
+    """The modules of kvm_maglev that the module at `path` (inside the package) imports, relative or absolute."""
+    root = Path(kvm_maglev.__file__).parent
+    here = ["kvm_maglev", *path.relative_to(root).with_suffix("").parts]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[:len(here) - node.level]
+            found += [".".join(base + ([node.module] if node.module else []))]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args \
+                and isinstance(node.args[0], ast.Constant):
+            found.append(node.args[0].value)
+    return [name for name in found if name.split(".")[0] == "kvm_maglev"]
+
+
+def test_the_models_package_imports_nothing_above_it():
+    """Layers point one way: `kvm_maglev.models` is the bottom, and the package's layer (package_only, the
+    converters, the plugin) builds on it. The root package itself is there whenever a submodule is (its version)."""
+    models = Path(kvm_maglev.__file__).parent / "models"
+    upward = {f"{path.relative_to(models)}: {name}" for path in models.rglob("*.py") for name in package_imports(path)
+              if name != "kvm_maglev" and not name.startswith("kvm_maglev.models")}
+    assert upward == set()
+    assert "kvm_maglev.package_only.hub_save" in package_imports(Path(kvm_maglev.__file__).parent / "package_only"
+                                                                  / "classes.py")
 
 
 def speedup_code(text: str) -> list[str]:
@@ -202,13 +230,14 @@ def test_a_speedup_module_is_never_inlined(tmp_path, monkeypatch):
     (tmp_path / "kvm" / "model.py").write_text('"""Model."""\n\nfrom ..speedups.fast import fast\n')
     monkeypatch.setattr(hub_code, "MODELS_DIR", tmp_path)
     with pytest.raises(ValueError, match="speedups.fast is an optional speed-up"):
-        hub_code.generate("kvm.model", set())
+        hub_code.generate("kvm.model", {})
 
 
-def generated_package(kind: str, folder: Path, version: str) -> object:
+def generated_package(kind: str, folder: Path, version: str, tag: str = "") -> object:
     """The folder's two generated files imported as a package of their own (as transformers imports remote code),
-    with `version` recorded as the speed-ups' version they were written with; its modeling module."""
-    package = folder / f"generated_{kind}_{abs(hash(version))}"
+    with `version` recorded as the speed-ups' version they were written with; its modeling module (`tag` tells
+    apart two packages of one version)."""
+    package = folder / f"generated_{kind}_{tag}{abs(hash(version))}"
     package.mkdir()
     (package / "__init__.py").write_text("")
     for name, text in hub_code.hub_code_files(kind).items():
@@ -220,18 +249,35 @@ def generated_package(kind: str, folder: Path, version: str) -> object:
         sys.path.remove(str(folder))
 
 
+def plain_linears(model: torch.nn.Module) -> bool:
+    """Whether every linear layer of `model` is a plain nn.Linear (no speed-up's class)."""
+    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    return bool(linears) and all(type(module) is torch.nn.Linear for module in linears)
+
+
 @pytest.mark.parametrize("kind", ["kvm", "maglev"])
-def test_remote_code_takes_the_installed_speedups_only_at_its_version(kind, tmp_path, caplog):
-    """Where kvm_maglev is installed, a folder's code takes its speed-ups when they are the version it recorded
-    (the package's oneDNN linears, its generate() switching them on); at any other version it logs that and is the
-    plain model (nn.Linear, a speed-up block that changes nothing), with the weights loaded and the package model's
-    logits exactly."""
+def test_remote_code_takes_the_installed_speedups_only_when_asked_and_at_its_version(kind, tmp_path, caplog,
+                                                                                     monkeypatch):
+    """Where kvm_maglev is installed, a folder's code is the plain model (nn.Linear, a speed-up block that changes
+    nothing) unless its user asks for the speed-ups (KVM_MAGLEV_SPEEDUPS=1); asked, it takes them when they are the
+    version it recorded (the package's oneDNN linears, its generate() switching them on); at any other version it
+    warns and is the plain model. The plain model has the weights loaded and the package model's logits exactly."""
     prefix = "KVM" if kind == "kvm" else "Maglev"
     folder = build_hub_folder(tiny(kind), tmp_path / kind, progress=False)
     package_model = getattr(sys.modules[f"kvm_maglev.models.{kind}.modeling_{kind}"], f"{prefix}ForCausalLM")
     ids = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = package_model.from_pretrained(folder).eval()(ids, use_cache=False).logits
+
+    def assert_plain(module) -> None:
+        model = getattr(module, f"{prefix}ForCausalLM").from_pretrained(folder).eval()
+        assert plain_linears(model)
+        with torch.no_grad(), model.runtime_speedups():
+            assert torch.equal(model(ids, use_cache=False).logits, expected)
+
+    monkeypatch.delenv("KVM_MAGLEV_SPEEDUPS", raising=False)
+    assert_plain(generated_package(kind, tmp_path, speedups.VERSION, tag="unasked_"))
+    monkeypatch.setenv("KVM_MAGLEV_SPEEDUPS", "1")
     matching = generated_package(kind, tmp_path, speedups.VERSION)
     model = getattr(matching, f"{prefix}ForCausalLM").from_pretrained(folder).eval()
     assert type(model.lm_head) is sys.modules["kvm_maglev.models.speedups.onednn_linear"].OneDNNLinear
@@ -240,11 +286,7 @@ def test_remote_code_takes_the_installed_speedups_only_at_its_version(kind, tmp_
     with caplog.at_level(logging.INFO):
         other = generated_package(kind, tmp_path, "0.0.0+elsewhere")
     assert "not the 0.0.0+elsewhere this model's code was written with" in caplog.text
-    model = getattr(other, f"{prefix}ForCausalLM").from_pretrained(folder).eval()
-    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
-    assert linears and all(type(module) is torch.nn.Linear for module in linears)
-    with torch.no_grad(), model.runtime_speedups():
-        assert torch.equal(model(ids, use_cache=False).logits, expected)
+    assert_plain(other)
 
 
 def test_a_generated_file_carries_only_what_its_model_uses():
@@ -262,3 +304,28 @@ def test_unused_definitions_go_and_named_ones_stay():
     assert hub_code.without_unused(text) == "def used():\n    pass\n\n\nX = used()\n"
     assert "def helper" in hub_code.without_unused(text, read_elsewhere="from .x import helper")
 
+
+
+def test_a_section_left_without_code_loses_its_rule():
+    """A module's rule stays while code or one of its own parts' rules follows; a rule with nothing under it goes."""
+    rule = "# ---- {} " + "-" * 10 + "\n# its docstring\n\n\n"
+    text = (rule.format("a.py") + rule.format("b.py") + "x = 1\n\n\n" + rule.format("c.py") + rule.format("part")
+            + "y = 2\n\n\n" + rule.format("d.py") + rule.format("empty part"))
+    assert hub_code.without_empty_sections(text) == (rule.format("b.py") + "x = 1\n\n\n" + rule.format("c.py")
+                                                     + rule.format("part") + "y = 2\n\n\n")
+
+
+@pytest.mark.parametrize("kind", ["kvm", "maglev"])
+def test_a_generated_file_defines_one_logger_and_no_empty_section(kind):
+    """Each package module defines its own logger; a generated file, one. Modules whose every statement is built
+    first (the mixins of generation_cache, RowStorage) leave no empty section behind. The modeling file carries
+    nothing twice that the configuration file carries."""
+    for name, text in hub_code.hub_code_files(kind).items():
+        assert text.count("\nlogger = ") <= 1, name
+        assert hub_code.without_empty_sections(text) == text, name
+    modeling = hub_code.hub_code_files(kind)[f"modeling_{kind}.py"]
+    assert "\nlogger = " in modeling and "# ---- generation_cache.py" not in modeling
+    assert "class OwnCacheGenerationMixin" in modeling and "# ---- row_storage.py" not in modeling
+    # what the configuration file carries (the version check, the cache's keyword) is imported from it, not repeated
+    assert "\nCACHE_NAME = " not in modeling and "MIN_TRANSFORMERS" not in modeling
+    assert "CACHE_NAME" in modeling.split("\n\n\n# ----")[0]

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from kvm_maglev.convert.kvm import convert
+from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMForCausalLM
-from tests.returned_cache import returned_cache
 
 CASES = ("kvm_fixed", "kvm_sqrt", "kvm_saturate_swa")
 FORMS = ("research_pt", "research_final")

@@ -21,9 +21,9 @@ from kvm_maglev.convert.kvm import (
     read_research_checkpoint,
     research_commit_of,
 )
+from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMForCausalLM
 from tests.convert.test_kvm_parity import assert_matches_reference
-from tests.returned_cache import returned_cache
 
 CASES = ("kvm_gqa_fixed", "kvm_upstream_fixed")
 FORMS = ("research_pt", "research_final")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvm_maglev.models.common.model_inputs import CACHE_NAME
+from kvm_maglev.models.common.transformers_versions import CACHE_NAME
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvm_maglev.models.common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG
+from kvm_maglev.models.common.transformers_versions import CACHE_NAME, GENERATE_CACHE_KWARG
 from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 from tests.generation.testers import PAD, TESTERS, cases, left_padded
 

@@ -32,10 +32,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvm_maglev.models.common.transformers_versions import CACHE_NAME
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
-from kvm_maglev.models.maglev.modeling_maglev import CACHE_NAME, MaglevForCausalLM
+from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
 from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 from tests.models.maglev.test_maglev_model import randomize as randomize_maglev
 

@@ -9,7 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
+from kvm_maglev import KVMConfig, KVMForCausalLM  # the package's classes: the row-block loss is theirs
+from kvm_maglev.models.kvm import KVMCache
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from tests.models.maglev.test_maglev_model import VOCAB as MAGLEV_VOCAB
 from tests.models.maglev.test_maglev_model import tiny_model as tiny_maglev

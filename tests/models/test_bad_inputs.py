@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
+from kvm_maglev.models.common.transformers_versions import GENERATE_CACHE_KWARG
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig

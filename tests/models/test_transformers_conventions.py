@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DataCollatorWithFlattening
 
+from kvm_maglev.models.common.transformers_versions import CACHE_NAME
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
-from kvm_maglev.models.maglev.modeling_maglev import CACHE_NAME, MaglevForCausalLM
+from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
 
 VOCAB = 61
 # long enough that KVM blocks have left the window into the state (chunk 4, 2 window chunks) and that Maglev's
@@ -254,9 +255,8 @@ import json
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 import kvm_maglev
-from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
-from kvm_maglev.models.maglev import MaglevConfig, MaglevForCausalLM
-models = {"kvm": (KVMConfig, KVMForCausalLM), "maglev": (MaglevConfig, MaglevForCausalLM)}
+models = {"kvm": (kvm_maglev.KVMConfig, kvm_maglev.KVMForCausalLM),
+          "maglev": (kvm_maglev.MaglevConfig, kvm_maglev.MaglevForCausalLM)}
 def resolved():
     return sorted(name for name, (config, model) in models.items()
                   if name in CONFIG_MAPPING and CONFIG_MAPPING[name] is config

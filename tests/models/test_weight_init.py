@@ -10,8 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
-from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
+from kvm_maglev import MaglevConfig, MaglevForCausalLM  # the package's classes: saved with the generated code
 
 HIDDEN = 64
 
@@ -122,8 +121,7 @@ def test_maglev_keys_a_checkpoint_lacks_get_the_documented_init(tmp_path, remote
 
 # ----- KVM ------------------------------------------------------------------------------------------------
 def kvm_model(seed: int, **overrides):
-    from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
-    from kvm_maglev.models.kvm.modeling_kvm import KVMForCausalLM
+    from kvm_maglev import KVMConfig, KVMForCausalLM
 
     fields = dict(vocab_size=300, hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=2, chunk_size=8)
     fields.update(overrides)

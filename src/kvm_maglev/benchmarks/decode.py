@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..compat import CACHE_KEYWORD, returned_cache
+from ..models.common.transformers_versions import CACHE_NAME, returned_cache
 from .models import cache_bytes, closed_form_cache_bytes
 
 
@@ -92,7 +92,7 @@ def _left_padded_batch(lengths: list[int], vocab: int, generator: torch.Generato
 
 def _step(model, token_ids, mask, cache, use_mask: bool):
     kwargs = {"attention_mask": mask} if use_mask else {}
-    out = model(input_ids=token_ids, use_cache=True, **{CACHE_KEYWORD: cache}, **kwargs)
+    out = model(input_ids=token_ids, use_cache=True, **{CACHE_NAME: cache}, **kwargs)
     return out.logits[:, -1:].argmax(-1), returned_cache(out)
 
 
@@ -149,7 +149,7 @@ def _measure(name, model, context, batch_size, decode_steps, prefill_chunk, seed
     for begin in range(0, prompt, prefill_chunk):
         end = min(begin + prefill_chunk, prompt)
         kwargs = {"attention_mask": mask[:, :end]} if use_mask else {}
-        out = model(input_ids=ids[:, begin:end], use_cache=True, logits_to_keep=1, **{CACHE_KEYWORD: cache}, **kwargs)
+        out = model(input_ids=ids[:, begin:end], use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache}, **kwargs)
         cache = returned_cache(out)
     _sync(device)
     prefill_s = time.perf_counter() - start

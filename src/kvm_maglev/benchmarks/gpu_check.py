@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..compat import CACHE_KEYWORD, returned_cache
+from ..models.common.transformers_versions import CACHE_NAME, returned_cache
 from .decode import measure
 from .long_run import TOLERANCES, compare, randomize
 from .models import MODEL_BUILDERS, SHAPES, Shape
@@ -127,7 +127,7 @@ def step_directly(model: torch.nn.Module, sequence: torch.Tensor, prompt: int,
     cache, logits = returned_cache(output), [output.logits[:, -1:]]
     for position in range(prompt, sequence.shape[1] - 1):
         with around_step():
-            output = model(sequence[:, position : position + 1], use_cache=True, **{CACHE_KEYWORD: cache})
+            output = model(sequence[:, position : position + 1], use_cache=True, **{CACHE_NAME: cache})
         cache = returned_cache(output)
         logits.append(output.logits)
     return torch.cat(logits, dim=1)

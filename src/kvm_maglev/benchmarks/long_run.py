@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..compat import returned_cache
+from ..models.common.transformers_versions import returned_cache
 from .models import MODEL_BUILDERS, SHAPES
 
 MODELS = ("kvm_fixed", "kvm_sqrt16", "maglev")

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 # absolute imports: the file also runs as a script against another checkout's package (PYTHONPATH=<checkout>/src
 # python src/kvm_maglev/benchmarks/prompt_modes.py measure --generate-4k ...), e.g. the code before a change
-from kvm_maglev.compat import CACHE_KEYWORD, returned_cache
+from kvm_maglev.models.common.transformers_versions import CACHE_NAME, returned_cache
 from kvm_maglev.recall import RecallTask, evaluate_recall, memory_prefill
 
 MODES = ("recurrent", "prefiller")
@@ -109,7 +109,7 @@ def continuation_bits(model, rows: torch.Tensor, prompt: int, continuation: int,
         ids = rows[start:start + batch, : prompt + continuation]
         out = model(input_ids=ids[:, :prompt], use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1]
-        rest = model(input_ids=ids[:, prompt:-1], use_cache=True, **{CACHE_KEYWORD: returned_cache(out)}).logits
+        rest = model(input_ids=ids[:, prompt:-1], use_cache=True, **{CACHE_NAME: returned_cache(out)}).logits
         logits = torch.cat([first[:, None], rest], dim=1).float()
         targets = ids[:, prompt:]
         nats += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()

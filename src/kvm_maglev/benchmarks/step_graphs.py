@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationMixin
 
-from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
+from kvm_maglev.models.common.transformers_versions import GENERATE_CACHE_KWARG
 
 NEXT_LENGTH = "next_sequence_length" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
 # the serving benchmark's shape (KVM: chunks of 256, a 2-chunk window, a 256-slot state; windows of 128), and a tiny one

@@ -1,15 +1,16 @@
-"""What a user who trusts a Hub folder's code reads and runs, measured: the generated files' lines, the deepest
-chain of the model's own frames in one decoding step (as generate() prepares and runs it), and which of the
-generic `Cache` methods transformers may call fail without saying why.
+"""What a user who trusts a Hub folder's code reads and runs, measured: the generated files' lines, the calls one
+decoding step makes (as generate() prepares and runs it), and which of the generic `Cache` methods transformers may
+call fail without saying why.
 
     python -m kvm_maglev.benchmarks.trusted_code --out docs/trusted_code.json
 
-Frames: `sys.setprofile` during the forward of one prepared decoding step of the tiny random-weight shape of
-`step_graphs` (KVM chunks of 4, windows of 8), after a 20-token prompt and for the next `--steps` steps (a fold
-boundary among them); a frame is the model's own when its code lives in the package (our models) or in
-transformers' `models/<name>/` folder (Llama, Mistral). Cache methods: each public method and property of
-transformers' `Cache`, called on a fresh cache and on one after a prompt; an error counts as a reason when it is
-NotImplementedError, ValueError or TypeError with a message, and as a failure otherwise.
+Calls: during the forward of one prepared decoding step of the tiny random-weight shape of `step_graphs` (KVM chunks
+of 4, windows of 8), after a 20-token prompt and for the next `--steps` steps (a fold boundary among them), the
+module calls (every `nn.Module` forward, the model's own included) and the aten operator calls (leaf calls under a
+TorchDispatchMode, each a kernel launch on a GPU), of our models and of transformers' Llama and Mistral. They count
+the work a step asks for, not how the code is laid out: splitting a function in two changes neither. Cache methods:
+each public method and property of transformers' `Cache`, called on a fresh cache and on one after a prompt; an
+error counts as a reason when it is NotImplementedError, ValueError or TypeError with a message, and as a failure otherwise.
 """
 
 from __future__ import annotations
@@ -17,17 +18,15 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
-import sys
 import warnings
-from collections.abc import Callable
+from collections import Counter
 from pathlib import Path
 
 import torch
-import transformers
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.cache_utils import Cache
 
-import kvm_maglev
 from kvm_maglev.benchmarks.step_graphs import DecodeLoop, build
 from kvm_maglev.models import hub_code
 
@@ -39,54 +38,51 @@ PROBE_ARGUMENTS = {"layer_idx": 0, "max_length": 4, "repeats": 1, "query_length"
 REASONED = (NotImplementedError, ValueError, TypeError)
 
 
-def own_code(model: str) -> Callable[[str], bool]:
-    """Whether a frame's file is the model's own code."""
-    if model in ("kvm", "maglev"):
-        root = os.path.dirname(kvm_maglev.__file__)
-    else:
-        root = os.path.join(os.path.dirname(transformers.__file__), "models", model)
-    return lambda filename: filename.startswith(root + os.sep)
+class CountOperators(TorchDispatchMode):
+    """Counts the aten operators run inside it, by name (`aten.mm`, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
 
 
-def deepest_own_chain(model: torch.nn.Module, inputs: dict, own: Callable[[str], bool]) -> list[str]:
-    """The longest chain of own frames, outermost first, open at once during `model(**inputs)`."""
-    stack: list[tuple[bool, str]] = []
-    deepest: list[str] = []
+def step_calls(model: torch.nn.Module, inputs: dict) -> tuple[int, Counter[str]]:
+    """The module calls and the aten operator calls (by name) of `model(**inputs)`."""
+    modules = 0
 
-    def profile(frame, event, arg):
-        nonlocal deepest
-        if event == "call":
-            code = frame.f_code
-            stack.append((own(code.co_filename), f"{os.path.basename(code.co_filename)}:{code.co_qualname}"))
-            chain = [name for is_own, name in stack if is_own]
-            if len(chain) > len(deepest):
-                deepest = chain
-        elif event == "return" and stack:
-            stack.pop()
+    def count(module, args):
+        nonlocal modules
+        modules += 1
 
-    sys.setprofile(profile)
+    hook = register_module_forward_pre_hook(count)
     try:
-        model(**inputs)
+        with CountOperators() as operators:
+            model(**inputs)
     finally:
-        sys.setprofile(None)
-    return deepest
+        hook.remove()
+    return modules, operators.calls
 
 
 @torch.no_grad()
-def decode_frames(name: str, steps: int) -> dict:
-    """Own-frame depth of `steps` decoding steps after a 20-token prompt: the deepest chain of each, and the
-    chain of the deepest step."""
+def decode_calls(name: str, steps: int) -> dict:
+    """Module and operator calls of `steps` decoding steps after a 20-token prompt: per step, the most of each, and
+    the operators of the step with the most."""
     model = build(name, "tiny")
     loop = DecodeLoop(model, 20, 20 + steps + 8)
     loop.step()
-    depths, deepest = [], []
+    modules, operators, busiest = [], [], Counter()
     for _ in range(steps):
-        inputs = loop.inputs()
-        chain = deepest_own_chain(model, inputs, own_code(name))
-        depths.append(len(chain))
-        deepest = chain if len(chain) > len(deepest) else deepest
+        module_calls, operator_calls = step_calls(model, loop.inputs())
+        modules.append(module_calls)
+        operators.append(operator_calls.total())
+        busiest = operator_calls if operator_calls.total() > busiest.total() else busiest
         loop.ids = torch.cat([loop.ids, loop.ids[:, -1:]], dim=1)
-    return {"per_step": depths, "max": max(depths), "deepest_chain": deepest}
+    return {"module_calls_per_step": modules, "operator_calls_per_step": operators, "max_module_calls": max(modules),
+            "max_operator_calls": max(operators), "busiest_step_operators": dict(busiest.most_common())}
 
 
 def probe(cache: Cache, name: str) -> str:
@@ -127,7 +123,7 @@ def cache_methods(name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6, help="decoding steps whose frames are counted")
+    parser.add_argument("--steps", type=int, default=6, help="decoding steps whose calls are counted")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     readme = Path(__file__).resolve().parents[3] / "README.md"
@@ -135,12 +131,15 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python -m kvm_maglev.benchmarks.trusted_code" + (f" --out {args.out}" if args.out else ""),
         "generated_lines": {f"{kind}/{file}": text.count("\n") for kind in ("kvm", "maglev")
                             for file, text in hub_code.hub_code_files(kind).items()},
-        "own_frames_per_decode_step": {name: decode_frames(name, args.steps) for name in MODELS},
+        "calls_per_decode_step": {name: decode_calls(name, args.steps) for name in MODELS},
         "cache_methods": {name: cache_methods(name) for name in ("kvm", "maglev")},
         "readme_lines": readme.read_text(encoding="utf-8").count("\n") if readme.exists() else None,
     }
     summary = {"lines": result["generated_lines"],
-               "frames": {name: entry["max"] for name, entry in result["own_frames_per_decode_step"].items()},
+               "module calls per step (most)": {name: entry["max_module_calls"]
+                                                for name, entry in result["calls_per_decode_step"].items()},
+               "operator calls per step (most)": {name: entry["max_operator_calls"]
+                                                  for name, entry in result["calls_per_decode_step"].items()},
                "cache methods failing": {name: entry["failing_without_reason"]
                                          for name, entry in result["cache_methods"].items()},
                "README lines": result["readme_lines"]}

@@ -33,7 +33,7 @@ from kvm_maglev.convert.common import (
 from kvm_maglev.convert.export import check_state_dict, expected_shapes
 from kvm_maglev.convert.hub_source import resolve_source
 from kvm_maglev.convert.identify import check_source_kind
-from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
+from kvm_maglev.package_only.classes import KVMConfig, KVMForCausalLM
 from kvm_maglev.tokenization.gpt2 import generation_token_fields, load_research_tokenizer
 
 # where a converted checkpoint's pad/bos/eos token ids come from

@@ -27,8 +27,7 @@ from kvm_maglev.convert.common import (
 from kvm_maglev.convert.export import check_state_dict, expected_shapes
 from kvm_maglev.convert.hub_source import resolve_source
 from kvm_maglev.convert.identify import check_source_kind
-from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
-from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
+from kvm_maglev.package_only.classes import MaglevConfig, MaglevForCausalLM
 from kvm_maglev.tokenization.gpt2 import padded_token_ids
 from kvm_maglev.tokenization.nanochat import (
     find_nanochat_tokenizer,

@@ -275,9 +275,8 @@ def row_block_head_loss(
 
 class RowBlockLossMixin:
     """Put before the model's `HeadLossMixin`: the causal-LM loss transformers would pick is computed in row blocks;
-    a loss the user sets (`model.loss_function = f`) or another `model.loss_type` is transformers' to resolve."""
-
-    float32_logits = False  # True: the head's logits are made float32 before the cap (the model's `logits` does)
+    a loss the user sets (`model.loss_function = f`) or another `model.loss_type` is transformers' to resolve.
+    A model class whose `logits` makes the head's logits float32 before the cap says so with `float32_logits = True`."""
 
     @property
     def loss_function(self):
@@ -301,7 +300,7 @@ class RowBlockLossMixin:
         if labels is not None and self.reads_head_in_row_blocks():
             return row_block_logits_and_loss(hidden, self.get_output_embeddings().weight, labels,
                                              self.config.vocab_size, self.config.logit_softcap or None,
-                                             self.float32_logits, **kwargs)
+                                             getattr(self, "float32_logits", False), **kwargs)
         return super().logits_and_loss(hidden, labels, **kwargs)
 
     def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
+from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
-from tests.returned_cache import returned_cache
 
 BASE = dict(
     vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, rotary_dim=8,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvm_maglev import KVMConfig, KVMForCausalLM
-from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
+from kvm_maglev.models.common.transformers_versions import GENERATE_CACHE_KWARG
 from kvm_maglev.models.kvm import modeling_kvm
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
 

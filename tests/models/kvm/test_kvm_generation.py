@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from kvm_maglev.cache_monitor import CacheMonitor, describe_cache
-from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
+from kvm_maglev.models.common.transformers_versions import GENERATE_CACHE_KWARG, returned_cache
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from tests.generation.testers import KVM, PAD, left_padded
-from tests.returned_cache import returned_cache
 
 # layers 0 and 2 are sliding-window layers (sliding_window_every=2): generate() runs both kinds of KVM layer
 CONFIG = dict(

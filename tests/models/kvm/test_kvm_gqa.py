@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.package_only.saved_cache import load_cache, save_cache
-from tests.returned_cache import returned_cache
 
 BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, rotary_dim=4, chunk_size=4,
             window_chunks=2, state_max_chunks=100, state_budget_min=4)

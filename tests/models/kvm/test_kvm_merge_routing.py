@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.models.kvm.state_kvm import most_similar_slot
-from tests.returned_cache import returned_cache
 
 BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, rotary_dim=4, chunk_size=8,
             window_chunks=2, state_budget_mode="fixed", state_budget_min=8, state_max_chunks=1)

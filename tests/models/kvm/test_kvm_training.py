@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from kvm_maglev.models.common.activation_checkpointing import enable_activation_checkpointing
+from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
-from tests.returned_cache import returned_cache
 
 CONFIG = dict(
     vocab_size=53, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, rotary_dim=8, chunk_size=4,

@@ -4,7 +4,7 @@ one graph: no graph break, no recompilation from one step to the next, the same 
 import pytest
 import torch
 
-from kvm_maglev.models.common.model_inputs import GENERATE_CACHE_KWARG
+from kvm_maglev.models.common.transformers_versions import GENERATE_CACHE_KWARG
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from tests.models.maglev.test_maglev_model import VOCAB, random_ids, tiny_model
 

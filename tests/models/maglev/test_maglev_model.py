@@ -4,11 +4,10 @@ generate() against the uncached path, lifted training, config validation."""
 import pytest
 import torch
 
+from kvm_maglev import MaglevConfig, MaglevForCausalLM  # the package's classes: the row-block loss is theirs
 from kvm_maglev.models.common.activation_checkpointing import enable_activation_checkpointing
+from kvm_maglev.models.common.transformers_versions import CACHE_NAME, returned_cache
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
-from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
-from kvm_maglev.models.maglev.modeling_maglev import CACHE_NAME, MaglevForCausalLM
-from tests.returned_cache import returned_cache
 
 VOCAB = 97
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvm_maglev import MaglevConfig, MaglevForCausalLM
-from kvm_maglev.models.common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG
+from kvm_maglev.models.common.transformers_versions import CACHE_NAME, GENERATE_CACHE_KWARG
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 
 WINDOW, LAYERS = 8, 3

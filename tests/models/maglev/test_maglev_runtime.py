@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvm_maglev.models.common.model_inputs import CACHE_NAME
+from kvm_maglev.models.common.transformers_versions import CACHE_NAME
 from kvm_maglev.models.maglev import MaglevConfig, MaglevForCausalLM
 from kvm_maglev.models.maglev.modeling_maglev import MaglevAttention
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear

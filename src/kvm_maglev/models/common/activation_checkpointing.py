@@ -1,7 +1,7 @@
 """Activation checkpointing under the name the installed transformers gives it.
 
 transformers 5.24 renamed `gradient_checkpointing_enable` to `activation_checkpointing_enable`, and from 5.25 the old
-name warns that v6 removes it; 5.17, the oldest release the package supports (`version_guard`), has only the old name.
+name warns that v6 removes it; 5.17, the oldest release the package supports (`transformers_versions`), has only the old name.
 Code and tests that switch checkpointing on call `enable_activation_checkpointing`, so no call warns on a new release
 and none fails on an old one.
 """

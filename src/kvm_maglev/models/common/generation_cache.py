@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from .model_inputs import GENERATE_CACHE_KWARG, check_cache
+from .model_inputs import check_cache
+from .transformers_versions import GENERATE_CACHE_KWARG
 
 
 class OwnCacheGenerationMixin:

@@ -1,21 +1,10 @@
-"""Checks of what a model's forward is given, with clear errors, and the cache under either keyword name."""
+"""Checks of what a model's forward is given, with clear errors, and the cache under either keyword name (the names:
+`transformers_versions`)."""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
-from transformers import GenerationMixin
 from transformers.cache_utils import Cache
-from transformers.modeling_outputs import CausalLMOutputWithPast
-
-# transformers 5.24 renamed the model keyword and output field `past_key_values` to `cache`
-CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-# the name under which generate() hands the cache to the model (the same rename, seen from generate's side)
-GENERATE_CACHE_KWARG = (
-    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
-    else "past_key_values"
-)
 
 # why a transformers cache of per-layer keys and values is refused, and what PEFT users (prefix tuning hands the
 # model one holding the learned prefix) can use instead

@@ -2,15 +2,17 @@
 imports or is None, and the model takes it or its plain torch path, the reference it is tested against (as
 transformers' models take a kernel or their torch fallback).
 
-In the package the speed-ups are its own. A Hub folder's generated file records the speed-ups' version it was
-written with (`CODE_VERSION`) and takes an installed kvm_maglev's only at that version: never required, and without
-them the file is the plain model.
+In the package the speed-ups are its own, on by default. A Hub folder's generated file is the plain model unless its
+user asks for an installed kvm_maglev's speed-ups, as transformers' `use_kernels=True` asks for kernels: with
+`KVM_MAGLEV_SPEEDUPS=1` in the environment before the model's code is imported. It records the speed-ups' version it
+was written with (`CODE_VERSION`) and takes them only at that version; never required.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from functools import cache
 from types import ModuleType
 
@@ -21,18 +23,25 @@ logger = logging.get_logger(__name__)
 
 # None in the package (its speed-ups are its own); a generated file holds the `speedups.VERSION` that wrote it
 CODE_VERSION: str | None = None
+# the environment variable by which the user of a generated file asks for an installed kvm_maglev's speed-ups ("1")
+SPEEDUPS_SWITCH = "KVM_MAGLEV_SPEEDUPS"
 
 
 @cache
 def installed_speedups() -> ModuleType | None:
-    """kvm_maglev's speed-ups package where it imports and is the version this code recorded, else None."""
+    """kvm_maglev's speed-ups package: in the package its own; in a generated file an installed one, where the user
+    asked for it (`SPEEDUPS_SWITCH`) and it is the version this code recorded; else None (the plain torch path)."""
+    if CODE_VERSION is not None and os.environ.get(SPEEDUPS_SWITCH) != "1":
+        return None
     try:
         speedups = importlib.import_module("kvm_maglev.models.speedups")
     except ImportError:
+        logger.warning(f"{SPEEDUPS_SWITCH}=1 asks for kvm_maglev's speed-ups, which do not import here: the model "
+                       "runs its plain torch path")
         return None
     if CODE_VERSION is not None and getattr(speedups, "VERSION", None) != CODE_VERSION:
-        logger.info(f"kvm_maglev's speed-ups {getattr(speedups, 'VERSION', None)} are not the {CODE_VERSION} this "
-                    "model's code was written with: the model runs its plain torch path")
+        logger.warning(f"kvm_maglev's speed-ups {getattr(speedups, 'VERSION', None)} are not the {CODE_VERSION} this "
+                       "model's code was written with: the model runs its plain torch path")
         return None
     return speedups
 

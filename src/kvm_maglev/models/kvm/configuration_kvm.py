@@ -15,9 +15,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
-from ...package_only.hub_save import HubCodeSaveMixin
 from ..common.config_fields import init_signature, store_fields
-from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
+from ..common.transformers_versions import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
 
 logger = logging.get_logger(__name__)
 
@@ -103,7 +102,7 @@ BUDGET_FIELDS = (
 )
 
 
-class KVMConfig(HubCodeSaveMixin, PretrainedConfig):
+class KVMConfig(PretrainedConfig):
     """Configuration of a KVM language model: block sliding window plus key-value-means state.
 
     Args:

@@ -23,9 +23,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple, logging
 
-from ...package_only.carried_card import CarriedCardMixin
-from ...package_only.hub_save import HubCodeSaveMixin
-from ...package_only.row_block_loss import RowBlockLossMixin
 from ..common.conventions import (
     HeadLossMixin,
     SdpaOrEagerMixin,
@@ -34,7 +31,7 @@ from ..common.conventions import (
     refuse_attention_weights,
 )
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
-from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
+from ..common.model_inputs import check_cache, check_token_ids, take_cache
 from ..common.seams import Linear, as_model_linear, speedups_block
 from ..common.step_plan import (
     EngineStep,
@@ -50,6 +47,7 @@ from ..common.step_plan import (
     scatter_outputs,
 )
 from ..common.tensor_parallel import full_tensor, local_tensor
+from ..common.transformers_versions import CACHE_NAME, GENERATE_CACHE_KWARG
 from .cache_kvm import READ, STATE, WINDOW, KVMCache, fit_slots
 from .configuration_kvm import KVMConfig, state_dtype_for
 from .decode_attention_kvm import at_least_float32, decoding_attention
@@ -737,8 +735,7 @@ def value_anchor_layers(config: KVMConfig) -> dict[int, tuple[str, ...]]:
 
 
 # ---- models --------------------------------------------------------------------------------
-class KVMPreTrainedModel(HubCodeSaveMixin, CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin,
-                         RowBlockLossMixin, HeadLossMixin, PreTrainedModel):
+class KVMPreTrainedModel(CachedDecodingSaveMixin, SdpaOrEagerMixin, HeadLossMixin, PreTrainedModel):
     attention_model_name = "KVM"
     attention_refusal = KVM_NO_KERNELS
     config_class = KVMConfig

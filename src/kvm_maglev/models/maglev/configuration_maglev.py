@@ -15,9 +15,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from ...package_only.hub_save import HubCodeSaveMixin
 from ..common.config_fields import init_signature, store_fields
-from ..common.version_guard import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
+from ..common.transformers_versions import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
 
 WINDOW_LETTERS = "SL"
 CONSISTENCY_LOSSES = ("mse", "cosine")
@@ -30,7 +29,7 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class MaglevConfig(HubCodeSaveMixin, PretrainedConfig):
+class MaglevConfig(PretrainedConfig):
     """Every nanochat GPT feature as a switch, plus the Maglev memory and prefiller fields.
 
     With `use_memory=False` and `sliding_window=None` the model is exactly nanochat's GPT,

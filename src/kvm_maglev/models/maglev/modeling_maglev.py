@@ -19,9 +19,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
-from ...package_only.carried_card import CarriedCardMixin
-from ...package_only.hub_save import HubCodeSaveMixin
-from ...package_only.row_block_loss import RowBlockLossMixin
 from ..common.conventions import (
     HeadLossMixin,
     SdpaOrEagerMixin,
@@ -31,7 +28,7 @@ from ..common.conventions import (
     refuse_attention_weights,
 )
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
-from ..common.model_inputs import CACHE_NAME, GENERATE_CACHE_KWARG, check_cache, check_token_ids, take_cache
+from ..common.model_inputs import check_cache, check_token_ids, take_cache
 from ..common.seams import Linear, package_speedups, speedups_block
 from ..common.step_plan import (
     RowTokens,
@@ -49,6 +46,7 @@ from ..common.step_plan import (
     scatter_outputs,
 )
 from ..common.tensor_parallel import local_columns, local_tensor
+from ..common.transformers_versions import CACHE_NAME, GENERATE_CACHE_KWARG
 from .cache_maglev import EngineRing, MaglevCache, MaglevCacheLayer, RingStep, visible_keys
 from .configuration_maglev import MaglevConfig
 from .curriculum_maglev import Schedule, current_schedule, lifted_passes, schedule_at
@@ -307,8 +305,7 @@ class MaglevBlock(GradientCheckpointingLayer):
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
-class MaglevPreTrainedModel(HubCodeSaveMixin, CarriedCardMixin, CachedDecodingSaveMixin, SdpaOrEagerMixin,
-                            RowBlockLossMixin, HeadLossMixin, PreTrainedModel):
+class MaglevPreTrainedModel(CachedDecodingSaveMixin, SdpaOrEagerMixin, HeadLossMixin, PreTrainedModel):
     attention_model_name = "Maglev"
     attention_refusal = MAGLEV_NO_KERNELS
     config_class = MaglevConfig
