@@ -95,7 +95,7 @@ def test_a_hub_folder_models_cache_is_saved_by_the_package(kind, tmp_path):
     live one."""
     from transformers import AutoModelForCausalLM
 
-    from kvm_maglev.models.common.model_inputs import CACHE_NAME
+    from kvm_maglev.models.common.transformers_versions import CACHE_NAME
     from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 
     folder = build_hub_folder(tiny(kind), tmp_path / kind, progress=False)
