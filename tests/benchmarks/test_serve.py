@@ -133,3 +133,24 @@ def test_prefiller_engine_gets_a_budget_of_a_whole_prompt():
     assert serve.FOLDER_OF["maglev-prefiller"] == "maglev_prefiller"
     longest = max(len(r.prompt) + r.max_tokens for r in serve.make_requests(serve.WORKLOADS["long-prompt"], 0, 4096))
     assert longest <= args.max_model_len
+
+
+def test_aten_counts_of_a_profiled_region():
+    """serve_profile's counts: the aten calls under a profiler range, outermost (what the code dispatched), leaves
+    (no aten call below them) and all, against what the region runs."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvm_maglev.benchmarks.serve_profile import aten_counts, descendants
+
+    x = torch.randn(4, 4)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("region"):
+            torch.nn.functional.linear(x, x).relu()
+        x.add(1)
+    events = list(prof.events())
+    region = aten_counts(descendants(next(event for event in events if event.name == "region")))
+    assert region["outermost_aten_calls"] == 2 and set(region["most_frequent_outermost"]) == {"aten::linear",
+                                                                                              "aten::relu"}
+    assert region["aten_events"] > region["leaf_aten_calls"] >= 2  # linear dispatches its own aten calls
+    assert aten_counts(events)["outermost_aten_calls"] == 3
