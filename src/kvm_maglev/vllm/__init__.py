@@ -12,15 +12,16 @@ SERVED = {"KVMForCausalLM": "kvm_maglev.vllm.kvm:VllmKVMForCausalLM",
 
 def register() -> None:
     """Register the served architectures, their configs with transformers, and the config checks that turn off
-    or refuse what cannot be exact (prefix caching, speculative decoding)."""
+    or refuse what cannot be exact (speculative decoding; prefix caching where it cannot be, on by default elsewhere)."""
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     import kvm_maglev
-    from kvm_maglev.vllm.serving_config import RecurrentStateServing
+    from kvm_maglev.vllm.serving_config import RecurrentStateServing, default_prefix_caching_on
 
     kvm_maglev.register_auto_classes()  # config.json's model_type resolves without remote code
     for architecture, target in SERVED.items():
         if architecture not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(architecture, target)
         MODELS_CONFIG_MAP[architecture] = RecurrentStateServing
+    default_prefix_caching_on(SERVED)
