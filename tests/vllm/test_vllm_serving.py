@@ -1,6 +1,7 @@
 """Both models on vLLM (the kvm_maglev.vllm plugin) against HF generate(): greedy tokens, chunked prefill and requests
-joining a running batch, preempted requests, the state pages' size, the refusals, and `vllm serve` answering a real
-HTTP client. Maglev runs twice: recurrent prompt processing and the prefiller's (prompts scheduled whole)."""
+joining a running batch, preempted requests, prefix caching of the states (hits and misses), the state pages' size,
+the refusals, and `vllm serve` answering a real HTTP client. Maglev runs twice: recurrent prompt processing and the
+prefiller's (prompts scheduled whole, prefix caching off)."""
 
 import json
 import os
@@ -34,9 +35,10 @@ MODELS = {
 }
 PROMPT_LENGTHS = [3, 20, 9, 40, 1, 13, 31, 5]
 NEW_TOKENS = 12
-# small engines: the state pages of a few requests, not 92% of the machine's memory
+# small engines: the state pages of a few requests, not 92% of the machine's memory; blocks of 8 tokens, so that
+# prefix caching (on by default) keeps states inside these short prompts (KVM: 2 chunks a block)
 ENGINE = dict(enforce_eager=True, max_model_len=128, max_num_seqs=8, dtype="float32",
-              gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 26)
+              gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 26, block_size=8)
 
 
 def split_prompts(folder: Path, budget: int) -> dict:
@@ -79,7 +81,7 @@ def hf_continuation(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> l
 def reference(folder):
     """HF generate()'s greedy continuation of each prompt, one prompt at a time."""
     model = hf_model(folder)
-    return lambda prompt: hf_continuation(model, prompt)
+    return lambda prompt, new_tokens=NEW_TOKENS: hf_continuation(model, prompt, new_tokens)
 
 
 def greedy(new_tokens: int = NEW_TOKENS):
@@ -163,6 +165,78 @@ def test_preempted_requests_give_the_same_tokens(folder, reference):
     del llm
 
 
+def test_shared_prefixes_hit_the_cache_and_give_generates_tokens(folder, reference):
+    """A first request caches its state at the block boundaries where its prompt steps end; later requests sharing
+    its first 24 tokens (3 blocks) continue from a copy of the state there (vLLM reports the cached tokens), one with
+    another prompt misses; every request's tokens equal generate()'s on its whole prompt. A prefiller folder caches
+    nothing and gives the same tokens."""
+    from vllm import LLM
+
+    from kvm_maglev.vllm.pages import cached_block_bytes
+
+    llm = LLM(model=str(folder), **ENGINE)
+    batch = prompts(seed=4)
+    shared = batch[3][:24]
+    first = shared + batch[0]
+    later = [shared + own for own in (batch[4], batch[2], batch[6])] + [first, batch[5]]
+    outputs = llm.generate([{"prompt_token_ids": first}], greedy())
+    assert list(outputs[0].outputs[0].token_ids) == reference(first)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in later], greedy())
+    for prompt, output in zip(later, outputs):
+        assert list(output.outputs[0].token_ids) == reference(prompt), f"prompt of {len(prompt)} tokens"
+    hits = [output.num_cached_tokens for output in outputs]
+    if is_prefiller(folder):
+        assert hits == [0] * len(later)
+    else:
+        # the first prompt's state was kept where its first prompt step ended, at the last block boundary before
+        # its last token (24); its copy hits there too (a hit leaves at least the last prompt token to compute)
+        assert hits == [24, 24, 24, 24, 0], hits
+        # what the start-up log reports per cached block is what vLLM allocates per block
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        allocated = sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+                        for group in runner.kv_cache_config.kv_cache_groups)
+        assert cached_block_bytes(runner.model.state_layers) == allocated
+    del llm
+
+
+def test_shared_prefixes_under_preemption_give_generates_tokens(folder, reference):
+    """Eight requests sharing a prefix in a budget of 10 state blocks of 6 tokens (not a multiple of KVM's chunk of
+    4: any block boundary is exact): vLLM preempts running requests when a block boundary needs a page it does not
+    have, and resumes them from their cached prefix or from scratch; every request's tokens equal generate()'s."""
+    from vllm import LLM
+
+    if is_prefiller(folder):
+        pytest.skip("prefix caching is off for a prefiller folder")
+    llm = LLM(model=str(folder), **(ENGINE | dict(num_gpu_blocks_override=10, mamba_block_size=6)),
+              **split_prompts(folder, 16))
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    preempted = []
+    preempt = scheduler._preempt_request
+
+    def counted(request, *args, **kwargs):
+        preempted.append(external_id(request))
+        return preempt(request, *args, **kwargs)
+    scheduler._preempt_request = counted
+    batch = prompts(seed=5)
+    shared = batch[3][:18]
+    requests = [shared + own for own in batch]
+    for index, prompt in enumerate(requests):
+        engine.add_request(str(index), {"prompt_token_ids": prompt}, greedy(20))
+    finished, hits, steps = {}, {}, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = list(output.outputs[0].token_ids)
+                hits[int(output.request_id)] = output.num_cached_tokens
+        steps += 1
+        assert steps < 1000
+    assert len(set(preempted)) >= 2 and any(hits.values()), (preempted, hits)
+    for index, prompt in enumerate(requests):
+        assert finished[index] == reference(prompt, 20), f"prompt of {len(prompt)} tokens"
+    del llm
+
+
 def served_model(llm):
     """The model object of an engine whose core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
@@ -191,12 +265,34 @@ def test_kvm_state_pages_hold_what_cache_bytes_counts(folder):
     del llm
 
 
-def test_prefix_caching_is_turned_off_and_speculative_decoding_refused(folder):
+def cache_config(folder: Path, **arguments):
+    """The cache config vLLM resolves for an engine of the folder (the plugin's config hook included), no engine
+    started."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(folder), **(ENGINE | arguments)).create_engine_config().cache_config
+
+
+def test_prefix_caching_on_by_default_and_speculative_decoding_refused(folder):
+    """Prefix caching of the states is on at vLLM's defaults (vLLM's align mode: a KVM block a whole number of
+    chunks) and off when the user turns it off or turns chunked prefill off; a prefiller folder's is off (Q reads
+    the prompt whole); speculative decoding is refused."""
     from vllm import LLM
 
-    llm = LLM(model=str(folder), **ENGINE, enable_prefix_caching=True)
-    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
-    del llm
+    cached = not is_prefiller(folder)
+    config = cache_config(folder)
+    assert config.enable_prefix_caching is cached
+    assert config.mamba_cache_mode == ("align" if cached else "none")
+    if cached:
+        assert config.mamba_block_size == 8  # the block; KVM's chunk of 4 divides it
+        assert cache_config(folder, block_size=32, max_model_len=512).mamba_block_size == 32
+    if "kvm" in folder.name:
+        assert cache_config(folder, block_size=6).mamba_block_size == 12  # raised to whole chunks of 4
+    off = cache_config(folder, enable_prefix_caching=False)
+    assert (off.enable_prefix_caching, off.mamba_cache_mode) == (False, "none")
+    # states are kept where prompts are split, so chunked prefill off turns it off (the reason logged)
+    unchunked = cache_config(folder, enable_chunked_prefill=False)
+    assert (unchunked.enable_prefix_caching, unchunked.mamba_cache_mode) == (False, "none")
     with pytest.raises(Exception, match="speculative decoding is not supported"):
         LLM(model=str(folder), **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                               "prompt_lookup_max": 2})
@@ -367,9 +463,11 @@ def engines(folder):
     made.clear()
 
 
-def run_schedule(engine, requests: list, preempt_at: set[int], name: str) -> dict[int, list[int]]:
+def run_schedule(engine, requests: list, preempt_at: set[int], name: str,
+                 cached: dict[int, int] | None = None) -> dict[int, list[int]]:
     """Each (arrival step, prompt, new tokens) request added at its step (ids `<name>.<index>`), every running
-    request preempted at the steps `preempt_at`; the tokens each request generated."""
+    request preempted at the steps `preempt_at`; the tokens each request generated (and into `cached`, if given,
+    its prompt tokens that vLLM found in the prefix cache)."""
     scheduler = engine.engine_core.engine_core.scheduler
     finished, step = {}, 0
     waiting = sorted(enumerate(requests), key=lambda item: item[1][0])
@@ -379,7 +477,10 @@ def run_schedule(engine, requests: list, preempt_at: set[int], name: str) -> dic
             engine.add_request(f"{name}.{index}", {"prompt_token_ids": prompt}, greedy(new_tokens))
         for output in engine.step():
             if output.finished:
-                finished[int(output.request_id.split(".")[-1])] = list(output.outputs[0].token_ids)
+                index = int(output.request_id.split(".")[-1])
+                finished[index] = list(output.outputs[0].token_ids)
+                if cached is not None:
+                    cached[index] = output.num_cached_tokens
         step += 1
         if step in preempt_at and scheduler.running:
             assert engine.reset_prefix_cache(reset_running_requests=True)
@@ -389,14 +490,16 @@ def run_schedule(engine, requests: list, preempt_at: set[int], name: str) -> dic
 
 def test_random_schedules_give_generates_tokens(folder, engines):
     """Property, on compiled engines: whatever the schedule - requests arriving at random steps, prompts across
-    chunk and window boundaries, token budgets that split prompts over steps (a prefiller folder: prompts whole,
-    waiting for room in the step), preemption of every running request at random steps - each request's greedy
-    tokens equal one uninterrupted generate() of its prompt."""
+    chunk and window boundaries, some starting with a shared prompt (prefix caching, on by default: later requests
+    continue from cached states, over the examples too; a prefiller folder caches none), token budgets that split prompts over
+    steps (a prefiller folder: prompts whole, waiting for room in the step), preemption of every running request
+    (and reset of the prefix cache) at random steps - each request's greedy tokens equal one uninterrupted
+    generate() of its prompt."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
     model = hf_model(folder)
-    expected, examples = {}, []
+    expected, examples, hits = {}, [], []
 
     def reference_of(prompt: list[int], new_tokens: int) -> list[int]:
         key = (tuple(prompt), new_tokens)
@@ -404,19 +507,26 @@ def test_random_schedules_give_generates_tokens(folder, engines):
             expected[key] = hf_continuation(model, prompt, new_tokens)
         return expected[key]
 
-    request = st.tuples(st.integers(0, 6), st.lists(st.integers(2, VOCAB - 2), min_size=1, max_size=40),
-                        st.integers(1, 10))
+    system = prompts(seed=6)[3][:30]  # a prompt that requests of every example may start with, as a chat's
+    # (arrival step, how many of the shared prompt's tokens the prompt starts with, its own tokens, new tokens)
+    request = st.tuples(st.integers(0, 6), st.sampled_from([0, 0, 9, 17, 30]),
+                        st.lists(st.integers(2, VOCAB - 2), min_size=1, max_size=40), st.integers(1, 10))
 
     @settings(max_examples=6, deadline=None, derandomize=True, database=None)
     @given(budget=st.sampled_from([8, 13]), requests=st.lists(request, min_size=1, max_size=5),
            preempt_at=st.sets(st.integers(1, 25), max_size=2))
     def check(budget, requests, preempt_at):
         examples.append(1)
-        finished = run_schedule(engines(budget), requests, preempt_at, f"case{len(examples)}")
+        requests = [(arrival, system[:shared] + own, new_tokens) for arrival, shared, own, new_tokens in requests]
+        cached = {}
+        finished = run_schedule(engines(budget), requests, preempt_at, f"case{len(examples)}", cached)
         for index, (_, prompt, new_tokens) in enumerate(requests):
             assert finished[index] == reference_of(prompt, new_tokens), (index, len(prompt), budget, preempt_at)
+        hits.extend(cached.values())
 
     check()
+    # the schedules did reuse cached states, within an example or from an earlier one (none with the prefiller)
+    assert (sum(hits) == 0) if is_prefiller(folder) else (sum(hits) > 0), hits
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])

@@ -12,14 +12,14 @@ SERVED = {"KVMForCausalLM": "kvm_maglev.vllm.kvm:VllmKVMForCausalLM",
 
 def register() -> None:
     """Register the served architectures, their configs with transformers, and the config checks that turn off
-    or refuse what cannot be exact (prefix caching, speculative decoding, quantization), which need to know the
-    engine arguments the user set (`record_user_flags`)."""
+    or refuse what cannot be exact (speculative decoding, quantization; prefix caching where it cannot be, on by
+    default elsewhere), which need to know the engine arguments the user set (`record_user_flags`)."""
     from vllm import ModelRegistry
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     import kvm_maglev
-    from kvm_maglev.vllm.serving_config import RecurrentStateServing, record_user_flags
+    from kvm_maglev.vllm.serving_config import RecurrentStateServing, default_prefix_caching_on, record_user_flags
 
     kvm_maglev.register_auto_classes()  # config.json's model_type resolves without remote code
     record_user_flags(EngineArgs)
@@ -27,3 +27,4 @@ def register() -> None:
         if architecture not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(architecture, target)
         MODELS_CONFIG_MAP[architecture] = RecurrentStateServing
+    default_prefix_caching_on(SERVED)

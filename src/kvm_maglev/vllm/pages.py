@@ -8,8 +8,10 @@ and recomputed) starts from an empty state whatever its pages hold.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from math import prod
 
 import torch
 import torch.nn.functional as F
@@ -17,12 +19,15 @@ from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from kvm_maglev.models.common.step_plan import RowTokens
 from kvm_maglev.models.common.tensor_parallel import local_tensor
 from kvm_maglev.vllm.tensor_parallel import rank_slice
+
+logger = logging.getLogger("vllm.kvm_maglev")  # under vLLM's logger: its handler prints our INFO lines with its own
 
 
 class StatePages(nn.Module, MambaBase):
@@ -54,9 +59,40 @@ class StatePages(nn.Module, MambaBase):
 
 
 def page_layers(prefix: str, shapes: list[list[tuple[int, ...]]], dtypes: list[list[torch.dtype]]) -> nn.ModuleList:
-    """A `StatePages` per layer, named `<prefix>.state_layers.<i>` as vLLM's forward context knows them."""
+    """A `StatePages` per layer, named `<prefix>.state_layers.<i>` as vLLM's forward context knows them. With prefix
+    caching on, logs what each cached block holds."""
     name = f"{prefix}.state_layers" if prefix else "state_layers"
-    return nn.ModuleList([StatePages(s, d, f"{name}.{i}") for i, (s, d) in enumerate(zip(shapes, dtypes))])
+    layers = nn.ModuleList([StatePages(s, d, f"{name}.{i}") for i, (s, d) in enumerate(zip(shapes, dtypes))])
+    cache_config = get_current_vllm_config().cache_config
+    if cache_config.mamba_cache_mode == "align":
+        logger.info("prefix caching: each cached block of %d tokens holds the request's state, %d bytes (%d layers' "
+                    "pages, each padded to the largest)", cache_config.mamba_block_size, cached_block_bytes(layers),
+                    len(layers))
+    return layers
+
+
+def page_bytes(layer: StatePages) -> int:
+    """The bytes of one page of `layer`: its state tensors, packed one after another."""
+    return sum(prod(shape) * torch.empty((), dtype=dtype).element_size()
+               for shape, dtype in zip(layer.get_state_shape(), layer.get_state_dtype()))
+
+
+def cached_block_bytes(layers: nn.ModuleList) -> int:
+    """The bytes a cached block of prefix caching holds: one page per layer, as vLLM allocates them (every layer's
+    page padded to the largest)."""
+    return len(layers) * max(page_bytes(layer) for layer in layers)
+
+
+def whole_page_copy(spans: dict[int, int]):
+    """vLLM's state copy function for align-mode prefix caching, copying a layer's whole page: `spans` maps the
+    address of each layer's first page tensor to the bytes of its page. vLLM calls it with a layer's first state
+    tensor; the layer's other tensors follow it in the same page (`MambaBase.bind_kv_cache`), so one span copies
+    every one, whatever their number (layers of one model differ in it)."""
+
+    def copy(state: torch.Tensor, block_ids: list[int], block: int, accepted_tokens: int) -> MambaCopySpec:
+        source = state[block_ids[block + accepted_tokens - 1]]  # no speculative decoding: accepted_tokens is 1
+        return MambaCopySpec(start_addr=source.data_ptr(), num_elements=spans[state.data_ptr()] // state.element_size())
+    return copy
 
 
 @dataclass
@@ -104,7 +140,7 @@ def scheduled_step(layers: nn.ModuleList, positions: torch.Tensor) -> ScheduledS
     return ScheduledStep(starts, counts, pages, bounds[-1])
 
 
-class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
+class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
     """What a served model of this package does each engine step: run its model's layers over the step's scheduled
     tokens, all requests in one batched forward whatever their positions, each request's state read and written in
     place in its pages. Subclasses set `model`, `lm_head`, `config` and `state_layers` (`build` sets the first
@@ -167,6 +203,21 @@ class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree):
         with torch.no_grad():
             hidden = self.run_step(input_ids[:step.total], step)
         return F.pad(hidden, (0, 0, 0, input_ids.shape[0] - step.total))
+
+    def get_mamba_state_copy_funcs(self, mamba_types: set) -> dict:
+        """For prefix caching (vLLM's align mode): each layer's whole page copied as one span, from a request's
+        state at the last block it completed into the block it writes next, or from a cached block into a request
+        that continues a cached prefix. Called by vLLM's model runner once the pages are bound."""
+        spans = {}
+        for layer in self.state_layers:
+            first, size = layer.kv_cache[0], page_bytes(layer)
+            if size % first.element_size():
+                raise ValueError(f"{layer.prefix}: a page of {size} bytes is not a whole number of its first tensor's "
+                                 f"{first.dtype} elements, which vLLM's copy counts in")
+            # layers whose pages share one tensor (vLLM may bind several layers to one buffer, every page padded
+            # to the largest) share a key: the largest page is copied, within the block's padded page
+            spans[first.data_ptr()] = max(size, spans.get(first.data_ptr(), 0))
+        return {mamba_type: (whole_page_copy(spans),) for mamba_type in mamba_types}
 
     def page_tensors(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Layer `layer`'s page tensors, [pages, ...] each, as vLLM bound them."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import math
 
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
@@ -48,15 +49,15 @@ def user_set(flag: str) -> bool:
 
 
 class RecurrentStateServing(VerifyAndUpdateConfig):
-    """Prefix caching off (a request's state after a shared prefix is not stored per block), speculative decoding
-    refused (a rejected draft would need the state rolled back), a prefiller model's prompts scheduled whole
-    (`whole_prompt_scheduling`), a tensor-parallel size that does not split the heads refused, KVM's compiled graph
-    split at its state operators, the state pages sized for the request."""
+    """Prefix caching of the states at aligned block boundaries (`state_prefix_caching`; off where it cannot be
+    exact), speculative decoding refused (a rejected draft would need the state rolled back), a prefiller model's
+    prompts scheduled whole (`whole_prompt_scheduling`), a tensor-parallel size that does not split the heads
+    refused, KVM's compiled graph split at its state operators."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         """Adjust `vllm_config` in place, or raise a ValueError naming the unsupported feature."""
-        model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+        model_config = vllm_config.model_config
         architecture = model_config.architecture
         check_quantization(architecture, model_config)
         if vllm_config.speculative_config is not None:
@@ -66,15 +67,72 @@ class RecurrentStateServing(VerifyAndUpdateConfig):
         if getattr(model_config.hf_config, "memory_prefill", "recurrent") == "prefiller":
             whole_prompt_scheduling(vllm_config)
         check_tensor_parallel(architecture, model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
-        if cache_config.enable_prefix_caching:
-            logger.warning("%s: prefix caching turned off: the recurrent state after a shared prefix is not kept "
-                           "per block, so cached prefixes would give other tokens", architecture)
-            cache_config.enable_prefix_caching = False
+        state_prefix_caching(vllm_config)
         if architecture == "KVMForCausalLM":
             split_at_state_operators(vllm_config.compilation_config)
+
+
+def state_prefix_caching(vllm_config) -> None:
+    """Prefix caching as vLLM has it for its own state models (`mamba_cache_mode="align"`): a request's pages after
+    every block of `mamba_block_size` tokens it completes at the end of a step are kept as that block's cached
+    state, and a later request with the same tokens continues from a copy of them (the plugin's copy function:
+    the whole page, `PagedStateModel.get_mamba_state_copy_funcs`). A page is the request's whole state after that
+    many tokens (KVM: window, state and its read form, carries; Maglev: rings and carry), so a hit is exact. Turned
+    off, with the reason logged, where it cannot be (`uncached_reason`); off, the pages are one per request."""
+    cache_config, model_config = vllm_config.cache_config, vllm_config.model_config
+    reason = uncached_reason(vllm_config) if cache_config.enable_prefix_caching else None
+    if reason:
+        logger.warning("%s: prefix caching turned off: %s", model_config.architecture, reason)
+        cache_config.enable_prefix_caching = False
+    if not cache_config.enable_prefix_caching:
         cache_config.mamba_cache_mode = "none"
         if cache_config.mamba_block_size is None:
             cache_config.mamba_block_size = model_config.max_model_len
+        return
+    cache_config.mamba_cache_mode = "align"
+    if cache_config.mamba_block_size is None:
+        chunk = model_config.hf_config.chunk_size if model_config.architecture == "KVMForCausalLM" else 1
+        cache_config.mamba_block_size = state_block_size(cache_config.block_size, chunk)
+
+
+def default_prefix_caching_on(architectures) -> None:
+    """Prefix caching on by default for `architectures`: vLLM leaves it off by default for every attention-free
+    model ("still experimental") but on for its hybrid state models, whose states it caches as ours are; the
+    default it reads, `ModelConfig.is_prefix_caching_supported`, answers True for ours (wrapped once per process),
+    so that `--no-enable-prefix-caching` (or `enable_prefix_caching=False`) still turns it off."""
+    from vllm.config import ModelConfig
+
+    vllm_default = ModelConfig.is_prefix_caching_supported
+    if getattr(vllm_default.fget, "architectures", None) is not None:
+        vllm_default.fget.architectures.update(architectures)
+        return
+
+    def supported(model_config) -> bool:
+        return model_config.architecture in supported.architectures or vllm_default.fget(model_config)
+    supported.architectures = set(architectures)
+    ModelConfig.is_prefix_caching_supported = property(supported, doc=vllm_default.__doc__)
+
+
+def state_block_size(block_size: int, chunk: int) -> int:
+    """Tokens per cached state: vLLM's block size raised to a multiple of `chunk` (KVM's chunk; 1 for Maglev), so
+    that prompts are split and states kept at chunk boundaries, where KVM folds. Any boundary would be exact (a
+    page is the whole state); whole chunks keep prompt steps in the pieces KVM's prompt attention works in, and
+    cache at most one snapshot, a whole page, per chunk."""
+    return math.lcm(block_size, chunk)
+
+
+def uncached_reason(vllm_config) -> str | None:
+    """Why this configuration's states cannot be cached per block exactly (None: they can)."""
+    config = vllm_config.model_config.hf_config
+    if getattr(config, "memory_prefill", "recurrent") == "prefiller":
+        return ("memory_prefill='prefiller': Q reads each prompt whole, so P's state after a prefix depends on the "
+                "rest of the prompt")
+    if not vllm_config.scheduler_config.enable_chunked_prefill:
+        return ("chunked prefill is off: states are cached at the block boundaries where vLLM splits prompts, "
+                "which needs chunked prefill")
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        return "not tested under tensor parallelism"
+    return None
 
 
 def split_at_state_operators(compilation_config) -> None:
