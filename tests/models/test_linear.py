@@ -82,21 +82,51 @@ def test_the_flag_chooses_the_product(linear_class, monkeypatch):
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])
-def test_a_resized_head_shares_its_parameters(linear_class):
-    """transformers' resize builds an nn.Linear head; `sharing_parameters` makes it one of the models' layers
-    holding the very same parameters (other modules pass through)."""
-    module = packing_module(linear_class)
-    plain = torch.nn.Linear(8, 5)
-    plain._is_hf_initialized = True
-    layer = module.sharing_parameters(plain)
-    assert type(layer) is linear_class and layer.weight is plain.weight and layer.bias is plain.bias
-    assert layer._is_hf_initialized and not layer.onednn
-    x = torch.randn(2, 8)
-    assert torch.equal(layer(x), plain(x))
-    assert module.sharing_parameters(layer) is layer
-    embedding = torch.nn.Embedding(3, 4)
-    assert module.sharing_parameters(embedding) is embedding
+def test_the_block_switches_plain_linears_and_restores_them():
+    """Inside `onednn_linears()` an nn.Linear with a plain weight is a OneDNNLinear holding the very same
+    parameters and attributes, computing F.linear up to rounding; after it, an nn.Linear again, nothing left."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 601), torch.nn.Linear(601, 8))
+    model[0]._is_hf_initialized = True
+    weights = [layer.weight for layer in model]
+    x = torch.randn(3, 1024)
+    with torch.no_grad():
+        plain = model(x)
+        with onednn_linear.onednn_linears(model):
+            assert all(type(layer) is OneDNNLinear and layer.onednn for layer in model)
+            assert [layer.weight for layer in model] == weights and model[0]._is_hf_initialized
+            fast = model(x)
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    assert all(type(layer) is torch.nn.Linear and not {"onednn", "packed"} & set(vars(layer)) for layer in model)
+
+
+class QuantizedStandIn(torch.Tensor):
+    """A tensor subclass standing in for a quantized weight (torchao's report their float dtype and shape)."""
+
+
+def test_the_block_leaves_quantized_and_subclassed_linears_alone(monkeypatch):
+    """A weight that is a tensor subclass, a Linear subclass (bitsandbytes', PEFT's) and a non-strided weight stay
+    as they are: their own kernels compute them, never oneDNN's reorder or product."""
+    monkeypatch.setattr(onednn_linear, "ONEDNN_LINEAR", lambda *args: pytest.fail("oneDNN took a quantized weight"))
+    subclassed = torch.nn.Linear(1024, 601)
+    subclassed.weight = torch.nn.Parameter(subclassed.weight.detach().as_subclass(QuantizedStandIn))
+
+    class OwnLinear(torch.nn.Linear):
+        pass
+
+    own = OwnLinear(1024, 601)
+    model = torch.nn.ModuleList([subclassed, own])
+    x = torch.randn(2, 1024)
+    with torch.no_grad(), onednn_linear.onednn_linears(model):
+        assert type(subclassed) is torch.nn.Linear and type(own) is OwnLinear
+        assert torch.equal(own(x), torch.nn.functional.linear(x, own.weight, own.bias))
+        subclassed(x)
+    assert not onednn_linear.switchable(subclassed) and not onednn_linear.switchable(own)
+    # a OneDNNLinear built directly (the vLLM plugin's) whose weight became a subclass takes nn.Linear's product
+    direct = switched_on(OneDNNLinear(1024, 601))
+    direct.weight = torch.nn.Parameter(direct.weight.detach().as_subclass(QuantizedStandIn))
+    with torch.no_grad():
+        direct(x)
 
 
 def test_onednn_is_used_on_this_machine():
@@ -175,7 +205,7 @@ def test_batched_generate_reads_blocked_copies_and_agrees(name, monkeypatch):
     monkeypatch.setattr(module, "ONEDNN_PACK", lambda weight, rows: packs.append(rows) or real_pack(weight, rows))
     packed = model.generate(ids, **settings)
     assert packs == [3]  # the head only (the other layers are small), once for the whole generation
-    assert model.lm_head.packed is None and not model.lm_head.onednn
+    assert type(model.lm_head) is torch.nn.Linear and "packed" not in vars(model.lm_head)
     monkeypatch.setattr(module, "ONEDNN_PACK", None)
     plain = model.generate(ids, **settings)
     assert torch.equal(packed.sequences, plain.sequences)
@@ -190,7 +220,7 @@ def test_nested_packing_blocks_free_the_copy_at_the_outermost_end():
         with model.runtime_speedups():
             model.lm_head(torch.randn(4, 32))
         assert model.lm_head.packed is not None
-    assert not model.lm_head.onednn and "packed" not in vars(model.lm_head)
+    assert type(model.lm_head) is torch.nn.Linear and not {"onednn", "packed"} & set(vars(model.lm_head))
 
 
 @pytest.mark.parametrize("linear_class", [OneDNNLinear, MaglevOneDNNLinear])

@@ -68,15 +68,16 @@ def test_stepping_inside_runtime_speedups_matches_the_plain_model():
         return torch.cat(logits, dim=1), cache
 
     plain, plain_cache = decode()
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]  # the gates keep their own class
     with model.runtime_speedups():
-        assert all(m.onednn for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert linears and all(type(m) is onednn_linear.OneDNNLinear and m.onednn for m in linears)
         fast, fast_cache = decode()
         assert any(layer.pending is not None for layer in fast_cache.layers)
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
     for row in range(2):
         for x, y in zip(fast_cache.row_tensors(row), plain_cache.row_tensors(row)):
             torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)  # sums of many tokens
-    assert all(not m.onednn for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert all(type(m) is torch.nn.Linear and "onednn" not in vars(m) for m in linears)
     assert plain_cache.layers[0].pending is not None  # outside the block folds are paced too
 
 
@@ -88,7 +89,7 @@ def test_generate_runs_inside_runtime_speedups_and_agrees_with_stepping():
     hook = model.lm_head.register_forward_hook(lambda module, *_: seen.append(module.onednn))
     out = model.generate(ids, max_new_tokens=20, do_sample=False, output_scores=True, return_dict_in_generate=True)
     hook.remove()
-    assert seen and all(seen) and not model.lm_head.onednn
+    assert seen and all(seen) and type(model.lm_head) is torch.nn.Linear
     cache = KVMCache(model.config)
     scores = [model(ids, cache=cache).logits[:, -1]]
     for step in range(19):
@@ -104,7 +105,7 @@ def test_nested_blocks_leave_the_switch_to_the_outermost():
         with model.runtime_speedups():
             assert model.lm_head.onednn
         assert model.lm_head.onednn
-    assert not model.lm_head.onednn
+    assert type(model.lm_head) is torch.nn.Linear and "onednn" not in vars(model.lm_head)
 
 
 def test_training_inside_the_block_takes_the_plain_path():

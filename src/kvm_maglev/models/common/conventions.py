@@ -8,6 +8,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # what `attn_implementation` may name; flash and flex kernels cannot take a compressed state or a ring of keys
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -138,3 +139,36 @@ def restart_error(model_name: str, carried: str) -> ValueError:
                       f"makes, or a new sequence on a used cache): {model_name} carries its {carried} from one "
                       "token to the next, so the documents would read each other's. Pass each document as a row "
                       "of its own (padded, with an attention_mask) or in a forward of its own.")
+
+
+def full_precision_modules(*names: str) -> list[str]:
+    """A `_keep_in_fp32_modules` list keeping the modules `names` out of every quantizer and float16: each name as
+    a module (bitsandbytes, quanto and most quantizers match module names) and as its weight (torchao matches
+    parameter names, from the start or as a suffix)."""
+    return [entry for name in names for entry in (name, f"{name}.weight")]
+
+
+class FullPrecisionLinear(nn.Linear):
+    """A small linear layer the models keep in full precision (gates: in/out widths of 1-32, too small for 4-bit
+    kernels and too sensitive to quantize; listed in `_keep_in_fp32_modules`). A float16 load keeps its weight in
+    float32: it computes in its weight's dtype and returns its input's. In one dtype it is nn.Linear exactly."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+class QuantizedLoadMixin:
+    """transformers' from_pretrained, with bitsandbytes' 4-bit layers kept out of their AVX512-BF16 CPU repacking:
+    bitsandbytes 0.50 repacks a 4-bit weight at its first eval forward on such CPUs, and `state_dict()` after that
+    writes corrupted weights (save_pretrained, Trainer checkpoints and adapter saves of the model). Without the
+    repacking the layers compute with bitsandbytes' plain CPU kernel; elsewhere the switch is already off."""
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True returns a tuple
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):  # bitsandbytes' Linear4bit
+                module.support_avx512bf16_for_cpu = False
+        return loaded
+

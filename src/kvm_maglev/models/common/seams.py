@@ -58,18 +58,8 @@ def package_speedups(name: str) -> ModuleType | None:
         return None
 
 
-# the seam of the linear layers: oneDNN's product for float32 CPU inference (speedups/onednn_linear), else nn.Linear
-onednn_linear = package_speedups("onednn_linear")
-# the class of the models' linear layers: nn.Linear's parameters and state dict either way
-Linear = nn.Linear if onednn_linear is None else onednn_linear.OneDNNLinear
-
-
-def as_model_linear(linear: nn.Module) -> nn.Module:
-    """A head transformers' resize built (an nn.Linear) as a `Linear` holding the same parameters."""
-    return linear if onednn_linear is None else onednn_linear.sharing_parameters(linear)
-
-
-# the seam of the block that turns speed-ups on (speedups/runtime_switch), which generate() opens
+# the seam of the block that turns speed-ups on (speedups/runtime_switch), which generate() opens: the models' linears
+# are plain nn.Linear (what quantizers and PEFT convert), made oneDNN linears only inside it (speedups/onednn_linear)
 runtime_switch = package_speedups("runtime_switch")
 
 

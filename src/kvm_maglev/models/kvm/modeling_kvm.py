@@ -24,15 +24,18 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import can_return_tuple, logging
 
 from ..common.conventions import (
+    FullPrecisionLinear,
     HeadLossMixin,
+    QuantizedLoadMixin,
     SdpaOrEagerMixin,
     check_position_ids,
     config_default,
+    full_precision_modules,
     refuse_attention_weights,
 )
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from ..common.model_inputs import check_cache, check_token_ids, take_cache
-from ..common.seams import Linear, as_model_linear, speedups_block
+from ..common.seams import speedups_block
 from ..common.step_plan import (
     EngineStep,
     RowTokens,
@@ -314,10 +317,10 @@ class KVMAttentionBase(nn.Module):
         self.value_head_dim = config.v_head_dim
         qk, kk, vv = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim,
                       self.kv_heads * self.value_head_dim)
-        self.q_proj = Linear(config.hidden_size, qk, bias=False)
-        self.k_proj = Linear(config.hidden_size, kk, bias=False)
-        self.v_proj = Linear(config.hidden_size, vv, bias=False)
-        self.o_proj = zero_initialised(Linear(self.num_heads * self.value_head_dim, config.hidden_size,
+        self.q_proj = nn.Linear(config.hidden_size, qk, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kk, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, vv, bias=False)
+        self.o_proj = zero_initialised(nn.Linear(self.num_heads * self.value_head_dim, config.hidden_size,
                                                     bias=False))
         self.q_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
@@ -334,8 +337,8 @@ class KVMAttentionBase(nn.Module):
         elif self.value_residual_mode != "none":
             rank = value_residual_rank(config.hidden_size)
             self.value_gate_bias = nn.Parameter(torch.zeros(1, 1, vv))
-            self.value_gate_down = zero_initialised(Linear(config.hidden_size, rank, bias=False))
-            self.value_gate_up = Linear(rank, vv, bias=False)
+            self.value_gate_down = zero_initialised(nn.Linear(config.hidden_size, rank, bias=False))
+            self.value_gate_up = FullPrecisionLinear(rank, vv, bias=False)
 
     def carries(self) -> list[tuple[str, int]]:
         """The token-shifted streams this attention carries between forwards, with their widths."""
@@ -439,7 +442,7 @@ class KVMAttention(KVMAttentionBase):
         self.state_key_norm = KVMStateKeyNorm(self.head_dim, eps=config.layer_norm_eps)
         self.gated = config.merge_gate_keys or config.merge_gate_values
         if self.gated:
-            self.merge_gate_proj = Linear(config.hidden_size, self.kv_heads, bias=False)  # one per state
+            self.merge_gate_proj = FullPrecisionLinear(config.hidden_size, self.kv_heads, bias=False)  # one per state
         if config.head_temperatures:
             self.window_temperature = nn.Parameter(torch.ones(self.num_heads))
             self.state_temperature = nn.Parameter(torch.ones(self.num_heads))
@@ -669,8 +672,8 @@ class KVMMLP(nn.Module):
     def __init__(self, config: KVMConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.up_proj = Linear(config.hidden_size, config.ffn_size, bias=False)
-        self.down_proj = zero_initialised(Linear(config.ffn_size, config.hidden_size, bias=False))
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_size, bias=False)
+        self.down_proj = zero_initialised(nn.Linear(config.ffn_size, config.hidden_size, bias=False))
         self.token_shift_on = config.ffn_token_shift
         if self.token_shift_on:
             self.shift = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
@@ -735,7 +738,8 @@ def value_anchor_layers(config: KVMConfig) -> dict[int, tuple[str, ...]]:
 
 
 # ---- models --------------------------------------------------------------------------------
-class KVMPreTrainedModel(CachedDecodingSaveMixin, SdpaOrEagerMixin, HeadLossMixin, PreTrainedModel):
+class KVMPreTrainedModel(CachedDecodingSaveMixin, SdpaOrEagerMixin, HeadLossMixin, QuantizedLoadMixin,
+                         PreTrainedModel):
     attention_model_name = "KVM"
     attention_refusal = KVM_NO_KERNELS
     config_class = KVMConfig
@@ -743,6 +747,9 @@ class KVMPreTrainedModel(CachedDecodingSaveMixin, SdpaOrEagerMixin, HeadLossMixi
     supports_gradient_checkpointing = True
     _no_split_modules = ["KVMDecoderLayer"]
     _supports_sdpa = True
+    # never quantized, float32 under a float16 load: the merge gate (one output per state) and the value gate's
+    # up-projection (rank 32 input); the head is kept by transformers' own default (the output embeddings)
+    _keep_in_fp32_modules = full_precision_modules("merge_gate_proj", "value_gate_up")
 
     def runtime_speedups(self) -> contextlib.AbstractContextManager:
         """A block in which inference takes the speed-ups the seams found (oneDNN linears, blocked weight copies)
@@ -1048,7 +1055,7 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
     def __init__(self, config: KVMConfig):
         super().__init__(config)
         self.model = KVMModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -1062,10 +1069,6 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
-
-    def _get_resized_lm_head(self, *args, **kwargs) -> nn.Module:
-        """transformers' resized head (an nn.Linear) as the models' `Linear`, as the other layers are."""
-        return as_model_linear(super()._get_resized_lm_head(*args, **kwargs))
 
     def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
         """transformers' inputs for the next forward, and for a decoding step the cache's `DecodeStep` (the

@@ -20,16 +20,19 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import can_return_tuple
 
 from ..common.conventions import (
+    FullPrecisionLinear,
     HeadLossMixin,
+    QuantizedLoadMixin,
     SdpaOrEagerMixin,
     attention,
     check_position_ids,
     config_default,
+    full_precision_modules,
     refuse_attention_weights,
 )
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from ..common.model_inputs import check_cache, check_token_ids, take_cache
-from ..common.seams import Linear, package_speedups, speedups_block
+from ..common.seams import package_speedups, speedups_block
 from ..common.step_plan import (
     RowTokens,
     StepPlan,
@@ -205,22 +208,22 @@ class MaglevAttention(nn.Module):
         self.value_gate_channels = config.value_embedding_gate_channels
         self.value_gate_scale = config.value_embedding_gate_scale
         bound = uniform_bound(config)
-        self.q_proj = with_init(Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False),
+        self.q_proj = with_init(nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False),
                                 "uniform", bound)
-        self.k_proj = with_init(Linear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
-        self.v_proj = with_init(Linear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
-        self.o_proj = with_init(Linear(config.hidden_size, config.hidden_size, bias=False), "zeros")
+        self.k_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
+        self.v_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "uniform", bound)
+        self.o_proj = with_init(nn.Linear(config.hidden_size, config.hidden_size, bias=False), "zeros")
         self.value_gate = (
-            with_init(Linear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False), "zeros")
-            if config.has_value_embedding(layer_idx) else None
+            with_init(FullPrecisionLinear(config.value_embedding_gate_channels, self.num_kv_heads, bias=False),
+                      "zeros") if config.has_value_embedding(layer_idx) else None
         )
         self.with_memory = with_memory
         if with_memory:
             std = config.memory_init_std
-            self.memory_k_proj = with_init(Linear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
-            self.memory_v_proj = with_init(Linear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
-            self.memory_gate = with_init(Linear(config.memory_gate_channels, self.num_kv_heads, bias=False),
-                                         "zeros")
+            self.memory_k_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
+            self.memory_v_proj = with_init(nn.Linear(config.hidden_size, config.kv_dim, bias=False), "normal", std)
+            self.memory_gate = with_init(
+                FullPrecisionLinear(config.memory_gate_channels, self.num_kv_heads, bias=False), "zeros")
 
     def forward(self, x, value_embedding, memory, rotary, window, cache_layer, plan):
         # x: [B, T, hidden] gives heads [B, T, H, D]; a decode step's [B, hidden] (one token per row) gives them
@@ -278,9 +281,9 @@ class MaglevMLP(nn.Module):
 
     def __init__(self, config: MaglevConfig):
         super().__init__()
-        self.up_proj = with_init(Linear(config.hidden_size, config.intermediate_size, bias=False),
+        self.up_proj = with_init(nn.Linear(config.hidden_size, config.intermediate_size, bias=False),
                                  "uniform", uniform_bound(config))
-        self.down_proj = with_init(Linear(config.intermediate_size, config.hidden_size, bias=False), "zeros")
+        self.down_proj = with_init(nn.Linear(config.intermediate_size, config.hidden_size, bias=False), "zeros")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.up_proj(x)
@@ -305,7 +308,8 @@ class MaglevBlock(GradientCheckpointingLayer):
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
-class MaglevPreTrainedModel(CachedDecodingSaveMixin, SdpaOrEagerMixin, HeadLossMixin, PreTrainedModel):
+class MaglevPreTrainedModel(CachedDecodingSaveMixin, SdpaOrEagerMixin, HeadLossMixin, QuantizedLoadMixin,
+                            PreTrainedModel):
     attention_model_name = "Maglev"
     attention_refusal = MAGLEV_NO_KERNELS
     config_class = MaglevConfig
@@ -314,6 +318,9 @@ class MaglevPreTrainedModel(CachedDecodingSaveMixin, SdpaOrEagerMixin, HeadLossM
     supports_gradient_checkpointing = True
     _no_split_modules = ["MaglevBlock"]
     _supports_sdpa = True
+    # never quantized, float32 under a float16 load: the gates, 12-24 input channels to one output per head (or one);
+    # the head is kept by transformers' own default (the output embeddings)
+    _keep_in_fp32_modules = full_precision_modules("memory_gate", "value_gate", "smear_gate")
     _supports_flash_attn = False
     _can_compile_fullgraph = False
 
@@ -384,7 +391,7 @@ class MaglevPreTrainedModel(CachedDecodingSaveMixin, SdpaOrEagerMixin, HeadLossM
         if isinstance(table, nn.Embedding):
             fresh = nn.Embedding(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
         else:
-            fresh = Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype)
+            fresh = nn.Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype)
         with_init(fresh, table.init_kind, table.init_value)
         kept = min(old_vocab, vocab)
         with torch.no_grad():
@@ -437,17 +444,17 @@ class MaglevModel(MaglevPreTrainedModel):
         lambdas = config.use_layer_lambdas
         self.residual_lambdas = nn.Parameter(torch.ones(layers)) if lambdas else None
         self.x0_lambdas = nn.Parameter(torch.zeros(layers)) if lambdas else None
-        self.smear_gate = (with_init(Linear(config.smear_gate_channels, 1, bias=False), "zeros")
+        self.smear_gate = (with_init(FullPrecisionLinear(config.smear_gate_channels, 1, bias=False), "zeros")
                            if config.use_smear else None)
         self.smear_lambda = nn.Parameter(torch.zeros(1)) if config.use_smear else None
         self.backout_lambda = nn.Parameter(torch.zeros(1)) if config.use_backout else None
         self.memory_init = nn.Parameter(torch.zeros(config.hidden_size)) if config.use_memory else None
         # where the memory is read: a learned projection of h (m = rms_norm(W_m h)), and a second way in
         # through P's block input (zero at the start, so a fresh model is the paper's)
-        self.memory_proj = (with_init(Linear(config.hidden_size, config.hidden_size, bias=False), "uniform",
+        self.memory_proj = (with_init(nn.Linear(config.hidden_size, config.hidden_size, bias=False), "uniform",
                                       bound) if config.memory_projection else None)
         self.memory_residual_proj = (
-            with_init(Linear(config.hidden_size, config.hidden_size, bias=False), "zeros")
+            with_init(nn.Linear(config.hidden_size, config.hidden_size, bias=False), "zeros")
             if config.memory_residual_injection else None)
         separate_prefiller = config.separate_prefiller
         self.prefiller_layers = (
@@ -998,7 +1005,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         self.model = MaglevModel(config)
         # exactly vocab_size rows (config.head_rows) unless loaded from a padded save: libraries read this
         # weight directly (TRL's fused log-prob head) and would give padded rows probability mass
-        self.lm_head = with_init(Linear(config.hidden_size, config.head_rows, bias=False), "normal", 0.001)
+        self.lm_head = with_init(nn.Linear(config.hidden_size, config.head_rows, bias=False), "normal", 0.001)
         self.post_init()
 
     @classmethod
@@ -1013,7 +1020,8 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
 
     def unpad_lm_head(self) -> bool:
         """Drop lm_head's padded rows (and a tied embedding's), keeping the real ids' rows; returns whether it did.
-        Heads whose weight is not a plain local tensor (sharded, offloaded, on the meta device) stay as they are."""
+        Heads whose weight is not a plain local float tensor (sharded, offloaded, on the meta device, quantized by a
+        user's skip list that left the head out) stay as they are."""
         weight = self.lm_head.weight
         rows = self.config.vocab_size
         if weight.shape[0] == rows:
@@ -1021,10 +1029,11 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
             return False
         if weight.shape[0] < rows:  # a shard of the head (tensor parallelism): its rows are not the padding
             return False
-        if type(weight.data) is not torch.Tensor or weight.is_meta or hasattr(self.lm_head, "_hf_hook"):
+        if (type(weight.data) is not torch.Tensor or not weight.is_floating_point() or weight.is_meta
+                or hasattr(self.lm_head, "_hf_hook")):
             return False
         tied = self.config.tie_word_embeddings
-        head = with_init(Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype),
+        head = with_init(nn.Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype),
                          self.lm_head.init_kind, self.lm_head.init_value)
         head.weight = nn.Parameter(weight.detach()[:rows].clone(), requires_grad=weight.requires_grad)
         head._is_hf_initialized = True

@@ -1,10 +1,15 @@
-"""The models' linear layer, whose product is chosen in its forward: oneDNN's during float32 CPU inference
-inside `onednn_linears()`, nn.Linear's (the reference) everywhere else.
+"""oneDNN's product for the models' linear layers during float32 CPU inference, inside `onednn_linears()`.
+
+The models build plain nn.Linear layers: transformers' quantizers convert only modules of exactly that type, and
+PEFT, bitsandbytes and torchao expect it. Inside the block each nn.Linear whose weight is an ordinary float tensor
+becomes a OneDNNLinear (its class swapped, parameters untouched) and is nn.Linear again after it; quantized weights
+(tensor subclasses such as torchao's, bitsandbytes' packed parameters and their own Linear classes) are left to their
+own kernels.
 
 Decoding reads every weight once per step, and oneDNN reads them at about twice the memory bandwidth of
 MKL's one-row product; batched steps (2-64 rows) read a copy of each weight in oneDNN's blocked layout.
-Same products as nn.Linear up to float rounding. Imports only torch. The models' `Linear` where the seam finds it
-(common/seams); measurements: docs/kvm_runtime_notes.md.
+Same products as nn.Linear up to float rounding. Imports only torch. Switched on by runtime_switch (opened by the
+models' generate()); measurements: docs/kvm_runtime_notes.md.
 """
 
 from __future__ import annotations
@@ -26,18 +31,25 @@ ONEDNN_MIN_WEIGHTS = 1 << 19
 PACKED_MAX_ROWS = 64
 
 
+def plain_weight(weight: torch.Tensor) -> bool:
+    """Whether `weight` is an ordinary dense tensor: not a tensor subclass (torchao's quantized tensors report
+    their float dtype, DTensors a shard), not bitsandbytes' packed parameters."""
+    return type(weight) in (torch.Tensor, nn.Parameter) and weight.layout == torch.strided
+
+
 def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether oneDNN computes `x @ weight^T`: float32 on CPU, no autograd, not compiling (inductor picks the
-    kernel: it cannot lower a oneDNN call on a weight it does not own), a large contiguous weight."""
+    kernel: it cannot lower a oneDNN call on a weight it does not own), a large contiguous plain weight."""
     return (ONEDNN_LINEAR is not None and weight.numel() >= ONEDNN_MIN_WEIGHTS and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and weight.is_contiguous())
+            and weight.dtype == torch.float32 and plain_weight(weight) and weight.is_contiguous())
 
 
 class OneDNNLinear(nn.Linear):
     """nn.Linear (same parameters, same state dict) whose forward chooses the product: oneDNN's when its
     `onednn` flag is on (`onednn_linears()` sets it) and `onednn_applies`, nn.Linear's otherwise. Products
-    of 2-64 rows read a blocked copy of the weight, made on first use and remade if the weight changes."""
+    of 2-64 rows read a blocked copy of the weight, made on first use and remade if the weight changes. The models'
+    nn.Linear layers are this class only inside the block; the vLLM plugin builds it directly."""
 
     onednn = False  # the class default: nn.Linear's product
     packed: tuple | None = None  # (weight's identity, its blocked copy)
@@ -63,24 +75,21 @@ class OneDNNLinear(nn.Linear):
         return self.packed[1]
 
 
-def sharing_parameters(linear: nn.Module) -> nn.Module:
-    """A plain nn.Linear (a head transformers' resize built) as a OneDNNLinear holding the same parameters;
-    any other module unchanged."""
-    if type(linear) is not nn.Linear:
-        return linear
-    layer = OneDNNLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-    layer.weight, layer.bias = linear.weight, linear.bias
-    if hasattr(linear, "_is_hf_initialized"):
-        layer._is_hf_initialized = linear._is_hf_initialized
-    return layer
+def switchable(module: nn.Module) -> bool:
+    """Whether `onednn_linears()` makes `module` a OneDNNLinear: an nn.Linear itself (not a subclass with a forward
+    of its own, such as bitsandbytes' and quanto's quantized layers) holding a plain weight."""
+    return type(module) is nn.Linear and plain_weight(module.weight)
 
 
 @contextlib.contextmanager
 def onednn_linears(model: nn.Module) -> Iterator[None]:
-    """A block in which the OneDNNLinear layers of `model` have their `onednn` flag on; blocked copies are
-    freed at its end. Nested blocks leave the layers to the outermost one. Weights written through `.data`
-    inside the block go unseen by the copies."""
-    linears = [module for module in model.modules() if isinstance(module, OneDNNLinear) and not module.onednn]
+    """A block in which `model`'s plain nn.Linear layers (`switchable`) are OneDNNLinear and every OneDNNLinear has
+    its `onednn` flag on; on leaving it they are nn.Linear again, their blocked copies freed. Nested blocks leave
+    the layers to the outermost one. Weights written through `.data` inside the block go unseen by the copies."""
+    swapped = [module for module in model.modules() if switchable(module)]
+    linears = swapped + [module for module in model.modules() if isinstance(module, OneDNNLinear) and not module.onednn]
+    for linear in swapped:
+        linear.__class__ = OneDNNLinear  # no state of its own: the same module, another forward
     for linear in linears:
         linear.onednn = True
     try:
@@ -89,3 +98,5 @@ def onednn_linears(model: nn.Module) -> Iterator[None]:
         for linear in linears:
             del linear.onednn  # the class's default again
             linear.__dict__.pop("packed", None)
+        for linear in swapped:
+            linear.__class__ = nn.Linear
