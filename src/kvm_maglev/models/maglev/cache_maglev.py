@@ -218,24 +218,52 @@ class ColumnRecord(NamedTuple):
     layers: list
 
 
-class ChunkStep(StepPlan, Step):
-    """Several tokens per row, or any forward without a cache, as a `Step` (its plan, `StepPlan`): each layer's
-    queries over the ring before the chunk and the chunk's own keys, block by block of queries, then the chunk
-    written (`MaglevAttention.attend_chunk`). `counted`: its columns were counted when it was prepared."""
+class PlannedStep(Step):
+    """A Maglev step over its forward's plan (`plan`, a `StepPlan`: the rows' positions, their real tokens, masks
+    made once), whose positions and real tokens it reads as its own. `counted`: its columns were counted when it
+    was prepared."""
 
     counted = False
+
+    def __init__(self, start: torch.Tensor, valid: torch.Tensor | None, length: int,
+                 rows: torch.Tensor | None = None) -> None:
+        self.plan = StepPlan(start, valid, length)
+        self.plan.rows = rows
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.plan.start
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        return self.plan.valid
+
+    @property
+    def length(self) -> int:
+        return self.plan.length
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        return self.plan.rows
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        return self.plan.query_positions
+
+
+class ChunkStep(PlannedStep):
+    """Several tokens per row, or any forward without a cache: each layer's queries over the ring before the chunk
+    and the chunk's own keys, block by block of queries, then the chunk written (`MaglevAttention.attend_chunk`)."""
 
     def attend(self, attention, cache_layer, q, k, v, window: int) -> torch.Tensor:
-        return attention.attend_chunk(q, k, v, window, cache_layer, self)
+        return attention.attend_chunk(q, k, v, window, cache_layer, self.plan)
 
 
-class TokenStep(StepPlan, Step):
-    """One token for each of rows `rows` (None: every row) on a cache, as a `Step`: its plan, and on each cache
-    layer the `RingStep` of its masks and slots, made before the forward (`MaglevCache.ring_steps`), so that the
-    token is written and read without building them (`MaglevAttention.attend_token`). Prepared for a forward
-    (`MaglevModel.prepare_step`), it is a decoding step, which runs as one graph (`MaglevModel.decode_step`)."""
-
-    counted = False
+class TokenStep(PlannedStep):
+    """One token for each of rows `rows` (None: every row) on a cache: on each cache layer the `RingStep` of its
+    masks and slots, made with the step (`MaglevCache.ring_steps`), so that the token is written and read without
+    building them (`MaglevAttention.attend_token`). Prepared for a forward (`MaglevModel.prepare_step`), it is a
+    decoding step, which runs as one graph (`MaglevModel.decode_step`)."""
 
     def attend(self, attention, cache_layer, q, k, v, window: int) -> torch.Tensor:
         return attention.attend_token(q, k, v, cache_layer, self)
@@ -383,9 +411,7 @@ class MaglevCache(SavedCache, Cache):
     def token_step(self, rows: torch.Tensor | None) -> TokenStep:
         """The step of one token for each of rows `rows` alone (None: every row), a recurrent step of the rows with
         tokens left."""
-        step = TokenStep(self.positions if rows is None else self.positions[rows], None, 1)
-        step.rows = rows
-        return self.ring_steps(step)
+        return self.ring_steps(TokenStep(self.positions if rows is None else self.positions[rows], None, 1, rows))
 
     def ring_steps(self, step: TokenStep) -> TokenStep:
         """Give each layer the `RingStep` of one-token `step` (made once for the layers of one capacity and window),
@@ -398,7 +424,7 @@ class MaglevCache(SavedCache, Cache):
             key = (layer.capacity, layer.window)
             if key not in steps:
                 rows = every_row if step.rows is None and layer.index is None else step.rows
-                steps[key] = RingStep.of(step, layer, rows, record)
+                steps[key] = RingStep.of(step.plan, layer, rows, record)
             layer.step = steps[key]
         return step
 
@@ -410,10 +436,10 @@ class MaglevCache(SavedCache, Cache):
         if memories is not None:
             self.last_memory = self.last_memory.index_copy(0, rows, memories.to(self.last_memory.dtype))
 
-    def finish_forward(self, plan: TokenStep | ChunkStep, embeddings: torch.Tensor,
-                       memories: torch.Tensor | None) -> None:
+    def finish_forward(self, step: PlannedStep, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
         """Record a processed step: per row its real-token count, last real (pre-smear) embedding and memory; its
         columns, unless they were counted when it was prepared."""
+        plan = step.plan
         if plan.length == 1:
             if self.records is not None:
                 self.history.append(ColumnRecord(self.positions, self.last_memory, self.previous_embedding,
@@ -444,7 +470,7 @@ class MaglevCache(SavedCache, Cache):
             if memories is not None:
                 self.last_memory = gather_columns(self.last_memory, memories, last)
             self.positions = self.positions + (plan.length if plan.valid is None else plan.valid.sum(dim=1))
-        if not plan.counted:
+        if not step.counted:
             self.seen_tokens += plan.length
 
     # ----- Cache API --------------------------------------------------------------------------

@@ -256,7 +256,7 @@ class MaglevAttention(nn.Module):
         return self.config._attn_implementation == "eager"
 
     def attend_chunk(self, q, k, v, window: int, cache_layer: MaglevCacheLayer | None,
-                     plan: ChunkStep) -> torch.Tensor:
+                     plan: StepPlan) -> torch.Tensor:
         """The chunk's queries over the cache layer's ring before the chunk (None: no cache) and the chunk's own keys
         within `window`, block by block of queries; then the chunk written into the ring (read first: a token takes
         the slot of a key it still sees)."""
