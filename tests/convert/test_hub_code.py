@@ -297,7 +297,7 @@ def test_a_generated_file_carries_only_what_its_model_uses():
     them out (the folders still load and give the package's logits: the tests above)."""
     kvm, maglev = hub_code.hub_code_files("kvm"), hub_code.hub_code_files("maglev")
     assert "def bucket_mask" not in kvm["modeling_kvm.py"] and "def bucket_mask" in maglev["modeling_maglev.py"]
-    assert "class EngineStep" in kvm["modeling_kvm.py"] and "class EngineStep" not in maglev["modeling_maglev.py"]
+    assert "def as_model_linear" in kvm["modeling_kvm.py"] and "def as_model_linear" not in maglev["modeling_maglev.py"]
     assert all("def markdown_table" not in text for files in (kvm, maglev) for text in files.values())
 
 

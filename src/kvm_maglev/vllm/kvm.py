@@ -27,11 +27,11 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 
-from kvm_maglev.models.common.step_plan import RowTokens
+from kvm_maglev.models.common.step_plan import Step
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_dtype_for
-from kvm_maglev.models.kvm.decode_step_kvm import DecodeStep
 from kvm_maglev.models.kvm.modeling_kvm import KVMModel
+from kvm_maglev.models.kvm.step_plan_kvm import PromptStep
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.engine_ops import PagedStep
 from kvm_maglev.vllm.pages import PagedStateModel, page_layers, scheduled_step
@@ -94,7 +94,7 @@ class VllmKVMForCausalLM(PagedStateModel):
             # how the state operators find their layer (set on the instance's dict: not a submodule)
             pages.__dict__.update(served=self, index=index)
         self.pages_view = SimpleNamespace(layers=self.state_layers)  # the layers' handles on their pages
-        self.rows: tuple | None = None  # (attention metadata, tokens, cache) of the step under way
+        self.rows: tuple | None = None  # (attention metadata, model step, token count, cache) of the step under way
 
     def split_heads(self) -> None:
         """Each attention's head counts as this rank's, read from its sharded projections: its carries, pages and
@@ -129,12 +129,13 @@ class VllmKVMForCausalLM(PagedStateModel):
             self.hold_speedups()
         with torch.no_grad():
             return self.model(input_ids=input_ids, position_ids=positions, cache=self.pages_view, use_cache=False,
-                              engine_step=PagedStep(positions)).last_hidden_state
+                              step=PagedStep(positions)).last_hidden_state
 
-    def step_rows(self, positions: torch.Tensor) -> tuple[RowTokens | DecodeStep, KVMCache] | None:
-        """The step's scheduled tokens (a `DecodeStep`, its folds done, when every request decodes) and a cache over
-        their pages, built by the first state operator of the step and shared by the others; None in vLLM's
-        profiling and warm-up runs (no request, no pages)."""
+    def step_rows(self, positions: torch.Tensor) -> tuple[Step, int, KVMCache] | None:
+        """The engine step's scheduled tokens as the model's own `Step` (a `DecodeStep`, its folds done, when every
+        request decodes, else a `PromptStep`), their count and a cache over their pages, built by the first state
+        operator of the step and shared by the others; None in vLLM's profiling and warm-up runs (no request, no
+        pages)."""
         metadata = get_forward_context().attn_metadata
         if metadata is None:
             return None
@@ -142,11 +143,12 @@ class VllmKVMForCausalLM(PagedStateModel):
             step = scheduled_step(self.state_layers, positions)
             cache = KVMCache.over_pages(self.config, self.named_pages(), step.pages, step.starts)
             if all(count == 1 for count in step.counts) and all(step.starts):  # every request decodes
-                tokens = self.model.decoding_step(cache, step.starts, positions.device)
+                model_step = self.model.decoding_step(cache, step.starts, positions.device)
             else:
                 tokens = step.row_tokens(positions.device)
                 cache.prepare(tokens)
-            self.rows = (metadata, tokens, cache)
+                model_step = PromptStep(tokens, None, 0)  # the pages hold the positions: no columns to count
+            self.rows = (metadata, model_step, step.total, cache)
         return self.rows[1:]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

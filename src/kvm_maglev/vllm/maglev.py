@@ -39,12 +39,11 @@ from vllm.config import CompilationMode, VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
-from kvm_maglev.models.common.step_plan import StepPlan
-from kvm_maglev.models.maglev.cache_maglev import MaglevCache
+from kvm_maglev.models.maglev.cache_maglev import MaglevCache, TokenStep
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevModel
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
-from kvm_maglev.vllm.engine_ops import PagedRing
+from kvm_maglev.vllm.engine_ops import PagedDecodeStep, PagedRing
 from kvm_maglev.vllm.pages import PagedStateModel, ScheduledStep, page_layers
 from kvm_maglev.vllm.tensor_parallel import plan_rule, rank_slice, shard_by_plan, split_table_columns
 
@@ -93,9 +92,9 @@ class VllmMaglevForCausalLM(PagedStateModel):
         compiles = vllm_config.compilation_config.mode != CompilationMode.NONE and self.tp_size == 1
         self.compiled_forward = torch.compile(self.model.forward, dynamic=True) if compiles else None
         self.decoding_compiled = False  # the compiled step's graphs made (`compile_decoding_steps`)
-        # a compiled step's rings over the pages and its plan (one for all layers, its masks made once), for the
-        # operator
-        self.step_rings: tuple[list, StepPlan] | None = None
+        # a compiled step's rings over the pages and its model step (one for all layers, its masks made once), for
+        # the operator
+        self.step_rings: tuple[list, TokenStep] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -117,7 +116,7 @@ class VllmMaglevForCausalLM(PagedStateModel):
             self.model(input_ids=tokens, past_key_values=cache, use_cache=True, return_dict=True)
             for rows in (1, 2):
                 tokens, cache = self.scratch_step(input_ids, rows)
-                if self.model.prepare_step(tokens, cache):
+                if self.model.prepare_step(cache, tokens) is not None:
                     self.compiled_decoding(tokens, cache)
 
     def scratch_step(self, input_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, MaglevCache]:
@@ -201,7 +200,7 @@ class VllmMaglevForCausalLM(PagedStateModel):
             step.pages, step.starts, carry[:, MEMORY], carry[:, EMBEDDING], self.model.memory_init)
         ragged = min(step.counts) < width
         if (self.compiled_forward is not None and width == 1 and all(step.starts)
-                and self.model.prepare_step(rows.view(-1, 1), cache)):  # its host side, before the graph
+                and self.model.prepare_step(cache, rows.view(-1, 1)) is not None):  # its host side, before the graph
             outputs = self.compiled_decoding(rows.view(-1, 1), cache)
         else:
             outputs = self.model(input_ids=rows.view(-1, width), past_key_values=cache, use_cache=True,
@@ -210,10 +209,12 @@ class VllmMaglevForCausalLM(PagedStateModel):
         return outputs.last_hidden_state.reshape(-1, outputs.last_hidden_state.shape[-1])[columns]
 
     def compiled_decoding(self, input_ids: torch.Tensor, cache: MaglevCache):
-        """A prepared step in which every request decodes, compiled: the rings handed to the operator and the layers
-        given `PagedRing`s in their place, so that the graph reads no page."""
-        rings = cache.layers
-        self.step_rings = rings, cache.prepared.plan  # its masks and slots on the rings, made when it was prepared
+        """A prepared step in which every request decodes, compiled: the rings and the model's step (its masks and
+        slots on the rings, made when it was prepared) handed to the operator, the forward given the engine's kind of
+        that step (`PagedDecodeStep`) and `PagedRing`s in place of the layers, so that the graph reads no page."""
+        rings, step = cache.layers, cache.prepared_step
+        self.step_rings = rings, step
+        cache.prepared_step = PagedDecodeStep(step)
         cache.layers = [PagedRing(pages.prefix) for pages in self.state_layers]
         try:
             return self.compiled_forward(input_ids=input_ids, past_key_values=cache, use_cache=True, return_dict=True)

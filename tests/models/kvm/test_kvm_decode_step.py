@@ -11,8 +11,9 @@ import torch
 
 from kvm_maglev import KVMConfig, KVMForCausalLM
 from kvm_maglev.models.common.transformers_versions import GENERATE_CACHE_KWARG
-from kvm_maglev.models.kvm import modeling_kvm
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
+from kvm_maglev.models.kvm.decode_step_kvm import DecodeStep
+from kvm_maglev.models.kvm.step_plan_kvm import PromptStep
 
 BASE = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, chunk_size=4, window_chunks=2)
 VARIANTS = {
@@ -78,9 +79,10 @@ def test_generate_takes_the_prepared_steps(monkeypatch):
     (a test that the paths above are the ones exercised)."""
     model = build("grouped_fixed")
     taken = []
-    original = modeling_kvm.rotary_positions  # every forward on a step reads its positions once
-    monkeypatch.setattr(modeling_kvm, "rotary_positions",
-                        lambda step, position_ids: taken.append(type(step).__name__) or original(step, position_ids))
+    for kind in (PromptStep, DecodeStep):  # every forward on a step reads its positions once
+        original = kind.rotary_positions
+        monkeypatch.setattr(kind, "rotary_positions", lambda step, position_ids, original=original: taken.append(
+            type(step).__name__) or original(step, position_ids))
     out, _ = generate(model, decode_steps=True)
     assert taken == ["PromptStep"] + ["DecodeStep"] * (len(out.scores) - 1)
 

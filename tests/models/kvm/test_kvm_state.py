@@ -298,7 +298,7 @@ def test_fold_computed_ahead_equals_the_plain_fold_bit_for_bit(slots, budget, va
     assert fold.stride == max(1, 14 // (len(fold.stages) + 1))
     steps = 0
     while not fold.done:
-        fold.advance()
+        fold.run_next_stage()
         steps += 1
     assert steps == len(fold.stages)
     plain = state_kvm.run_fold(ring_fold())

@@ -115,18 +115,18 @@ def test_a_step_prepared_twice_counts_once_and_is_forgotten_when_not_run():
     ids, mask = left_padded_prompt()
     with torch.no_grad():
         cache, token = prompted(model, ids, mask)
-    assert model.model.prepare_step(token, cache)
-    assert model.model.prepare_step(token, cache)
+    assert model.model.prepare_step(cache, token) is not None
+    assert model.model.prepare_step(cache, token) is not None
     assert cache.get_seq_length() == ids.shape[1] + 1
     with torch.no_grad():
         model(token, past_key_values=cache, use_cache=False)  # inputs a prepared step does not take: cancelled
-    assert cache.prepared is None and cache.get_seq_length() == ids.shape[1]
-    assert model.model.prepare_step(token, cache)
+    assert cache.prepared_step is None and cache.get_seq_length() == ids.shape[1]
+    assert model.model.prepare_step(cache, token) is not None
     cache.activate_past_recording()
     cache.crop(-0)
-    assert cache.prepared is None and cache.get_seq_length() == ids.shape[1]
-    assert not model.model.prepare_step(token, cache)  # recording: rollback records need the general path
-    assert not model.model.prepare_step(random_ids(2, 2) % VOCAB, cache)  # several tokens: not a step
+    assert cache.prepared_step is None and cache.get_seq_length() == ids.shape[1]
+    assert model.model.prepare_step(cache, token) is None  # recording: rollback records need the general path
+    assert model.model.prepare_step(cache, random_ids(2, 2) % VOCAB) is None  # several tokens: not a step
 
 
 @torch.no_grad()

@@ -193,28 +193,43 @@ class RowTokens:
         return self.once(("predecessors", first), build)
 
 
-class EngineStep:
-    """A forward whose per-request work - what reads or writes the requests' state: token shifts, attention with
-    its window and state - a serving engine runs itself, outside the traced forward (as its own attention runs in an
-    operator of its own). The layers hand it their tensors and their cache layer (the engine's handle for the
-    layer's pages) and keep the rest - projections, norms, feed-forwards - in the traced graph."""
+class Step:
+    """One forward's tokens as a model's layers read them, prepared before the forward (a model's
+    `prepare_step(cache, input_ids, ...)`, which generate() runs in `prepare_inputs_for_generation` and parks on the
+    cache as `cache.prepared_step`; the forward takes it with `cache.take_prepared_step()`, or prepares one itself).
+
+    Its kinds - a decoding step (one token per row, its geometry made before the forward), a prompt chunk (any other
+    forward), a serving engine's step over its pages (the vLLM plugin's) - differ in how the tokens are laid out, how
+    a layer's streams are token-shifted, how a layer attends over its cache layer and what the cache records after
+    the layers. They carry that as the methods below, so that a model runs one loop whatever the kind; each model
+    uses the methods its layers have (KVM: token shifts and `attend`; Maglev: `attend`)."""
 
     def flatten(self, x: torch.Tensor) -> torch.Tensor:
-        """The engine's tokens are flat already: [N, ...]."""
+        """The forward's tokens [N, ...], flat, of the model's [batch, length, ...] input layout."""
         return x
 
     def unflatten(self, y: torch.Tensor) -> torch.Tensor:
+        """The input layout [batch, length, ...] of flat tokens [N, ...] (zeros at padding)."""
         return y
 
-    def token_shift(self, x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str, first: str) -> torch.Tensor:
-        """`token_shift` of the flat tokens x [1, N, D] (see the models' token_shift)."""
-        raise NotImplementedError
+    def rotary_positions(self, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """The rotary position of each flat token: `position_ids` as the step reads them, else the tokens' own."""
+        raise NotImplementedError(f"{type(self).__name__} has no rotary positions")
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
-                  cache_layer) -> torch.Tensor:
-        """The layer's attention of the flat tokens' q [N, H, D], k and v [N, Hkv, d] (merge gates [N, Hkv, 1]
-        or None), as its `attend_tokens` computes it: [N, H, Dv]."""
-        raise NotImplementedError
+    def token_shift(self, x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str, first: str) -> torch.Tensor:
+        """x + mix * (x[t-1] - x[t]) over each row's flat tokens x [1, N, D], the row's carry of stream `name` in
+        `cache_layer` read and updated; a row's very first token reads itself (`first="first"`) or zero
+        (`"zero"`)."""
+        raise NotImplementedError(f"{type(self).__name__} shifts no tokens")
+
+    def attend(self, attention, cache_layer, *inputs) -> torch.Tensor:
+        """The attention of module `attention` for this kind of step: its queries over its cache layer (None: no
+        cache) and the step's own keys, the cache layer updated. `inputs`: the queries, keys and values and what
+        else the model's attention reads (KVM's merge gates, Maglev's window)."""
+        raise NotImplementedError(f"{type(self).__name__} attends nothing")
+
+    def finish(self, cache) -> None:
+        """After the layers: what the cache records of the forward (nothing when it was recorded when prepared)."""
 
 
 # ---- packed rows ------------------------------------------------------------------------------------------

@@ -216,7 +216,7 @@ class KVMCacheLayer(RingLayer):
         if counts[0] > 1:
             self.pending.finish()
         elif not self.pending.done and seen % self.pending.stride == 0:
-            self.pending.advance()
+            self.pending.run_next_stage()
 
     def take_fold_ahead(self, blocks: list[int], rows: list[int], capacity: int) -> tuple | None:
         """The state and read form of the fold computed ahead when it is the one due (`rows` folding `blocks`:
@@ -284,7 +284,7 @@ class KVMCache(RowCache):
         self.seen: list[int] = []  # real tokens each row has read
         self.rows = 0
         self.paged = False
-        self.prepared_step = None  # a decoding step's geometry, prepared before its forward (modeling's DecodeStep)
+        self.prepared_step = None  # the next forward's `Step`, prepared before it (`KVMModel.prepare_step`)
 
     @classmethod
     def over_pages(cls, config: KVMConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
@@ -326,16 +326,16 @@ class KVMCache(RowCache):
                                      [layer.open_record() for layer in self.layers], tokens))
 
     def take_prepared_step(self):
-        """The decoding step prepared for the next forward (None: none), which that forward takes."""
+        """The step prepared for the next forward (None: none), which that forward takes."""
         step, self.prepared_step = self.prepared_step, None
         return step
 
-    def advance_decoding(self) -> None:
+    def count_decoding_step(self) -> None:
         """Every row reads one more token (a decoding step, whose forward then needs no bookkeeping)."""
         self.seen = [seen + 1 for seen in self.seen]
         self.columns += 1
 
-    def advance(self, tokens: RowTokens, columns: int) -> None:
+    def finish_forward(self, tokens: RowTokens, columns: int) -> None:
         """After a forward: each row has read its tokens; the layers' records close."""
         self.seen = [start + count for start, count in zip(tokens.starts, tokens.counts)]
         self.columns += columns

@@ -1,13 +1,13 @@
 """KVM's decoding step as one graph: every row reads one token, and nothing in the forward waits on the host.
 
 A decoding step's geometry depends only on where each row stands, so it is computed before the forward from the
-cache's positions, as tensors (`DecodeStep`, made by `KVMModel.decoding_step`): the token's position, its slot in
+cache's positions, as tensors (`DecodeStep`, made by `KVMModel.decoding_step`, a kind of `Step`): the token's position, its slot in
 each window ring, which ring slots it sees, how many state slots it reads, whether it enters its row's first
 chunk. The fold of a block leaving the window needs only tokens the ring already holds, so it runs then too (the
 cache layer's `fold_due`, for the rows `rows_folding` names). Under vLLM the same step runs over the engine's pages
 (each cache layer's page index). In the forward each attention hands its token to its cache layer (`update`: the
 ring slot, a first-chunk state slot) and reads state and window in one softmax (`decode_attention_kvm`), and the
-token shifts swap the carries: fixed shapes, no `.item()`, no Python over rows - what
+token shifts swap the carries (the step's `token_shift`): fixed shapes, no `.item()`, no Python over rows - what
 `torch.compile(fullgraph=True)` and CUDA graphs need.
 
 The general path (`KVMAttention.attend` over `Pieces` and a `StateSchedule`) is the reference: a decoding step
@@ -20,12 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.step_plan import Step
 from .configuration_kvm import folded_blocks, slots_after_folds
 from .step_plan_kvm import ring_positions
 
 
 @dataclass
-class DecodeStep:
+class DecodeStep(Step):
     """Where each of a decoding step's rows stands, as the layers read it: position `position` [B] (tokens read
     before), storage row `rows` [B]; per kind of layer the ring slot the token takes and the ring slots it sees,
     itself included ([B, ring]); for KVM layers the state slots it reads [B] (0 in the first `window_chunks`
@@ -58,6 +59,28 @@ class DecodeStep:
 
     def unflatten(self, y: torch.Tensor) -> torch.Tensor:
         return y.unsqueeze(1)
+
+    def rotary_positions(self, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """The rows' positions, or the last column of `position_ids` (generate() passes every column's)."""
+        if position_ids is None:
+            return self.position
+        return position_ids[:, -1].to(self.position.device).expand(self.batch)
+
+    def token_shift(self, x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str, first: str) -> torch.Tensor:
+        """One token per row: its predecessor is the row's carry, which it then replaces (every row has read
+        tokens before, so `first` never applies)."""
+        carry = cache_layer.tensors[f"carry.{name}"]
+        if cache_layer.index is None:  # dense: the carry tensor is the rows'
+            shifted = x + mix * (carry.to(x.dtype)[None] - x)
+            carry.copy_(x[0])
+        else:
+            shifted = x + mix * (carry[cache_layer.index].to(x.dtype)[None] - x)
+            carry[cache_layer.index] = x[0].to(carry.dtype)
+        return shifted
+
+    def attend(self, attention, cache_layer, *inputs) -> torch.Tensor:
+        """The layer's one-graph decoding attention (`attend_decoding`)."""
+        return attention.attend_decoding(*inputs, self, cache_layer)
 
 
 def visible_ring(position: torch.Tensor, size: int, first_seen: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,8 @@ from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGeneratio
 from ..common.model_inputs import check_cache, check_token_ids, take_cache
 from ..common.seams import speedups_block
 from ..common.step_plan import (
-    EngineStep,
     RowTokens,
+    Step,
     StepPlan,
     boundary_kwargs,
     bucket_index,
@@ -105,49 +105,6 @@ def apply_rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | No
 
 def value_residual_rank(hidden_size: int) -> int:
     return max(32, int(round(1.3 * hidden_size**0.5 / 32) * 32))
-
-
-def token_shift(tokens: RowTokens, x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str,
-                first: str) -> torch.Tensor:
-    """Token shift x + mix * (x[t-1] - x[t]) over each row's tokens (x: [1, N, D], the forward's flat tokens),
-    updating the row's carry of stream `name` in `cache_layer`. A row's first token reads the carry when the row
-    has read tokens before, else itself ("first") or zero ("zero")."""
-    if isinstance(tokens, DecodeStep):  # one token per row: its predecessor is the row's carry, which it replaces
-        carry = cache_layer.tensors[f"carry.{name}"]
-        if cache_layer.index is None:  # dense: the carry tensor is the rows'
-            shifted = x + mix * (carry.to(x.dtype)[None] - x)
-            carry.copy_(x[0])
-        else:
-            shifted = x + mix * (carry[cache_layer.index].to(x.dtype)[None] - x)
-            carry[cache_layer.index] = x[0].to(carry.dtype)
-        return shifted
-    if isinstance(tokens, EngineStep):
-        return tokens.token_shift(x, mix, cache_layer, name, first)
-    flat = x[0]
-    if cache_layer is None and tokens.fresh_rectangle:
-        rows = flat.view(tokens.batch, tokens.width, -1)
-        lead = rows[:, :1] if first == "first" else torch.zeros_like(rows[:, :1])
-        previous = torch.cat([lead, rows[:, :-1]], dim=1).view_as(flat)
-        return x + mix * (previous[None] - x)
-    carry = f"carry.{name}"
-    if cache_layer is not None:
-        cache_layer.ensure(carry, tokens.batch, flat.shape[1:], flat.dtype, flat.device)
-    if cache_layer is not None and tokens.one_each and all(tokens.starts) and cache_layer.record is None:
-        # a decoding step: each row's carry is its token's predecessor (read before it is overwritten)
-        shifted = x + mix * (cache_layer.read(carry).to(flat.dtype)[None] - x)
-        cache_layer.write(carry, None, flat.detach())
-        return shifted
-    carried = cache_layer.read(carry).to(flat.dtype) if cache_layer is not None and any(tokens.starts) \
-        else flat.new_zeros(tokens.batch, flat.shape[1])
-    source = torch.cat([carried, flat.new_zeros(1, flat.shape[1]), flat])
-    previous_index, last_index = tokens.predecessors(first)
-    if cache_layer is not None:
-        reading = tokens.once("reading rows", lambda: torch.tensor(
-            [row for row, count in enumerate(tokens.counts) if count], dtype=torch.long, device=tokens.device))
-        cache_layer.write(carry, reading, source[last_index[reading]].detach())
-        if cache_layer.record is not None:
-            cache_layer.record.shifts[name] = flat.detach()
-    return x + mix * (source[previous_index][None] - x)
 
 
 # ---- the joint softmax over state and window -----------------------------------------------------------
@@ -350,10 +307,10 @@ class KVMAttentionBase(nn.Module):
             streams.append(("x", self.config.hidden_size))
         return streams
 
-    def project(self, x: torch.Tensor, v_first: torch.Tensor | None, tokens: RowTokens,
+    def project(self, x: torch.Tensor, v_first: torch.Tensor | None, step: Step,
                 cache_layer) -> tuple[torch.Tensor, ...]:
         """q, k [N, H, Dqk] (normed, not rotated) and v [N, H, Dv] of the flat tokens x [1, N, hidden]; the
-        token shifts follow each row's tokens."""
+        token shifts follow each row's tokens (the step's `token_shift`)."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if q.shape[-1] != self.num_heads * self.head_dim:  # a tensor-parallel rank's share of the heads
             self.config.check_tensor_parallel(self.num_heads * self.head_dim // q.shape[-1])
@@ -361,7 +318,7 @@ class KVMAttentionBase(nn.Module):
             # the gate reads the input, or its token shift with all of v_shift (also where tensor parallelism
             # shards v_shift by head); its own carry, so computing it first changes no other stream
             gate_input = x if self.value_residual_mode == "rwkv" else \
-                token_shift(tokens, x, full_tensor(self.v_shift), cache_layer, "x", "first")
+                step.token_shift(x, full_tensor(self.v_shift), cache_layer, "x", "first")
             value_gate = torch.sigmoid(local_tensor(self.value_gate_bias)
                                        + self.value_gate_up(self.value_gate_down(gate_input))).to(v.dtype)
         if self.value_residual_mode == "linear":
@@ -369,9 +326,9 @@ class KVMAttentionBase(nn.Module):
         elif self.value_residual_mode == "rwkv":
             v = v + (v_first.to(v.dtype) - v) * value_gate
         if self.token_shift_on:
-            q = token_shift(tokens, q, local_tensor(self.q_shift), cache_layer, "q", "first")
-            k = token_shift(tokens, k, local_tensor(self.k_shift), cache_layer, "k", "first")
-            v = token_shift(tokens, v, local_tensor(self.v_shift), cache_layer, "v", "first")
+            q = step.token_shift(q, local_tensor(self.q_shift), cache_layer, "q", "first")
+            k = step.token_shift(k, local_tensor(self.k_shift), cache_layer, "k", "first")
+            v = step.token_shift(v, local_tensor(self.v_shift), cache_layer, "v", "first")
         if self.value_residual_mode == "rwkv_post_tokenshift":
             v = v + (v_first.to(v.dtype) - v) * value_gate
         # -1 heads: under tensor parallelism a rank holds only its share of them
@@ -397,26 +354,27 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         super().__init__(config, layer_idx, config.sliding_window_token_shift, config.sliding_window_value_residual_mode)
         self.window = config.sliding_window_size
 
-    def forward(self, x, v_first, rotary, tokens: RowTokens, cache_layer) -> torch.Tensor:
-        q, k, v = self.project(x, v_first, tokens, cache_layer)
+    def forward(self, x, v_first, rotary, step: Step, cache_layer) -> torch.Tensor:
+        q, k, v = self.project(x, v_first, step, cache_layer)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-        if isinstance(tokens, EngineStep):
-            return self.output(tokens.attention(q, k, v, None, cache_layer))
-        return self.output(self.attend_tokens(q, k, v, None, tokens, cache_layer))
+        return self.output(step.attend(self, cache_layer, q, k, v, None))
 
     def step_plan(self, tokens: RowTokens) -> Pieces:
         """The forward's sliding-window pieces, made once and shared by the layers of this window."""
         return tokens.once(("sliding pieces", self.window), lambda: sliding_pieces(self.window, tokens))
 
-    def attend_tokens(self, q, k, v, gate: None, tokens: RowTokens | DecodeStep, cache_layer) -> torch.Tensor:
+    def attend_decoding(self, q, k, v, gate: None, step: DecodeStep, cache_layer) -> torch.Tensor:
+        """A decoding step's token per row over its ring, itself written into it first, in one graph
+        (decode_step_kvm)."""
+        page, keys, values = cache_layer.update(k, v, None, step)
+        no_state = keys[:, :, :0], values[:, :, :0]
+        return decoding_attention(q, *no_state, keys, values)(
+            q, page, *no_state, step.state_slots * 0, keys, values, step.sliding_visible[:, :keys.shape[2]],
+            None, None, q.shape[-1] ** -0.5)
+
+    def attend_tokens(self, q, k, v, gate: None, tokens: RowTokens, cache_layer) -> torch.Tensor:
         """Each token's queries over the keys of its last `sliding_window` positions (no merge gates: `gate` is
-        None), the newest written into the ring; a decoding step's in one graph (decode_step_kvm)."""
-        if isinstance(tokens, DecodeStep):  # one token per row, in one graph (decode_step_kvm)
-            page, keys, values = cache_layer.update(k, v, None, tokens)
-            no_state = keys[:, :, :0], values[:, :, :0]
-            return decoding_attention(q, *no_state, keys, values)(
-                q, page, *no_state, tokens.state_slots * 0, keys, values, tokens.sliding_visible[:, :keys.shape[2]],
-                None, None, q.shape[-1] ** -0.5)
+        None), the newest written into the ring."""
         groups = self.step_plan(tokens).by_width(tokens)
         y = q.new_empty(q.shape[0], q.shape[1], v.shape[-1]) if len(groups) > 1 else None
         for _, group in groups:
@@ -451,29 +409,28 @@ class KVMAttention(KVMAttentionBase):
         """Per-head temperature `name` [H] (None when off)."""
         return local_tensor(getattr(self, name)) if hasattr(self, name) else None
 
-    def forward(self, x, v_first, rotary, tokens: RowTokens, cache_layer) -> torch.Tensor:
-        q, k, v = self.project(x, v_first, tokens, cache_layer)
+    def forward(self, x, v_first, rotary, step: Step, cache_layer) -> torch.Tensor:
+        q, k, v = self.project(x, v_first, step, cache_layer)
         q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         gate = (1.0 + F.elu(self.merge_gate_proj(x[0]))).unsqueeze(-1) if self.gated else None  # [N, Hkv, 1]
-        if isinstance(tokens, EngineStep):
-            return self.output(tokens.attention(q, k, v, gate, cache_layer))
-        return self.output(self.attend_tokens(q, k, v, gate, tokens, cache_layer))
+        return self.output(step.attend(self, cache_layer, q, k, v, gate))
 
-    def attend_tokens(self, q, k, v, gate, tokens: RowTokens | DecodeStep, cache_layer) -> torch.Tensor:
-        """`attend` on the forward's plan (its pieces and state schedule, made once and shared by the layers); a
-        decoding step's in one graph (decode_step_kvm)."""
-        if isinstance(tokens, DecodeStep):  # one token per row, in one graph (decode_step_kvm)
-            entering = self.first_chunk_entries(k, v, gate, slice(None)) if tokens.first_chunk is not None else None
-            page, state_keys, state_values, window_keys, window_values = cache_layer.update(k, v, gate, tokens,
-                                                                                            entering)
-            state_temperature = window_temperature = None
-            if self.config.head_temperatures:
-                state_temperature = local_tensor(self.state_temperature)
-                window_temperature = local_tensor(self.window_temperature)
-            return decoding_attention(q, state_keys, state_values, window_keys, window_values)(
-                q, page, state_keys, state_values, tokens.state_slots, window_keys, window_values,
-                tokens.window_visible[:, :window_keys.shape[2]], state_temperature, window_temperature,
-                q.shape[-1] ** -0.5)
+    def attend_decoding(self, q, k, v, gate, step: DecodeStep, cache_layer) -> torch.Tensor:
+        """A decoding step's token per row over its row's state and window, written into them first (the ring
+        slot; a first-chunk state slot), in one graph (decode_step_kvm)."""
+        entering = self.first_chunk_entries(k, v, gate, slice(None)) if step.first_chunk is not None else None
+        page, state_keys, state_values, window_keys, window_values = cache_layer.update(k, v, gate, step, entering)
+        state_temperature = window_temperature = None
+        if self.config.head_temperatures:
+            state_temperature = local_tensor(self.state_temperature)
+            window_temperature = local_tensor(self.window_temperature)
+        return decoding_attention(q, state_keys, state_values, window_keys, window_values)(
+            q, page, state_keys, state_values, step.state_slots, window_keys, window_values,
+            step.window_visible[:, :window_keys.shape[2]], state_temperature, window_temperature,
+            q.shape[-1] ** -0.5)
+
+    def attend_tokens(self, q, k, v, gate, tokens: RowTokens, cache_layer) -> torch.Tensor:
+        """`attend` on the forward's plan (its pieces and state schedule, made once and shared by the layers)."""
         pieces, schedule = self.step_plan(tokens)
         return self.attend(q, k, v, gate, tokens, pieces, schedule, cache_layer)
 
@@ -682,9 +639,9 @@ class KVMMLP(nn.Module):
         """The token-shifted stream this feed-forward carries between forwards, with its width."""
         return [("ffn", self.shift.shape[-1])] if self.token_shift_on else []
 
-    def forward(self, x: torch.Tensor, tokens: RowTokens, cache_layer) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, cache_layer) -> torch.Tensor:
         if self.token_shift_on:
-            x = token_shift(tokens, x, self.shift, cache_layer, "ffn", "zero")
+            x = step.token_shift(x, self.shift, cache_layer, "ffn", "zero")
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
@@ -708,7 +665,7 @@ class KVMDecoderLayer(GradientCheckpointingLayer):
         return self.self_attn.carries() + self.mlp.carries()
 
     def forward(
-        self, hidden_states, x0, v_first, rotary, tokens: RowTokens, cache_layer=None
+        self, hidden_states, x0, v_first, rotary, step: Step, cache_layer=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [1, N, hidden] of the forward's flat tokens. `cache_layer`: this layer's storage in a
         KVMCache, or None (no cache: checkpoint recomputation replays identically). Returns the new hidden
@@ -719,9 +676,9 @@ class KVMDecoderLayer(GradientCheckpointingLayer):
             anchor = v_first = self.self_attn.v_proj(self.input_layernorm(x0))
         if hasattr(self, "block_lambdas"):
             hidden_states = self.block_lambdas[0] * hidden_states + self.block_lambdas[1] * x0
-        attn = self.self_attn(self.input_layernorm(hidden_states), v_first, rotary, tokens, cache_layer)
+        attn = self.self_attn(self.input_layernorm(hidden_states), v_first, rotary, step, cache_layer)
         hidden_states = hidden_states + attn * self.residual_scale
-        mlp = self.mlp(self.post_attention_layernorm(hidden_states), tokens, cache_layer)
+        mlp = self.mlp(self.post_attention_layernorm(hidden_states), step, cache_layer)
         return hidden_states + mlp * self.residual_scale, anchor
 
 
@@ -838,46 +795,44 @@ class KVMModel(KVMPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         cache: KVMCache | None = None,
-        engine_step: EngineStep | None = None,
+        step: Step | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """Padding (attention_mask == 0, anywhere) is skipped per row: each row's chunk boundaries and state
         follow its own real tokens. Without a mask every token is real and the model is strictly causal
         (right padding needs no mask). Rotary positions are `position_ids` when given, else each row's count of
         real tokens before. A packed batch (position_ids restarting at 0, or `cu_seq_lens_q`/`seq_idx`) runs
-        each document as if alone in its row (`packed_forward`). A serving engine passes its flat tokens with
-        `engine_step` (their positions as `position_ids`) and a cache over its pages."""
+        each document as if alone in its row (`packed_forward`). A caller that prepares its own `step` passes it
+        (a serving engine its flat tokens, their positions as `position_ids`, and a cache over its pages)."""
         cache = take_cache(past_key_values, cache)
         output_hidden_states = config_default(output_hidden_states, self.config, "output_hidden_states")
-        step, cache = (engine_step, cache) if engine_step is not None else self.step_of(
-            cache, input_ids, inputs_embeds, attention_mask, position_ids,
-            config_default(use_cache, self.config, "use_cache"), kwargs)
+        if step is None:
+            step, cache = self.step_of(cache, input_ids, inputs_embeds, attention_mask, position_ids,
+                                       config_default(use_cache, self.config, "use_cache"), kwargs)
         if step is None:
             refuse_packed_cache(use_cache, cache, "KVM")  # as asked: the config's default does not refuse
             return self.packed_forward(input_ids, inputs_embeds, attention_mask, position_ids, kwargs,
                                        output_attentions, output_hidden_states)
         refuse_attention_weights(output_attentions, self.config, KVM_NO_WEIGHTS)
-        tokens = step.tokens if isinstance(step, PromptStep) else step
-        x0 = tokens.flatten(self.embed_norm(self.embed_tokens(input_ids) if inputs_embeds is None
-                                            else inputs_embeds))[None]
-        rotary = self.rotary(rotary_positions(step, position_ids))
+        x0 = step.flatten(self.embed_norm(self.embed_tokens(input_ids) if inputs_embeds is None
+                                          else inputs_embeds))[None]
+        rotary = self.rotary(step.rotary_positions(position_ids))
         anchors = {"kvm": None, "sliding": None}  # value-residual anchors, made by `value_anchor_layers`
         hidden_states, all_hidden = x0, []
         for idx, layer in enumerate(self.layers):
             if output_hidden_states:  # returned in the batch's layout, and the layer reads them from there
-                all_hidden.append(tokens.unflatten(hidden_states[0]))
-                hidden_states = tokens.flatten(all_hidden[-1])[None]
+                all_hidden.append(step.unflatten(hidden_states[0]))
+                hidden_states = step.flatten(all_hidden[-1])[None]
             kind = "sliding" if layer.sliding else "kvm"
-            hidden_states, anchor = layer(hidden_states, x0, anchors[kind], rotary[kind], tokens,
+            hidden_states, anchor = layer(hidden_states, x0, anchors[kind], rotary[kind], step,
                                           cache.layers[idx] if cache is not None else None)
             anchors.update(dict.fromkeys(layer.anchors, anchor))
         hidden_states = self.norm(hidden_states)[0]
         if output_hidden_states:
-            all_hidden.append(tokens.unflatten(hidden_states))
-        if isinstance(step, PromptStep) and cache is not None:
-            cache.advance(tokens, step.columns)
+            all_hidden.append(step.unflatten(hidden_states))
+        step.finish(cache)
         return BaseModelOutputWithPast(
-            last_hidden_state=all_hidden[-1] if output_hidden_states else tokens.unflatten(hidden_states),
+            last_hidden_state=all_hidden[-1] if output_hidden_states else step.unflatten(hidden_states),
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             **{CACHE_NAME: cache if config_default(use_cache, self.config, "use_cache") else None},
         )
@@ -892,15 +847,16 @@ class KVMModel(KVMPreTrainedModel):
         return tables
 
     def step_of(self, cache: KVMCache | None, input_ids, inputs_embeds, attention_mask, position_ids,
-                use_cache: bool, kwargs: dict) -> tuple[DecodeStep | PromptStep | None, KVMCache | None]:
+                use_cache: bool, kwargs: dict) -> tuple[Step | None, KVMCache | None]:
         """The forward's step and cache: the step prepared for it (generate() prepares it in
         `prepare_inputs_for_generation`), else one prepared now; no step for packed documents (`packed_forward`).
         Without a cache, a forward under `use_cache` gets a new one; under gradient checkpointing none (the
         recomputation would update it again)."""
         if cache is not None:
             check_cache(cache, KVMCache, self.config)
-            step = cache.take_prepared_step() or self.prepare_step(cache, input_ids, inputs_embeds, attention_mask,
-                                                                   position_ids, kwargs)
+            if cache.prepared_step is None:
+                self.prepare_step(cache, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
+            step = cache.take_prepared_step()
             if step is not None:
                 return step, cache
         source = input_ids if input_ids is not None else inputs_embeds
@@ -920,20 +876,23 @@ class KVMModel(KVMPreTrainedModel):
                 f"{state_training_length(self.config)} tokens ((window_chunks + 1) * chunk_size + 2).")
         return step, cache
 
-    def prepare_step(self, cache: KVMCache, input_ids, inputs_embeds, attention_mask, position_ids,
-                     kwargs: dict) -> DecodeStep | PromptStep | None:
-        """The prepared step of a cached forward without autograd - a `DecodeStep` when every row reads one real
-        token, else a `PromptStep` - with its host work done: checks, the rows' geometry and plans, folds a
-        decoding token reads, bookkeeping. None for a forward the general path runs (autograd, recording, a
-        serving engine's pages, packed documents). generate() runs it from `prepare_inputs_for_generation`, so
-        that a compiled forward has no host work left."""
+    def prepare_step(self, cache: KVMCache, input_ids, attention_mask=None, position_ids=None, inputs_embeds=None,
+                     **kwargs) -> Step | None:
+        """The step of the next forward on `cache` without autograd - a `DecodeStep` when every row reads one real
+        token, else a `PromptStep` - with its host work done (checks, the rows' geometry and plans, folds a decoding
+        token reads, bookkeeping), parked on the cache (`cache.prepared_step`) for that forward to take. None for a
+        forward the general path runs (autograd, recording, a serving engine's pages, packed documents; `kwargs`:
+        the forward's document boundaries). generate() runs it from `prepare_inputs_for_generation`, so that a
+        compiled forward has no host work left."""
         source = input_ids if input_ids is not None else inputs_embeds
         if (cache.paged or cache.recording or torch.is_grad_enabled() or not isinstance(source, torch.Tensor)
                 or source.ndim < 2):
             return None
-        return (self.prepare_decode_step(cache, source, input_ids, inputs_embeds, attention_mask, position_ids)
-                or self.prepare_prompt_step(cache, source, input_ids, inputs_embeds, attention_mask, position_ids,
-                                            kwargs))
+        cache.prepared_step = (
+            self.prepare_decode_step(cache, source, input_ids, inputs_embeds, attention_mask, position_ids)
+            or self.prepare_prompt_step(cache, source, input_ids, inputs_embeds, attention_mask, position_ids,
+                                        kwargs))
+        return cache.prepared_step
 
     def prepare_decode_step(self, cache: KVMCache, source: torch.Tensor, input_ids, inputs_embeds, attention_mask,
                             position_ids) -> DecodeStep | None:
@@ -951,7 +910,7 @@ class KVMModel(KVMPreTrainedModel):
             own = torch.tensor(seen, device=source.device)[:, None]
             check_position_ids(position_ids, own, None, cache.rows, "KVM", "state and token shifts")
         step = self.decoding_step(cache, seen, source.device)
-        cache.advance_decoding()
+        cache.count_decoding_step()
         return step
 
     def prepare_prompt_step(self, cache: KVMCache, source: torch.Tensor, input_ids, inputs_embeds, attention_mask,
@@ -1015,18 +974,6 @@ class KVMModel(KVMPreTrainedModel):
         return BaseModelOutputWithPast(**scatter_outputs(outputs, indices, counts, batch, length))
 
 
-def rotary_positions(step, position_ids: torch.Tensor | None) -> torch.Tensor:
-    """The rotary position of each of a step's flat tokens: `position_ids` when given (a decoding step's last
-    column; an engine's flat positions), else each token's own."""
-    if isinstance(step, PromptStep):
-        return step.tokens.position if step.positions is None else step.positions
-    if position_ids is None:
-        return step.position
-    if isinstance(step, DecodeStep):
-        return position_ids[:, -1].to(step.position.device).expand(step.batch)
-    return position_ids
-
-
 def check_input_ids(input_ids, inputs_embeds, vocab_size: int, cache: KVMCache | None) -> None:
     """Clear errors for inputs the model cannot read: exactly one of input_ids and inputs_embeds, of the
     right shape (token ids checked as `check_token_ids` does)."""
@@ -1071,14 +1018,13 @@ class KVMForCausalLM(KVMPreTrainedModel, OwnCacheGenerationMixin, GenerationMixi
         self.lm_head = value
 
     def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
-        """transformers' inputs for the next forward, and for a decoding step the cache's `DecodeStep` (the
-        folds it reads included), so that the forward - compiled or not - has no host work left."""
+        """transformers' inputs for the next forward, and its step prepared on the cache (`KVMModel.prepare_step`:
+        a decoding step's folds included), so that the forward - compiled or not - has no host work left."""
         inputs = super().prepare_inputs_for_generation(*args, **kwargs)
         cache = inputs.get(GENERATE_CACHE_KWARG)
         if isinstance(cache, KVMCache) and cache.prepared_step is None:
-            cache.prepared_step = self.model.prepare_step(
-                cache, inputs.get("input_ids"), inputs.get("inputs_embeds"), inputs.get("attention_mask"),
-                inputs.get("position_ids"), inputs)
+            self.model.prepare_step(cache, inputs.get("input_ids"), inputs.get("attention_mask"),
+                                    inputs.get("position_ids"), inputs.get("inputs_embeds"), **boundary_kwargs(inputs))
         return inputs
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

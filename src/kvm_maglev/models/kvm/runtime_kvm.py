@@ -3,7 +3,7 @@
 Whatever steps the model (generate(), a loop of one's own), a decoding forward on a dense cache whose rows stand at
 one position computes ahead the fold of the block that leaves the window at the next chunk boundary, one of
 state_kvm's fold stages every few decoding steps, so that the boundary step costs what any other step costs: the
-cache's layers carry the fold under way (`pending`) and own it: a forward advances it (`KVMCacheLayer.fold_ahead`)
+cache's layers carry the fold under way (`pending`) and own it: a forward runs its next stage (`KVMCacheLayer.fold_ahead`)
 and the fold round at the boundary swaps it in (`KVMCacheLayer.take_fold_ahead`), the same tensors bit for bit. A
 serving engine's paged cache folds at the boundary, batched. Measurements behind it: docs/kvm_runtime_notes.md.
 """
@@ -19,7 +19,7 @@ from .state_kvm import Fold, fold_stages
 
 class PacedFold:
     """A block's fold computed ahead of its chunk boundary, from the state it will fold into: key/value head by
-    head, state_kvm's `fold_stages` and then the head's read form (`read`), one stage per `advance()`; its stride
+    head, state_kvm's `fold_stages` and then the head's read form (`read`), one stage per `run_next_stage()`; its stride
     spreads the stages over 7/8 of a chunk of decoding steps. The boundary step swaps the result in
     (`KVMCacheLayer.take_fold_ahead`): the same tensors, bit for bit."""
 
@@ -48,13 +48,13 @@ class PacedFold:
     def done(self) -> bool:
         return self.next_stage == len(self.stages)
 
-    def advance(self) -> None:
+    def run_next_stage(self) -> None:
         self.stages[self.next_stage]()
         self.next_stage += 1
 
     def finish(self) -> None:
         while not self.done:
-            self.advance()
+            self.run_next_stage()
 
 
 def paces_folds(cache_layer) -> bool:

@@ -1,7 +1,8 @@
 """KVM's geometry of one forward, computed once from the rows' positions and shared by the layers: which queries
 attend together (`Pieces`), where each of their keys comes from (the layer's cached window or this forward's
 tokens), and when each row's state changes (`StateSchedule`: first-chunk slots, folds, which state each piece
-reads). Pure geometry from state_kvm's one rule: no tensors of the model, no storage.
+reads), from state_kvm's one rule; and the `PromptStep`, the kind of `Step` such a forward is: its layers' token
+shifts over each row's tokens (`shift_tokens`) and their attention by pieces.
 
 Rows advance independently: each is at its own position, so a step may hold decoding rows, rows continuing a
 prompt and fresh rows together, and every layer runs them in one batched attention call.
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common.step_plan import RowTokens
+from ..common.step_plan import RowTokens, Step
 from .configuration_kvm import folded_blocks, slots_after_folds
 
 
@@ -252,10 +253,66 @@ def state_schedule(config, tokens: RowTokens, pieces: Pieces) -> StateSchedule:
 
 
 @dataclass
-class PromptStep:
-    """A cached forward other than a decoding step, prepared before it: its rows' tokens (with the layers' plans
-    made in them), the rotary positions when the caller gave them, and the columns the cache advances by."""
+class PromptStep(Step):
+    """Any forward other than a decoding step (prompts, chunks of them, rows at different positions, training),
+    prepared before it: its rows' tokens (with the layers' plans made in them), the rotary positions when the
+    caller gave them, and the columns the cache moves on by. Its layers run the general path: each row's tokens
+    over its window and state by pieces (`KVMAttention.attend_tokens`), token shifts over the rows (`shift_tokens`)."""
 
     tokens: RowTokens
     positions: torch.Tensor | None
     columns: int
+
+    def flatten(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tokens.flatten(x)
+
+    def unflatten(self, y: torch.Tensor) -> torch.Tensor:
+        return self.tokens.unflatten(y)
+
+    def rotary_positions(self, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """The caller's positions (checked and flattened when the step was prepared), else each token's own."""
+        return self.tokens.position if self.positions is None else self.positions
+
+    def token_shift(self, x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str, first: str) -> torch.Tensor:
+        return shift_tokens(self.tokens, x, mix, cache_layer, name, first)
+
+    def attend(self, attention, cache_layer, *inputs) -> torch.Tensor:
+        """The layer's general attention over the rows' pieces (`attend_tokens`)."""
+        return attention.attend_tokens(*inputs, self.tokens, cache_layer)
+
+    def finish(self, cache) -> None:
+        """Each row has read its tokens (the layers' records of a recorded forward close)."""
+        if cache is not None:
+            cache.finish_forward(self.tokens, self.columns)
+
+
+def shift_tokens(tokens: RowTokens, x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str,
+                 first: str) -> torch.Tensor:
+    """Token shift x + mix * (x[t-1] - x[t]) over each row's tokens (x: [1, N, D], the forward's flat tokens),
+    updating the row's carry of stream `name` in `cache_layer` (None: no cache). A row's first token reads the
+    carry when the row has read tokens before, else itself ("first") or zero ("zero")."""
+    flat = x[0]
+    if cache_layer is None and tokens.fresh_rectangle:
+        rows = flat.view(tokens.batch, tokens.width, -1)
+        lead = rows[:, :1] if first == "first" else torch.zeros_like(rows[:, :1])
+        previous = torch.cat([lead, rows[:, :-1]], dim=1).view_as(flat)
+        return x + mix * (previous[None] - x)
+    carry = f"carry.{name}"
+    if cache_layer is not None:
+        cache_layer.ensure(carry, tokens.batch, flat.shape[1:], flat.dtype, flat.device)
+    if cache_layer is not None and tokens.one_each and all(tokens.starts) and cache_layer.record is None:
+        # a decoding step: each row's carry is its token's predecessor (read before it is overwritten)
+        shifted = x + mix * (cache_layer.read(carry).to(flat.dtype)[None] - x)
+        cache_layer.write(carry, None, flat.detach())
+        return shifted
+    carried = cache_layer.read(carry).to(flat.dtype) if cache_layer is not None and any(tokens.starts) \
+        else flat.new_zeros(tokens.batch, flat.shape[1])
+    source = torch.cat([carried, flat.new_zeros(1, flat.shape[1]), flat])
+    previous_index, last_index = tokens.predecessors(first)
+    if cache_layer is not None:
+        reading = tokens.once("reading rows", lambda: torch.tensor(
+            [row for row, count in enumerate(tokens.counts) if count], dtype=torch.long, device=tokens.device))
+        cache_layer.write(carry, reading, source[last_index[reading]].detach())
+        if cache_layer.record is not None:
+            cache_layer.record.shifts[name] = flat.detach()
+    return x + mix * (source[previous_index][None] - x)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common.row_storage import LayerRecord, RowCache, RowCacheLayer, StepRecord
-from ..common.step_plan import StepPlan, gather_columns
+from ..common.step_plan import Step, StepPlan, gather_columns
 from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_capacity
 
 
@@ -25,13 +25,17 @@ def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, lef
 @dataclass(frozen=True)
 class RingStep:
     """Where one token per row meets the rings of one capacity and window, made before the forward so that the
-    layers only read it: the query's mask over the ring's slots and its own key (`mask` [B, 1, 1, capacity + 1]),
-    the slots a row has written (`written` [B, 1, 1, capacity], the one-query kernel's mask), the slot each row's
-    token takes (`slot` [B]) in rows `rows` (None: every row) and which rows read a real token (`valid` [B]; None:
-    all)."""
+    layers only read it. The token is written into its slot first (`MaglevCacheLayer.update`) and the key it
+    displaces is set aside, so the token's attention reads the ring as written and the set-aside key: the same keys
+    as the ring before the write and the token. Hence: the mask over the written ring's slots and the set-aside key
+    (`mask` [B, 1, 1, capacity + 1]), the written ring's slots the token sees (`written` [B, 1, 1, capacity], the
+    one-query kernel's mask) and whether it sees the set-aside key (`aside` [B, 1, 1, 1]); the slot each row's
+    token takes (`slot` [B]) in rows `rows` (None: every row), and which rows read a real token (`valid` [B]; None:
+    all; a padding token writes nothing and is itself set aside)."""
 
     mask: torch.Tensor | None
     written: torch.Tensor | None
+    aside: torch.Tensor | None
     slot: torch.Tensor
     rows: torch.Tensor | None
     valid: torch.Tensor | None
@@ -41,10 +45,18 @@ class RingStep:
         """The step of a one-token `plan` over rings like `ring`: a query sees the slots within its window and
         always its own key."""
         slots = visible_keys(plan.query_positions, ring.slot_positions(plan), ring.window)
-        own = torch.ones_like(slots[..., :1])
         written = (torch.arange(ring.capacity, device=plan.start.device) < plan.start[:, None])[:, None, None, :]
+        slot = plan.start % ring.capacity
         valid = None if plan.valid is None else plan.valid[:, 0]
-        return cls(torch.cat([slots, own], dim=-1), written, plan.start % ring.capacity, rows, valid)
+        # the token's own slot (where a real token is written): seen, and what it held is what is set aside
+        own = (torch.arange(ring.capacity, device=slot.device) == slot[:, None])[:, None, None, :]
+        real = torch.ones_like(own[..., :1]) if valid is None else valid[:, None, None, None]
+        own = own & real
+
+        def after_write(seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return seen | own, torch.where(real, (seen & own).any(dim=-1, keepdim=True), True)
+        written_after, aside = after_write(written)
+        return cls(torch.cat(after_write(slots), dim=-1), written_after, aside, slot, rows, valid)
 
 
 class MaglevCacheLayer(RowCacheLayer):
@@ -66,7 +78,7 @@ class MaglevCacheLayer(RowCacheLayer):
         self.capacity = min(window, growing_capacity(0)) if grows else window
         self.batch = 0  # rows of a dense ring (set by the cache)
         self.records: list[LayerRecord] | None = None  # while recording, one per column of the forward
-        self.step: RingStep | None = None  # a one-token forward's masks and slots (`MaglevCache.plan_rings`)
+        self.step: RingStep | None = None  # a one-token forward's masks and slots (`MaglevCache.ring_steps`)
 
     def reset(self) -> None:
         self.__init__(self.window, self.grows)
@@ -95,12 +107,40 @@ class MaglevCacheLayer(RowCacheLayer):
         self.capacity = capacity
 
     def read_ring(self, like: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [rows, H, capacity, D] of rows `rows` (None: all) before this chunk is written (a dense
-        ring starts as zeros shaped like `like` [B, H, T, D])."""
+        """Keys and values [rows, H, capacity, D] of rows `rows` (None: all) before this chunk is written."""
+        self.make_ring(like)
+        return self.read("keys", rows), self.read("values", rows)
+
+    def make_ring(self, like: torch.Tensor) -> None:
+        """A dense ring's storage on its first forward: zeros shaped like `like` [B, H, T, D]."""
         if "keys" not in self:
             for name in ("keys", "values"):
                 self.tensors[name] = like.new_zeros(self.batch, like.shape[1], self.capacity, like.shape[3])
-        return self.read("keys", rows), self.read("values", rows)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: "TokenStep") -> tuple[torch.Tensor, ...]:
+        """A one-token step's token per row (keys and values [B, Hkv, 1, D]) into its ring slot (the layer's
+        `RingStep`, made with the step); returns what its attention reads: the ring's keys and values as written
+        ([B, Hkv, capacity, D] of the step's rows; the storage itself where it can be, no copy) and the key and value
+        set aside ([B, Hkv, 1, D]: what the token displaced from its slot, or the token itself where it is padding,
+        which writes nothing). The ring before the write and the token are the same keys (`RingStep`)."""
+        self.make_ring(k)
+        aside = self.write_slots(k[:, :, 0], v[:, :, 0], self.step)
+        return (self.read("keys", step.rows), self.read("values", step.rows), aside[0][:, :, None],
+                aside[1][:, :, None])
+
+    def write_slots(self, k: torch.Tensor, v: torch.Tensor, step: "RingStep") -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row (k, v [B, Hkv, D]) into the slots of `step`; padding rows keep theirs (while recording,
+        the layer's record keeps what the writes replace). Returns the key and value set aside per row (`update`)."""
+        old_k = self.read_slots("keys", step.rows, step.slot)
+        old_v = self.read_slots("values", step.rows, step.slot)
+        aside_k, aside_v = old_k, old_v
+        if step.valid is not None:
+            keep = step.valid.view(-1, 1, 1)
+            k, aside_k = torch.where(keep, k, old_k), torch.where(keep, old_k, k)
+            v, aside_v = torch.where(keep, v, old_v), torch.where(keep, old_v, v)
+        self.write("keys", step.rows, k, step.slot)
+        self.write("values", step.rows, v, step.slot)
+        return aside_k, aside_v
 
     def slot_positions(self, plan: "StepPlan") -> torch.Tensor:
         """[B, capacity]: the position each slot holds before this chunk (negative: never written)."""
@@ -108,33 +148,16 @@ class MaglevCacheLayer(RowCacheLayer):
         last = plan.start[:, None] - 1
         return last - (last - slots) % self.capacity
 
-    def write_tokens(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan", step: "RingStep | None" = None) -> None:
-        """Store the chunk's keys/values [B, H, T, D] of the plan's rows: each row's newest real tokens replace its
-        oldest slots. One token per row goes into the slots of `step` (default: the layer's, made before the
-        forward); padding rows keep theirs."""
-        step = step or self.step
-        if step is None:
-            self.write_chunk(k, v, plan)
-            return
-        k, v = k[:, :, 0], v[:, :, 0]
-        if step.valid is not None:
-            keep = step.valid.view(-1, 1, 1)
-            k = torch.where(keep, k, self.read_slots("keys", step.rows, step.slot))
-            v = torch.where(keep, v, self.read_slots("values", step.rows, step.slot))
-        self.write("keys", step.rows, k, step.slot)
-        self.write("values", step.rows, v, step.slot)
-
     def write_chunk(self, k: torch.Tensor, v: torch.Tensor, plan: "StepPlan") -> None:
-        """`write_tokens` of several tokens per row: at once, or column by column while recording (each column's
-        writes go to its own record)."""
+        """Store the chunk's keys/values [B, H, T, D] of the plan's rows: each row's newest real tokens replace its
+        oldest slots; at once, or column by column while recording (each column's writes go to its own record)."""
         if self.records is None:
             self._write_chunk(k, v, plan)
             return
         for t in range(plan.length):
             start, valid = plan.column(t)
             self.record = self.records[t]
-            self.write_tokens(k[:, :, t:t + 1], v[:, :, t:t + 1], plan,
-                              RingStep(None, None, start % self.capacity, plan.rows, valid))
+            self.write_slots(k[:, :, t], v[:, :, t], RingStep(None, None, None, start % self.capacity, plan.rows, valid))
 
     def _write_chunk(self, k, v, plan) -> None:
         """Each slot takes the newest real chunk token that maps to it, else keeps its content."""
@@ -169,26 +192,74 @@ class MaglevCacheLayer(RowCacheLayer):
 
 
 
-class EngineRing:
-    """A layer's ring that a serving engine keeps in pages of its own, in place of a `MaglevCacheLayer` in a decoding
-    step: the attention over it and the write of the step's keys and values run in the engine's operator, outside
-    the traced forward, so that the pages are no input of a compiled graph."""
+class PlannedStep(Step):
+    """A Maglev step over its forward's plan (`plan`, a `StepPlan`: the rows' positions, their real tokens, masks
+    made once), whose positions and real tokens it reads as its own. `counted`: its columns were counted when it
+    was prepared."""
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """What `MaglevAttention.forward` does with a cache layer, for one token per row (q [B, H, 1, D], k and v
-        [B, Hkv, 1, D]): its attention over the ring and the token, [B, H, 1, D], then the token written."""
-        raise NotImplementedError
+    counted = False
+
+    def __init__(self, start: torch.Tensor, valid: torch.Tensor | None, length: int,
+                 rows: torch.Tensor | None = None) -> None:
+        self.plan = StepPlan(start, valid, length)
+        self.plan.rows = rows
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.plan.start
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        return self.plan.valid
+
+    @property
+    def length(self) -> int:
+        return self.plan.length
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        return self.plan.rows
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        return self.plan.query_positions
 
 
-@dataclass(frozen=True)
-class PreparedStep:
-    """A forward whose host side ran before it (`MaglevCache.begin_step`): its real tokens ([B, T] booleans; None:
-    all), its column count, already counted (read on the host only: a compiled forward takes its length from
-    its input, a dynamic size) and, for a decode step, its plan."""
+class ChunkStep(PlannedStep):
+    """Several tokens per row, or any forward without a cache: each layer's queries over the ring before the chunk
+    and the chunk's own keys, block by block of queries, then the chunk written (`MaglevAttention.attend_chunk`)."""
+
+    def attend(self, attention, cache_layer, q, k, v, window: int) -> torch.Tensor:
+        return attention.attend_chunk(q, k, v, window, cache_layer, self.plan)
+
+
+class TokenStep(PlannedStep):
+    """One token for each of rows `rows` (None: every row) on a cache: on each cache layer the `RingStep` of its
+    masks and slots, made with the step (`MaglevCache.ring_steps`), so that the token is written and read without
+    building them (`MaglevAttention.attend_token`). Prepared for a forward (`MaglevModel.prepare_step`), it is a
+    decoding step, which runs as one graph (`MaglevModel.decode_step`)."""
+
+    def attend(self, attention, cache_layer, q, k, v, window: int) -> torch.Tensor:
+        return attention.attend_token(q, k, v, cache_layer, self)
+
+    def run(self, model, input_ids: torch.Tensor, cache: "MaglevCache", output_hidden_states):
+        """The prepared forward: a decoding step."""
+        return model.decode_step(input_ids, cache, self, output_hidden_states)
+
+
+@dataclass
+class PrefillStep(Step):
+    """A "prefiller" prompt prepared before its forward (`MaglevModel.prepare_step`): its real tokens ([B, T]
+    booleans; None: all) and its column count, already counted (read on the host only: a compiled forward takes its
+    length from its input, a dynamic size). It runs as `MaglevModel.prefill_step`, on a `ChunkStep` of its input."""
 
     valid: torch.Tensor | None
     length: int
-    plan: StepPlan | None = None  # a decode step's, with its rings' masks and slots (`MaglevCache.plan_rings`)
+    counted = True
+
+    def run(self, model, input_ids: torch.Tensor, cache: "MaglevCache", output_hidden_states):
+        """The prepared forward: Q reads the prompt, P runs on it in parallel."""
+        return model.prefill_step(input_ids, cache, self, output_hidden_states)
 
 
 class MaglevCache(RowCache):
@@ -212,7 +283,7 @@ class MaglevCache(RowCache):
         self.last_memory: torch.Tensor | None = None
         self.previous_embedding: torch.Tensor | None = None
         self.prompt_length: int | None = None  # set by assisted decoding: its first forward also carries drafts
-        self.prepared: PreparedStep | None = None  # a forward counted before it ran, until it has run
+        self.prepared_step: Step | None = None  # the next forward's, counted before it ran (`prepare_columns`)
 
     @classmethod
     def over_pages(cls, config: MaglevConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
@@ -267,60 +338,62 @@ class MaglevCache(RowCache):
         for store in self.layers:
             store.reserve(self.columns + length)
 
-    def step_context(self, valid: torch.Tensor | None, length: int) -> StepPlan:
-        """The plan of a forward over `length` new columns; growing rings make room for them first."""
+    def forward_step(self, valid: torch.Tensor | None, length: int) -> TokenStep | ChunkStep:
+        """The step of a forward over `length` new columns (`valid`: its real tokens): one token per row or a chunk;
+        growing rings make room for them first, and while recording each column gets its record."""
         self.reserve(length)
         columns = length if self.records_steps_of(1) else None
         for layer in self.layers:
             layer.open_records(columns)
-        return self.plan_rings(StepPlan(self.positions, valid, length))
+        if length > 1:
+            return ChunkStep(self.positions, valid, length)
+        return self.ring_steps(TokenStep(self.positions, valid, 1))
 
-    def begin_step(self, valid: torch.Tensor | None, length: int = 1) -> None:
-        """The host side of a forward of `length` columns (`valid` [B, length]: its real tokens), done before it so
-        that the forward reads only tensors: growing rings make room, the columns are counted and a decode step's
-        plan is made with its ring masks and slots. Preparing again before the forward ran replaces the earlier
-        preparation."""
-        self.cancel_step()
+    def prepare_columns(self, valid: torch.Tensor | None, length: int = 1) -> Step:
+        """The host side of a prepared forward of `length` columns (`valid` [B, length]: its real tokens), done before
+        it so that the forward reads only tensors: growing rings make room, the columns are counted and a decoding
+        step's rings get their masks and slots. The step is parked as `prepared_step` (and returned); preparing again
+        before the forward ran replaces the earlier preparation."""
+        self.cancel_prepared_step()
         self.reserve(length)
         self.columns += length
-        plan = StepPlan(self.positions, valid, 1) if length == 1 else None  # a prompt's: its input gives its length
-        self.prepared = PreparedStep(valid, length, self.plan_rings(plan))
+        # a prompt's plan is made when it runs: its input gives its length
+        step = PrefillStep(valid, length) if length > 1 else self.ring_steps(TokenStep(self.positions, valid, 1))
+        step.counted = True
+        self.prepared_step = step
+        return step
 
-    def take_step(self, length: int) -> StepPlan:
-        """The plan of the prepared forward of `length` columns (the input's, a dynamic size when compiled): a decode
-        step's, made when it was prepared."""
-        return self.prepared.plan or StepPlan(self.positions, self.prepared.valid, length)
+    def take_prepared_step(self) -> Step | None:
+        """The step prepared for the next forward (None: none), which that forward takes."""
+        step, self.prepared_step = self.prepared_step, None
+        return step
 
-    def cancel_step(self) -> None:
+    def cancel_prepared_step(self) -> None:
         """Forget a prepared forward that did not run (its columns uncounted), before the cache is changed."""
-        if self.prepared is not None:
-            self.columns -= self.prepared.length
-            self.prepared = None
+        if self.prepared_step is not None:
+            self.columns -= self.prepared_step.length
+            self.prepared_step = None
 
-    def rows_step(self, rows: torch.Tensor | None) -> StepPlan:
-        """The plan of one token for each of rows `rows` alone (None: every row), a recurrent step of the rows with
+    def token_step(self, rows: torch.Tensor | None) -> TokenStep:
+        """The step of one token for each of rows `rows` alone (None: every row), a recurrent step of the rows with
         tokens left."""
-        plan = StepPlan(self.positions if rows is None else self.positions[rows], None, 1)
-        plan.rows = rows
-        return self.plan_rings(plan)
+        return self.ring_steps(TokenStep(self.positions if rows is None else self.positions[rows], None, 1, rows))
 
-    def plan_rings(self, plan: StepPlan | None) -> StepPlan | None:
-        """Give each layer the `RingStep` of a one-token `plan` (made once for the layers of one capacity and
-        window), before the forward: its attention and ring write then read masks and slots instead of building
-        them. The layers of a chunk (or of no plan) get none: its attention builds masks per block of queries."""
-        steps, one_token = {}, plan is not None and plan.length == 1
+    def ring_steps(self, step: TokenStep) -> TokenStep:
+        """Give each layer the `RingStep` of one-token `step` (made once for the layers of one capacity and window),
+        before the forward: its attention and ring write then read masks and slots instead of building them."""
+        steps = {}
         # dense rings written in every row share one row index; an engine's pages resolve their own rows
-        every_row = (torch.arange(plan.start.shape[0], device=plan.start.device)
-                     if one_token and plan.rows is None else None)
+        every_row = torch.arange(step.start.shape[0], device=step.start.device) if step.rows is None else None
         for layer in self.layers:
             key = (layer.capacity, layer.window)
-            if one_token and key not in steps:
-                rows = every_row if plan.rows is None and layer.index is None else plan.rows
-                steps[key] = RingStep.of(plan, layer, rows)
-            layer.step = steps.get(key)
-        return plan
+            if key not in steps:
+                rows = every_row if step.rows is None and layer.index is None else step.rows
+                steps[key] = RingStep.of(step.plan, layer, rows)
+            layer.step = steps[key]
+        return step
 
-    def advance_rows(self, rows: torch.Tensor, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
+    def finish_rows(self, rows: torch.Tensor, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
         """Record one token read by each of rows `rows` (its pre-smear embedding and memory, [rows, 1, H]); the
         forward counts its columns itself."""
         self.positions = self.positions.index_add(0, rows, torch.ones_like(rows))
@@ -328,8 +401,10 @@ class MaglevCache(RowCache):
         if memories is not None:
             self.last_memory = self.last_memory.index_copy(0, rows, memories.to(self.last_memory.dtype))
 
-    def advance(self, plan: StepPlan, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
-        """Record a processed chunk: per row its real-token count, last real (pre-smear) embedding and memory."""
+    def finish_forward(self, step: PlannedStep, embeddings: torch.Tensor, memories: torch.Tensor | None) -> None:
+        """Record a processed step: per row its real-token count, last real (pre-smear) embedding and memory; its
+        columns, unless they were counted when it was prepared."""
+        plan = step.plan
         recorded = self.layers[0].records is not None
         if plan.length == 1:
             if recorded:
@@ -360,9 +435,8 @@ class MaglevCache(RowCache):
             if memories is not None:
                 self.last_memory = gather_columns(self.last_memory, memories, last)
             self.positions = self.positions + (plan.length if plan.valid is None else plan.valid.sum(dim=1))
-        if self.prepared is None:
+        if not step.counted:
             self.columns += plan.length
-        self.prepared = None  # a prepared forward's columns were counted when it was prepared
         if recorded:
             for layer in self.layers:
                 layer.open_records(None)
@@ -403,14 +477,14 @@ class MaglevCache(RowCache):
             store.map_rows(select)
         self.positions, self.last_memory, self.previous_embedding = (
             None if t is None else select(t) for t in (self.positions, self.last_memory, self.previous_embedding))
-        if self.prepared is not None:
-            valid = self.prepared.valid
-            self.begin_step(None if valid is None else select(valid), self.prepared.length)
+        if self.prepared_step is not None:  # prepared again: its plan was made for the rows as they were
+            valid = self.prepared_step.valid
+            self.prepare_columns(None if valid is None else select(valid), self.prepared_step.length)
 
     def crop(self, max_length: int) -> None:
         """`RowCache.crop`, after forgetting a prepared forward that did not run; growing rings then give back the
         slots only removed columns took."""
-        self.cancel_step()
+        self.cancel_prepared_step()
         columns = self.columns
         super().crop(max_length)
         if self.columns < columns:

@@ -35,6 +35,7 @@ from ..common.model_inputs import check_cache, check_token_ids, take_cache
 from ..common.seams import package_speedups, speedups_block
 from ..common.step_plan import (
     RowTokens,
+    Step,
     StepPlan,
     boundary_kwargs,
     bucket_index,
@@ -50,7 +51,7 @@ from ..common.step_plan import (
 )
 from ..common.tensor_parallel import local_columns, local_tensor
 from ..common.transformers_versions import CACHE_NAME, GENERATE_CACHE_KWARG
-from .cache_maglev import EngineRing, MaglevCache, MaglevCacheLayer, RingStep, visible_keys
+from .cache_maglev import ChunkStep, MaglevCache, MaglevCacheLayer, PrefillStep, TokenStep, visible_keys
 from .configuration_maglev import MaglevConfig
 from .curriculum_maglev import Schedule, current_schedule, lifted_passes, schedule_at
 
@@ -225,12 +226,12 @@ class MaglevAttention(nn.Module):
             self.memory_gate = with_init(
                 FullPrecisionLinear(config.memory_gate_channels, self.num_kv_heads, bias=False), "zeros")
 
-    def forward(self, x, value_embedding, memory, rotary, window, cache_layer, plan):
+    def forward(self, x, value_embedding, memory, rotary, window, cache_layer, step: Step):
         # x: [B, T, hidden] gives heads [B, T, H, D]; a decode step's [B, hidden] (one token per row) gives them
         # as [B, H, 1, D], the layout attention reads: plain matrix products and no reshapes around them
-        step = x.ndim == 2
-        heads = (x.shape[0], -1, 1, self.head_dim) if step else (*x.shape[:-1], -1, self.head_dim)
-        axis = -3 if step else -2  # where the heads are
+        flat = x.ndim == 2
+        heads = (x.shape[0], -1, 1, self.head_dim) if flat else (*x.shape[:-1], -1, self.head_dim)
+        axis = -3 if flat else -2  # where the heads are
         # -1 heads: under tensor parallelism a rank holds only its share of them (the memory follows its K/V heads)
         q, k, v = self.q_proj(x).view(heads), self.k_proj(x).view(heads), self.v_proj(x).view(heads)
         if memory is not None:
@@ -245,34 +246,38 @@ class MaglevAttention(nn.Module):
         # rotary and QK-norm act per head: queries and keys go through them together (fewer small ops per step)
         qk = apply_rotary(torch.cat([q, k], dim=axis), *rotary)
         q, k = (rms_norm(qk, self.eps) * self.qk_norm_scale).split([q.shape[axis], k.shape[axis]], dim=axis)
-        if not step:
+        if not flat:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if isinstance(cache_layer, EngineRing):  # a serving engine's pages: its operator attends and writes them
-            y = cache_layer.attention(q, k, v)
-        elif cache_layer is None:
-            y = self.attend(q, k, v, window, None, None, plan)
-        else:  # the ring is read before the chunk is written: a token takes the slot of a key it still sees
-            y = self.attend(q, k, v, window, cache_layer.read_ring(k, plan.rows), cache_layer, plan)
-            cache_layer.write_tokens(k, v, plan)
-        return self.o_proj(y.reshape(x.shape[0], -1) if step else y.transpose(1, 2).reshape(*x.shape[:-1], -1))
+        y = step.attend(self, cache_layer, q, k, v, window)
+        return self.o_proj(y.reshape(x.shape[0], -1) if flat else y.transpose(1, 2).reshape(*x.shape[:-1], -1))
 
     @property
     def eager(self) -> bool:
         """attn_implementation="eager": attention as explicit products instead of torch's fused kernel."""
         return self.config._attn_implementation == "eager"
 
-    def attend(self, q, k, v, window: int, ring, cache_layer: MaglevCacheLayer | None, plan: StepPlan) -> torch.Tensor:
-        """The chunk's queries over `ring` (the cache layer's keys and values before the chunk; None: no cache) and the
-        chunk's own keys within `window`. A one-token step reads its masks from the layer's `RingStep`, made before
-        the forward, and with `one_query_kernel` on runs as runtime_maglev's matrix-vector products (the plain
-        attention it equals otherwise); a chunk runs block by block of queries."""
-        ring_step: RingStep | None = None if cache_layer is None else cache_layer.step
-        if ring_step is None:
-            masks = None if ring is None else ring_mask(plan, cache_layer)
-            return windowed_attention(plan, q, k, v, window, self.eager, masks, ring)
+    def attend_chunk(self, q, k, v, window: int, cache_layer: MaglevCacheLayer | None,
+                     plan: StepPlan) -> torch.Tensor:
+        """The chunk's queries over the cache layer's ring before the chunk (None: no cache) and the chunk's own keys
+        within `window`, block by block of queries; then the chunk written into the ring (read first: a token takes
+        the slot of a key it still sees)."""
+        if cache_layer is None:
+            return windowed_attention(plan, q, k, v, window, self.eager)
+        ring = cache_layer.read_ring(k, plan.rows)
+        y = windowed_attention(plan, q, k, v, window, self.eager, ring_mask(plan, cache_layer), ring)
+        cache_layer.write_chunk(k, v, plan)
+        return y
+
+    def attend_token(self, q, k, v, cache_layer: MaglevCacheLayer, step: TokenStep) -> torch.Tensor:
+        """One token per row: written into the ring first (`update`), then its query over the written ring and the
+        key it displaced, under the layer's `RingStep` masks (made before the forward); with `one_query_kernel` on,
+        as runtime_maglev's matrix-vector products (the plain attention it equals otherwise)."""
+        ring_keys, ring_values, aside_keys, aside_values = cache_layer.update(k, v, step)
+        ring_step = cache_layer.step
         if runtime_maglev is not None and self.one_query_kernel:
-            return runtime_maglev.one_query_attention(q, k, v, *ring, ring_step.written)
-        keys, values = torch.cat([ring[0], k], dim=2), torch.cat([ring[1], v], dim=2)
+            return runtime_maglev.one_query_attention(q, aside_keys, aside_values, ring_keys, ring_values,
+                                                      ring_step.written, ring_step.aside)
+        keys, values = torch.cat([ring_keys, aside_keys], dim=2), torch.cat([ring_values, aside_values], dim=2)
         return attention(q, keys, values, ring_step.mask, self.eager)
 
 
@@ -302,9 +307,9 @@ class MaglevBlock(GradientCheckpointingLayer):
         self.self_attn = MaglevAttention(config, layer_idx, with_memory)
         self.mlp = MaglevMLP(config)
 
-    def forward(self, hidden, value_embedding, memory, rotary, window, cache_layer, plan):
+    def forward(self, hidden, value_embedding, memory, rotary, window, cache_layer, step: Step):
         hidden = hidden + self.self_attn(rms_norm(hidden, self.eps), value_embedding, memory, rotary, window,
-                                         cache_layer, plan)
+                                         cache_layer, step)
         return hidden + self.mlp(rms_norm(hidden, self.eps))
 
 
@@ -560,12 +565,12 @@ class MaglevModel(MaglevPreTrainedModel):
         head, memories = self.read_out(*self.run_stack(x0, values, memory, cache, plan, rotary,
                                                        hidden_states=hidden_states))
         if cache is not None:
-            cache.advance(plan, raw, memories if memory is not None else None)
+            cache.finish_forward(plan, raw, memories if memory is not None else None)
         return head, memories
 
     def prefiller_memories(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Q on a whole fresh sequence in parallel (no memory, Q's windows, padding skipped): m'."""
-        plan = StepPlan(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
+        plan = ChunkStep(input_ids.new_zeros(input_ids.shape[0]), valid, input_ids.shape[1])
         x0, _ = self.embed(input_ids, None, valid)
         values = self.value_embeddings_for(input_ids, x0.dtype)
         rotary = self.rotary_for(plan.query_positions, x0.dtype)
@@ -595,17 +600,17 @@ class MaglevModel(MaglevPreTrainedModel):
         values = self.value_embeddings_for(input_ids, x0.dtype)
         if valid is not None and length > 1 and not cache.recording:
             return self.recurrent_rows(x0, raw, values, cache, valid, hidden_states)
-        whole = cache.step_context(valid, 1) if length == 1 else StepPlan(cache.positions, valid, length)
+        whole = cache.forward_step(valid, 1) if length == 1 else StepPlan(cache.positions, valid, length)
         rotary = self.rotary_for(whole.query_positions, x0.dtype)
         heads, outputs, per_step = [], [], []
         for t in range(length):
             step = (lambda tensor: tensor) if length == 1 else (lambda tensor: tensor[:, t:t + 1])
-            plan = whole if length == 1 else cache.step_context(None if valid is None else step(valid), 1)
+            plan = whole if length == 1 else cache.forward_step(None if valid is None else step(valid), 1)
             step_states = None if hidden_states is None else []
             step_values = [None if v is None else step(v) for v in values]
             head, memories = self.read_out(*self.run_stack(step(x0), step_values, cache.last_memory, cache, plan,
                                                            tuple(map(step, rotary)), hidden_states=step_states))
-            cache.advance(plan, step(raw), memories)
+            cache.finish_forward(plan, step(raw), memories)
             heads.append(head)
             outputs.append(memories)
             per_step.append(step_states)
@@ -629,12 +634,12 @@ class MaglevModel(MaglevPreTrainedModel):
             active = [row for row, count in enumerate(tokens.counts) if count > t]
             rows = torch.tensor(active, device=x0.device)
             flat = tokens.offset[rows] + t
-            plan = cache.rows_step(None if len(active) == batch else rows)
+            plan = cache.token_step(None if len(active) == batch else rows)
             step_states = None if states is None else []
             head, memory = self.read_out(*self.run_stack(
                 x0[flat, None], [None if v is None else v[flat, None] for v in values],
                 cache.last_memory[rows], cache, plan, (cos[flat], sin[flat]), hidden_states=step_states))
-            cache.advance_rows(rows, raw[flat, None], memory)
+            cache.finish_rows(rows, raw[flat, None], memory)
             heads[flat], memories[flat] = head[:, 0], memory[:, 0]
             for layer_states, state in zip(states or [], step_states or []):
                 layer_states[flat] = state[:, 0]
@@ -657,7 +662,8 @@ class MaglevModel(MaglevPreTrainedModel):
             start = plan.start + (cut if valid is None else valid[:, :cut].sum(dim=1))
             if cache is not None:
                 cache.positions = start
-            plan = StepPlan(start, None, input_ids.shape[1] - cut)
+            plan, counted = ChunkStep(start, None, input_ids.shape[1] - cut), plan.counted
+            plan.counted = counted
             input_ids, mu = input_ids[:, cut:], mu[:, cut:]
         head, memories = self.decode_chunk(input_ids, mu, cache, plan, hidden_states)
         return head, memories, prefiller_memories
@@ -687,46 +693,48 @@ class MaglevModel(MaglevPreTrainedModel):
         prompt_states, draft_states = ([], []) if hidden_states is not None else (None, None)
         prompt_valid = cut(valid, 0, prompt)
         head, memories, prefiller_memories = self.prefill(
-            input_ids[:, :prompt], prompt_valid, cache, cache.step_context(prompt_valid, prompt), prompt_states)
+            input_ids[:, :prompt], prompt_valid, cache, cache.forward_step(prompt_valid, prompt), prompt_states)
         draft_head, draft_memories = self.recurrent(input_ids[:, prompt:], cache, cut(valid, prompt), draft_states)
         if hidden_states is not None:
             hidden_states.extend(torch.cat(pair, dim=1) for pair in zip(prompt_states, draft_states))
         return torch.cat([head, draft_head], dim=1), torch.cat([memories, draft_memories], dim=1), prefiller_memories
 
     @torch.compiler.disable
-    def prepare_step(self, input_ids, cache, attention_mask=None, position_ids=None) -> bool:
-        """Whether a forward of `input_ids` on `cache` runs on tensors alone - a decode step (one token per row on a
-        cache that has read tokens) or a "prefiller" prompt (several tokens on an empty cache, Q reading them) - in
-        eval mode and not recording for rollback; and if so its host side, done now: the input checks, the rows'
-        real tokens and the column count go to the cache (`MaglevCache.begin_step`), so that the forward reads
-        tensors only and traces as one graph (a decode step in `forward`, a prompt in `prefill_step`). generate()
-        runs it before each forward (`MaglevForCausalLM.prepare_inputs_for_generation`); a forward not prepared runs
-        it itself."""
+    def prepare_step(self, cache: MaglevCache, input_ids, attention_mask=None, position_ids=None, inputs_embeds=None,
+                     **kwargs) -> Step | None:
+        """The step of the next forward on `cache` when it runs on tensors alone - a decoding step (`TokenStep`: one
+        token per row on a cache that has read tokens) or a "prefiller" prompt (`PrefillStep`: several tokens on an
+        empty cache, Q reading them) - in eval mode and not recording for rollback, with its host side done (the
+        input checks, the rows' real tokens, the column count, a decoding step's ring masks and slots) and parked on
+        the cache (`cache.prepared_step`, replacing an earlier preparation) for that forward to take, so that it reads
+        tensors only and traces as one graph. None for any other forward (the general path; `inputs_embeds` and
+        `kwargs` are refused there). generate() runs it before each forward
+        (`MaglevForCausalLM.prepare_inputs_for_generation`); a forward not prepared runs it itself."""
         if self.training or not isinstance(cache, MaglevCache) or cache.recording or cache.prompt_length is not None \
-                or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
-            return False
+                or inputs_embeds is not None or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            return None
         batch, length = input_ids.shape
         decode = length == 1 and cache.columns > 0
         if not decode and not (self.config.use_memory and self.uses_prefiller(False, cache.columns, length)):
-            return False  # other forwards take the general path (a recurrent prompt runs Python over its tokens)
+            return None  # other forwards take the general path (a recurrent prompt runs Python over its tokens)
         check_input_ids(input_ids, None, self.config.vocab_size, cache)
         check_cache(cache, MaglevCache, self.config)
         if not decode and packed_documents(position_ids, attention_mask, {}, batch, length, "Maglev") is not None:
-            return False  # the general forward refuses a packed batch on a cache
+            return None  # the general forward refuses a packed batch on a cache
         cache.prepare(batch, memories_like(self), self.memory_init)  # new rows, or refuses another batch size
         valid = real_tokens(attention_mask, batch, length, cache.columns, input_ids.device)
         if position_ids is not None:
             self.check_positions(position_ids, cache, valid, input_ids)
-        cache.begin_step(valid, length)
-        return True
+        return cache.prepare_columns(valid, length)
 
-    def prefill_step(self, input_ids: torch.Tensor, cache: MaglevCache,
+    def prefill_step(self, input_ids: torch.Tensor, cache: MaglevCache, step: PrefillStep,
                      output_hidden_states: bool | None = None) -> MaglevModelOutput:
         """A prepared "prefiller" prompt (`prepare_step`): Q reads it, P runs on it in parallel (`prefill`), tensors
         only. A compiled forward traces it as one graph while the prompt fits one query block (QUERY_BLOCK plus
         the window; longer prompts are cut into blocks where the keys they reach are read on the host)."""
         hidden_states = [] if config_default(output_hidden_states, self.config, "output_hidden_states") else None
-        plan = cache.take_step(input_ids.shape[1])
+        plan = ChunkStep(cache.positions, step.valid, input_ids.shape[1])  # its length: the input's
+        plan.counted = True
         head, memories, prefiller_memories = self.prefill(input_ids, plan.valid, cache, plan, hidden_states,
                                                           last_only=self.last_position_only and hidden_states is None)
         if hidden_states is not None:
@@ -792,9 +800,10 @@ class MaglevModel(MaglevPreTrainedModel):
     ) -> MaglevModelOutput:
         """One of FORWARD_MODES, chosen by `forward_mode`: `lifted` (default: in training mode, unless
         `config.training_forward` is "recurrent") runs lifted parallel training when the prefiller is kept;
-        `memory_inputs` (tests, research) runs P in parallel on the given `mu` (`general_forward`). A decode step
-        (one token per row on a cache that has read tokens) runs here, a "prefiller" prompt in `prefill_step`,
-        their host side - input checks, positions, ring masks and slots - done first (`prepare_step`).
+        `memory_inputs` (tests, research) runs P in parallel on the given `mu` (`general_forward`). A decoding step
+        (one token per row on a cache that has read tokens) runs in `decode_step`, a "prefiller" prompt in
+        `prefill_step`, as the `Step` prepared for them (`prepare_step`: input checks, positions, ring masks and
+        slots done first) says.
 
         Padding (attention_mask == 0, anywhere) is skipped per row; without a mask every token is real
         and the model is strictly causal (right padding needs no mask). `position_ids`, when given, must be
@@ -806,24 +815,25 @@ class MaglevModel(MaglevPreTrainedModel):
         # compiled)
         plain = use_cache is not False and memory_inputs is None and inputs_embeds is None and not lifted \
             and not boundary_kwargs(kwargs)
-        prepared = isinstance(cache, MaglevCache) and cache.prepared is not None
-        if not (plain and (prepared or not self.training and self.prepare_step(input_ids, cache, attention_mask,
-                                                                                position_ids))):
-            if prepared:
-                cache.cancel_step()  # inputs a prepared step does not take: the general path counts its own columns
+        prepared = cache.prepared_step if isinstance(cache, MaglevCache) else None
+        if prepared is None and plain and not self.training:
+            prepared = self.prepare_step(cache, input_ids, attention_mask, position_ids)
+        if not plain or prepared is None:
+            if prepared is not None:  # inputs a prepared step does not take: the general path counts its own columns
+                cache.cancel_prepared_step()
             return self.general_forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache,
                                         output_attentions, output_hidden_states, lifted, memory_inputs, kwargs)
-        if input_ids.shape[1] > 1:
-            return self.prefill_step(input_ids, cache, output_hidden_states)
+        return cache.take_prepared_step().run(self, input_ids, cache, output_hidden_states)
 
-        # A decode step: P on one token per row fed its row's memory, the rings written in place; its positions, ring
-        # masks and slots were made with the step (`prepare_step`). The same computation as `recurrent` (memory
-        # off: `decode_chunk`) for one token, on [B, hidden] (fewer reshapes around every product).
+    def decode_step(self, input_ids: torch.Tensor, cache: MaglevCache, step: TokenStep,
+                    output_hidden_states: bool | None = None) -> MaglevModelOutput:
+        """A prepared decoding step: P on one token per row fed its row's memory, the rings written in place; its
+        positions, ring masks and slots were made with the step (`prepare_step`). The same computation as `recurrent`
+        (memory off: `decode_chunk`) for one token, on [B, hidden] (fewer reshapes around every product)."""
         config = self.config
-        plan = cache.take_step(1)
-        x0, raw = self.embed(input_ids, cache.previous_embedding, plan.valid)
+        x0, raw = self.embed(input_ids, cache.previous_embedding, step.valid)
         values = self.value_embeddings_for(input_ids[:, 0], x0.dtype)
-        rotary = self.rotary_for(plan.query_positions, x0.dtype)
+        rotary = self.rotary_for(step.query_positions, x0.dtype)
         memory = cache.last_memory[:, 0] if config.use_memory else None
         x0 = x0[:, 0]
         if memory is not None and self.memory_residual_proj is not None:
@@ -835,7 +845,7 @@ class MaglevModel(MaglevPreTrainedModel):
                 x = self.residual_lambdas[i] * x + self.x0_lambdas[i] * x0
             if hidden_states is not None:
                 hidden_states.append(x[:, None])
-            x = layer(x, values[i], memory, rotary, config.decoder_windows[i], cache.layers[i], plan)
+            x = layer(x, values[i], memory, rotary, config.decoder_windows[i], cache.layers[i], step)
             if self.backout_lambda is not None and i == config.backout_layer:
                 backout = x
             if i == config.memory_source_layer:
@@ -844,7 +854,7 @@ class MaglevModel(MaglevPreTrainedModel):
             x = x - self.backout_lambda.to(x.dtype) * backout
         head, memories = self.read_out(x, x if source is None else source)
         head, memories = head[:, None], memories[:, None]
-        cache.advance(plan, raw, None if memory is None else memories)
+        cache.finish_forward(step, raw, None if memory is None else memories)
         return MaglevModelOutput(
             last_hidden_state=head,
             hidden_states=None if hidden_states is None else (*hidden_states, head),
@@ -887,8 +897,8 @@ class MaglevModel(MaglevPreTrainedModel):
 
         def context():
             if cache is not None:
-                return cache.step_context(valid, length)
-            return StepPlan(input_ids.new_zeros(batch), valid, length)
+                return cache.forward_step(valid, length)
+            return ChunkStep(input_ids.new_zeros(batch), valid, length)
 
         if mode == "no_memory":
             head, memories = self.decode_chunk(input_ids, None, cache, context(), hidden_states)
@@ -897,7 +907,7 @@ class MaglevModel(MaglevPreTrainedModel):
                                                hidden_states)
         elif mode == "lifted":
             def decoder(mu, last):  # P in parallel; only the last pass writes the cache and the hidden states
-                plan = context() if last else StepPlan(input_ids.new_zeros(batch), valid, length)
+                plan = context() if last else ChunkStep(input_ids.new_zeros(batch), valid, length)
                 return self.decode_chunk(input_ids, mu, cache if last else None, plan,
                                          hidden_states if last else None)
             passes = 1 + (config.memory_self_feed_steps if self.training else 0)
@@ -1098,7 +1108,7 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         if lifted is None:
             lifted = self.training and self.config.training_forward == "lifted"
         training = self.training or lifted
-        prepared = isinstance(cache, MaglevCache) and cache.prepared is not None  # a prepared step: one graph
+        prepared = isinstance(cache, MaglevCache) and cache.prepared_step is not None  # a prepared step: one graph
         last_only = isinstance(logits_to_keep, int) and logits_to_keep == 1 and labels is None and not training \
             and not torch.compiler.is_compiling()
         if last_only:
@@ -1158,9 +1168,10 @@ class MaglevForCausalLM(MaglevPreTrainedModel, OwnCacheGenerationMixin, Generati
         caches = {"cache": cache, "past_key_values": past_key_values}
         inputs = super().prepare_inputs_for_generation(
             input_ids, *args, **{name: value for name, value in caches.items() if value is not None}, **kwargs)
-        if inputs.get("inputs_embeds") is None:
-            self.model.prepare_step(inputs["input_ids"], inputs.get(GENERATE_CACHE_KWARG),
-                                    inputs.get("attention_mask"), inputs.get("position_ids"))
+        cache = inputs.get(GENERATE_CACHE_KWARG)
+        if isinstance(cache, MaglevCache):
+            self.model.prepare_step(cache, inputs.get("input_ids"), inputs.get("attention_mask"),
+                                    inputs.get("position_ids"), inputs.get("inputs_embeds"))
         return inputs
 
     def _assisted_decoding(self, input_ids: torch.LongTensor, *args, **model_kwargs):
