@@ -297,7 +297,7 @@ def test_a_generated_file_carries_only_what_its_model_uses():
     them out (the folders still load and give the package's logits: the tests above)."""
     kvm, maglev = hub_code.hub_code_files("kvm"), hub_code.hub_code_files("maglev")
     assert "def bucket_mask" not in kvm["modeling_kvm.py"] and "def bucket_mask" in maglev["modeling_maglev.py"]
-    assert "def as_model_linear" in kvm["modeling_kvm.py"] and "def as_model_linear" not in maglev["modeling_maglev.py"]
+    assert "def gather_columns" not in kvm["modeling_kvm.py"] and "def gather_columns" in maglev["modeling_maglev.py"]
     assert all("def markdown_table" not in text for files in (kvm, maglev) for text in files.values())
 
 
@@ -306,7 +306,6 @@ def test_unused_definitions_go_and_named_ones_stay():
             "def helper():\n    pass\n\n\nX = used()\n")
     assert hub_code.without_unused(text) == "def used():\n    pass\n\n\nX = used()\n"
     assert "def helper" in hub_code.without_unused(text, read_elsewhere="from .x import helper")
-
 
 
 def test_a_section_left_without_code_loses_its_rule():
@@ -321,14 +320,14 @@ def test_a_section_left_without_code_loses_its_rule():
 @pytest.mark.parametrize("kind", ["kvm", "maglev"])
 def test_a_generated_file_defines_one_logger_and_no_empty_section(kind):
     """Each package module defines its own logger; a generated file, one. Modules whose every statement is built
-    first (the mixins of generation_cache, RowStorage) leave no empty section behind. The modeling file carries
-    nothing twice that the configuration file carries."""
+    first (the mixins of generation_cache) leave no empty section behind. The modeling file carries nothing twice
+    that the configuration file carries."""
     for name, text in hub_code.hub_code_files(kind).items():
         assert text.count("\nlogger = ") <= 1, name
         assert hub_code.without_empty_sections(text) == text, name
     modeling = hub_code.hub_code_files(kind)[f"modeling_{kind}.py"]
     assert "\nlogger = " in modeling and "# ---- generation_cache.py" not in modeling
-    assert "class OwnCacheGenerationMixin" in modeling and "# ---- row_storage.py" not in modeling
+    assert "class OwnCacheGenerationMixin" in modeling
     # what the configuration file carries (the version check, the cache's keyword) is imported from it, not repeated
     assert "\nCACHE_NAME = " not in modeling and "MIN_TRANSFORMERS" not in modeling
     assert "CACHE_NAME" in modeling.split("\n\n\n# ----")[0]

@@ -470,6 +470,7 @@ def test_push_refuses_training_state_unless_asked(tmp_path):
 
 PUSH_TRAINER_CHECKPOINT = """
 import contextlib, io
+import transformers.quantizers  # imports torchao where installed, whose CPU build prints at import: not captured
 from kvm_maglev.cli import main
 result = {}
 for name, flags in (("refused", []), ("asked", ["--include-training-state"])):

@@ -245,8 +245,11 @@ def without_empty_sections(text: str) -> str:
     """`text` without the section rules (and their comments) that no code follows: what the layout or
     `without_unused` left empty. A module's rule stays while one of its own rules follows it."""
     blocks = re.split(r"(?m)^(?=# (?:----|====))", text)
-    kept = [block for index, block in enumerate(blocks) if not is_empty_section(blocks, index)]
-    return "".join(kept)
+    while True:  # a module's rule whose parts all went is empty in the next round
+        kept = [block for index, block in enumerate(blocks) if not is_empty_section(blocks, index)]
+        if len(kept) == len(blocks):
+            return "".join(kept)
+        blocks = kept
 
 
 def is_empty_section(blocks: list[str], index: int) -> bool:
