@@ -283,6 +283,9 @@ class MaglevCache(RowCache):
         self.last_memory: torch.Tensor | None = None
         self.previous_embedding: torch.Tensor | None = None
         self.prompt_length: int | None = None  # set by assisted decoding: its first forward also carries drafts
+        # whether the running forward's columns are recorded (`forward_step` opened the layers' records): the cache
+        # knows, since an engine's compiled step puts layers of its own in the cache layers' place
+        self.recording_forward = False
         self.prepared_step: Step | None = None  # the next forward's, counted before it ran (`prepare_columns`)
 
     @classmethod
@@ -343,6 +346,7 @@ class MaglevCache(RowCache):
         growing rings make room for them first, and while recording each column gets its record."""
         self.reserve(length)
         columns = length if self.records_steps_of(1) else None
+        self.recording_forward = columns is not None
         for layer in self.layers:
             layer.open_records(columns)
         if length > 1:
@@ -405,7 +409,7 @@ class MaglevCache(RowCache):
         """Record a processed step: per row its real-token count, last real (pre-smear) embedding and memory; its
         columns, unless they were counted when it was prepared."""
         plan = step.plan
-        recorded = self.layers[0].records is not None
+        recorded, self.recording_forward = self.recording_forward, False
         if plan.length == 1:
             if recorded:
                 self.remember_column(0, self.positions, self.last_memory, self.previous_embedding)
