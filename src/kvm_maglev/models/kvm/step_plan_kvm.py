@@ -78,7 +78,7 @@ def cut_pieces(tokens: RowTokens, spans: list[tuple[int, int, int, int]], slidin
     row = torch.tensor(rows, dtype=torch.long, device=device)
     start, offset = tokens.start[row], tokens.offset[row]
     length = last - first + 1
-    width = max((span[2] - span[1] + 1 for span in spans), default=1)
+    width = max([span[2] - span[1] + 1 for span in spans], default=1)  # a list: dynamo inlines a generator recursively
     steps = torch.arange(width, device=device)
     query_valid = steps < length[:, None]
     query_pos = first[:, None] + torch.minimum(steps, length[:, None] - 1)
