@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .step_plan import Step
+
 
 @dataclass
 class LayerRecord:
@@ -199,6 +201,12 @@ class RowCache(Cache):
         self.columns = 0
         self.recording = False
         self.history: deque[StepRecord] = deque()  # while recording: the last steps, oldest first
+        self.prepared_step: Step | None = None  # the next forward's, prepared before it (the model's `prepare_step`)
+
+    def take_prepared_step(self) -> Step | None:
+        """The step prepared for the next forward (None: none), which that forward takes."""
+        step, self.prepared_step = self.prepared_step, None
+        return step
 
     def check_compatible(self, config) -> None:
         """Refuse to serve a model whose config differs in a field that decides what the cache holds."""

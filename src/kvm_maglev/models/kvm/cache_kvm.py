@@ -284,7 +284,6 @@ class KVMCache(RowCache):
         self.seen: list[int] = []  # real tokens each row has read
         self.rows = 0
         self.paged = False
-        self.prepared_step = None  # the next forward's `Step`, prepared before it (`KVMModel.prepare_step`)
 
     @classmethod
     def over_pages(cls, config: KVMConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
@@ -324,11 +323,6 @@ class KVMCache(RowCache):
         if self.records_steps_of(tokens.width if tokens.width else max(tokens.counts, default=0)):
             self.remember(StepRecord(self.columns, tokens.width, {"seen": list(self.seen)},
                                      [layer.open_record() for layer in self.layers], tokens))
-
-    def take_prepared_step(self):
-        """The step prepared for the next forward (None: none), which that forward takes."""
-        step, self.prepared_step = self.prepared_step, None
-        return step
 
     def count_decoding_step(self) -> None:
         """Every row reads one more token (a decoding step, whose forward then needs no bookkeeping)."""

@@ -286,7 +286,6 @@ class MaglevCache(RowCache):
         # whether the running forward's columns are recorded (`forward_step` opened the layers' records): the cache
         # knows, since an engine's compiled step puts layers of its own in the cache layers' place
         self.recording_forward = False
-        self.prepared_step: Step | None = None  # the next forward's, counted before it ran (`prepare_columns`)
 
     @classmethod
     def over_pages(cls, config: MaglevConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
@@ -365,11 +364,6 @@ class MaglevCache(RowCache):
         step = PrefillStep(valid, length) if length > 1 else self.ring_steps(TokenStep(self.positions, valid, 1))
         step.counted = True
         self.prepared_step = step
-        return step
-
-    def take_prepared_step(self) -> Step | None:
-        """The step prepared for the next forward (None: none), which that forward takes."""
-        step, self.prepared_step = self.prepared_step, None
         return step
 
     def cancel_prepared_step(self) -> None:
