@@ -69,7 +69,8 @@ class Pieces:
 def cut_pieces(tokens: RowTokens, spans: list[tuple[int, int, int, int]], sliding: int | None) -> Pieces:
     """`Pieces` from (row, first position, last position, lowest key position) spans, in row and position order.
     `sliding`: a sliding window's size (each query sees its last `sliding` positions), None for a KVM layer (the
-    piece's lowest key position holds for every query)."""
+    piece's lowest key position holds for every query). Widths come from lists, not generator expressions: compiled
+    generation traces this, and dynamo breaks its graph on a generator inside `max`/`any`."""
     device = tokens.device
     rows = [span[0] for span in spans]
     first = torch.tensor([span[1] for span in spans], dtype=torch.long, device=device)
@@ -78,21 +79,21 @@ def cut_pieces(tokens: RowTokens, spans: list[tuple[int, int, int, int]], slidin
     row = torch.tensor(rows, dtype=torch.long, device=device)
     start, offset = tokens.start[row], tokens.offset[row]
     length = last - first + 1
-    width = max([span[2] - span[1] + 1 for span in spans], default=1)  # a list: dynamo inlines a generator recursively
+    width = max([span[2] - span[1] + 1 for span in spans], default=1)
     steps = torch.arange(width, device=device)
     query_valid = steps < length[:, None]
     query_pos = first[:, None] + torch.minimum(steps, length[:, None] - 1)
     query_index = offset[:, None] + query_pos - start[:, None]
     query_low = query_pos - sliding + 1 if sliding is not None else low[:, None].expand_as(query_pos)
     new_first = torch.maximum(low, start)
-    keys = max((span[2] - max(span[3], tokens.starts[span[0]]) + 1 for span in spans), default=1)
+    keys = max([span[2] - max(span[3], tokens.starts[span[0]]) + 1 for span in spans], default=1)
     key_steps = torch.arange(keys, device=device)
     new_pos = new_first[:, None] + key_steps
     new_valid = new_pos <= last[:, None]
     new_index = torch.where(new_valid, offset[:, None] + new_pos - start[:, None], 0)
     order = torch.tensor([index * width + step for index, span in enumerate(spans)
                           for step in range(span[2] - span[1] + 1)], dtype=torch.long, device=device)
-    reads_ring = any(tokens.starts[r] > 0 for r in set(rows))
+    reads_ring = any([tokens.starts[r] > 0 for r in set(rows)])
     pieces = Pieces(rows, row, query_index, query_pos, query_valid, query_low.clamp(min=0), new_index,
                     torch.where(new_valid, new_pos, -1), reads_ring, order, rows == list(range(tokens.batch)), spans,
                     sliding)
@@ -188,7 +189,7 @@ def state_schedule(config, tokens: RowTokens, pieces: Pieces) -> StateSchedule:
     size = chunk * window_chunks
     device = tokens.device
     ends = [start + count for start, count in zip(tokens.starts, tokens.counts)]
-    most_folds = max((folded_blocks(config, end) for end in ends), default=0)
+    most_folds = max([folded_blocks(config, end) for end in ends], default=0)
     table = slots_after_folds(config, most_folds)
 
     def slots_after(seen: int) -> int:
@@ -199,9 +200,9 @@ def state_schedule(config, tokens: RowTokens, pieces: Pieces) -> StateSchedule:
                for row, end in enumerate(ends) if folded_blocks(config, end) > folded_blocks(config, tokens.starts[row])}
     rows = sorted(set(initial) | set(folding))
     local = {row: index for index, row in enumerate(rows)}
-    capacity = max((slots_after(ends[row]) for row in rows), default=0)
+    capacity = max([slots_after(ends[row]) for row in rows], default=0)
 
-    width = max((min(ends[row], chunk) - tokens.starts[row] for row in initial), default=1)
+    width = max([min(ends[row], chunk) - tokens.starts[row] for row in initial], default=1)
     initial_index, initial_slot = [], []
     for row in initial:
         start, stop = tokens.starts[row], min(ends[row], chunk)
@@ -210,7 +211,7 @@ def state_schedule(config, tokens: RowTokens, pieces: Pieces) -> StateSchedule:
         initial_slot.append(list(range(start, stop)) + [capacity] * (width - (stop - start)))
 
     folds = []
-    for round_index in range(max((len(blocks) for blocks in folding.values()), default=0)):
+    for round_index in range(max([len(blocks) for blocks in folding.values()], default=0)):
         members = [row for row in rows if row in folding and len(folding[row]) > round_index]
         blocks = [folding[row][round_index] for row in members]
         slots = [table[block - 1] for block in blocks]
