@@ -14,6 +14,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .step_plan import Step
 
 
+def refused(reason: str):
+    """A method refusing a call of transformers' cache API that does not apply: NotImplementedError with `reason`
+    (a format string of `name`, the class's name, and `self`)."""
+    def refuse(self, *args, **kwargs):
+        raise NotImplementedError(reason.format(name=type(self).__name__, self=self))
+    return refuse
+
+
 @dataclass
 class LayerRecord:
     """What one recorded step did to a cache layer: the values its writes replaced, in order (undone newest first);
@@ -140,29 +148,17 @@ class RowCacheLayer(RowStorage, CacheLayerMixin):
     def is_initialized(self) -> bool:
         return bool(self.tensors)
 
-    def lazy_initialization(self, *args, **kwargs) -> None:
-        raise NotImplementedError(f"{type(self).__name__} makes its storage in the first forward, for its rows: "
-                                  "rings (and states) per row, not one key and one value tensor")
-
-    def update(self, *args, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__} is written by its model's attention, not through "
-                                  "Cache.update()")
-
-    def get_seq_length(self) -> int:
-        raise NotImplementedError(f"{type(self).__name__}'s rows stand at their own positions: ask the cache "
-                                  "(`get_seq_length()` counts columns, `row_lengths()` each row's tokens)")
+    # transformers' cache-layer calls that do not apply, each refused with its reason
+    lazy_initialization = refused("{name} makes its storage in the first forward, for its rows: rings (and states) "
+                                  "per row, not one key and one value tensor")
+    update = refused("{name} is written by its model's attention, not through Cache.update()")
+    get_seq_length = refused("{name}'s rows stand at their own positions: ask the cache (`get_seq_length()` counts "
+                             "columns, `row_lengths()` each row's tokens)")
+    get_mask_sizes = refused("{name}: the model builds its own masks over ring slots, per row")
+    offload = prefetch = refused("{name} stays on the model's device (no offloading)")
 
     def get_max_length(self) -> int:
         return -1  # no maximum sequence length: the rings slide
-
-    def get_mask_sizes(self, *args, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__}: the model builds its own masks over ring slots, per row")
-
-    def offload(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} stays on the model's device (no offloading)")
-
-    def prefetch(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} stays on the model's device (no offloading)")
 
     def reset(self) -> None:
         self.tensors = {}
@@ -278,36 +274,18 @@ class RowCache(Cache):
         """Whether the rows carry state from earlier forwards."""
         return self.columns > 0
 
-    def early_initialization(self, *args, **kwargs) -> None:
-        raise NotImplementedError(f"{type(self).__name__} starts its rows on the first forward: {self.ROW_START}")
-
-    def increase_count(self, *args, **kwargs) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no convolution states to count: the model counts "
-                                  "its columns")
-
-    def update(self, *args, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__} is filled by the {self.MODEL_NAME} model itself, not "
-                                  "through Cache.update()")
-
-    def update_conv_state(self, *args, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__} has no convolution states (its layers hold rings of "
-                                  f"window keys and values, which the {self.MODEL_NAME} model writes itself)")
-
-    def update_recurrent_state(self, *args, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__} has no linear-attention recurrent states: what each row "
-                                  f"carries is the {self.MODEL_NAME} model's own")
-
-    def get_mask_sizes(self, *args, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__} builds its own masks (ring slots per layer, a position "
-                                  "per row), so transformers' mask sizes do not describe it")
-
-    def offload(self, *args, **kwargs) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support offloading: its layers stay on the "
-                                  "model's device")
-
-    def prefetch(self, *args, **kwargs) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support offloading, so there is nothing to "
-                                  "prefetch")
+    # transformers' cache calls that do not apply, each refused with its reason
+    early_initialization = refused("{name} starts its rows on the first forward: {self.ROW_START}")
+    increase_count = refused("{name} has no convolution states to count: the model counts its columns")
+    update = refused("{name} is filled by the {self.MODEL_NAME} model itself, not through Cache.update()")
+    update_conv_state = refused("{name} has no convolution states (its layers hold rings of window keys and values, "
+                                "which the {self.MODEL_NAME} model writes itself)")
+    update_recurrent_state = refused("{name} has no linear-attention recurrent states: what each row carries is the "
+                                     "{self.MODEL_NAME} model's own")
+    get_mask_sizes = refused("{name} builds its own masks (ring slots per layer, a position per row), so "
+                             "transformers' mask sizes do not describe it")
+    offload = refused("{name} does not support offloading: its layers stay on the model's device")
+    prefetch = refused("{name} does not support offloading, so there is nothing to prefetch")
 
     def reset(self) -> None:
         self.__init__(self.config, self.max_rollback)
