@@ -9,13 +9,14 @@ converter's (`kvm_maglev.convert.kvm.RESEARCH_NAMES`); the table in docs/convers
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
-from ..common.config_fields import init_signature, store_fields
+from ..common.config_fields import init_signature, own_fields, store_fields
 from ..common.transformers_versions import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
 
 logger = logging.get_logger(__name__)
@@ -85,6 +86,8 @@ def append_count(config, block: int, slots: int) -> int:
 STATE_BUDGET_MODES = ("fixed", "power_law", "kvm_saturation")
 VALUE_RESIDUAL_MODES = ("linear", "rwkv", "rwkv_post_tokenshift")
 MERGE_ROUTING_DTYPES = ("float32", "model")
+POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "chunk_size",
+                   "window_chunks", "state_max_chunks", "state_budget_round_to")
 # Switch fields stored as bools: research YAML gives them as 0/1.
 SWITCHES = ("merge_gate_keys", "merge_gate_values", "merge_gate_appends", "merge_gate_initial_state",
             "head_temperatures", "state_value_norms", "kvm_token_shift", "ffn_token_shift", "value_residual",
@@ -323,91 +326,71 @@ class KVMConfig(PretrainedConfig):
 
     # ---- validation ----------------------------------------------------------------------
     def validate_kvm(self) -> None:
-        """Raise ValueError naming the field and the allowed values for any unsupported setting."""
+        """Raise ValueError naming the field and the allowed values for the first unsupported setting."""
+        for field, valid, allowed in self.checks():
+            if not valid:
+                raise ValueError(f"KVMConfig.{field}={getattr(self, field)!r} is invalid: expected {allowed}.")
+            if field == "rotary_dim" and self.rotary_dim == self.qk_head_dim:
+                logger.warning_once(
+                    f"rotary_dim equals head_dim ({self.qk_head_dim}): state keys zero the rotary channels, so every "
+                    "state slot gets the same score and the state acts as a plain average. Use a smaller rotary_dim "
+                    "(default: half).")
 
-        def fail(field: str, allowed: str) -> None:
-            raise ValueError(f"KVMConfig.{field}={getattr(self, field)!r} is invalid: expected {allowed}.")
-
-        def positive_int(field: str) -> None:
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                fail(field, "a positive integer")
-
-        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                      "chunk_size", "window_chunks", "state_max_chunks", "state_budget_round_to"):
-            positive_int(field)
-        for field in ("head_dim", "value_head_dim", "intermediate_size"):
-            if getattr(self, field) is not None:
-                positive_int(field)
-        if (self.head_dim is None or self.value_head_dim is None) and self.hidden_size % self.num_attention_heads:
-            fail("num_attention_heads", f"a divisor of hidden_size={self.hidden_size} (or set head_dim and value_head_dim)")
-        self.validate_kv_heads(fail)
-        head = self.qk_head_dim
-        if not isinstance(self.rotary_dim, int) or self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > head:
-            fail("rotary_dim", f"an even integer in [2, head_dim={head}]")
-        if self.rotary_dim == head:
-            logger.warning_once(
-                f"rotary_dim equals head_dim ({head}): state keys zero the rotary channels, so every state slot "
-                "gets the same score and the state acts as a plain average. Use a smaller rotary_dim (default: half)."
-            )
-        if (not isinstance(self.sliding_window_rotary_dim, int) or self.sliding_window_rotary_dim < 0
-                or self.sliding_window_rotary_dim % 2 or self.sliding_window_rotary_dim > head):
-            fail("sliding_window_rotary_dim", f"an even integer in [0, head_dim={head}]")
-        if not isinstance(self.sink_slots, int) or not 0 <= self.sink_slots < self.chunk_size:
-            fail("sink_slots", f"an integer in [0, chunk_size={self.chunk_size}) so that a mergeable slot remains")
-        if self.merge_routing_dtype not in MERGE_ROUTING_DTYPES:
-            fail("merge_routing_dtype", f"one of {MERGE_ROUTING_DTYPES}")
-        if self.state_budget_mode not in STATE_BUDGET_MODES:
-            fail("state_budget_mode", f"one of {STATE_BUDGET_MODES}")
-        if not isinstance(self.state_budget_min, int) or self.state_budget_min < -1:
-            fail("state_budget_min", "an integer >= -1 (-1: no appends beyond the first chunk)")
-        if self.state_budget_mode == "power_law":
-            if not self.state_budget_factor > 0:
-                fail("state_budget_factor", "a number > 0")
-            if not 0 <= self.state_budget_exponent <= 1:
-                fail("state_budget_exponent", "a number in [0, 1]")
-        if self.state_budget_mode == "kvm_saturation" and (
-            not isinstance(self.state_budget_saturation, int) or self.state_budget_saturation < 1
-        ):
-            fail("state_budget_saturation", "a positive integer when state_budget_mode='kvm_saturation'")
-        if not self.state_value_norms and not self.state_stays_one_chunk:
-            # the research count update only has defined shapes while merged blocks and state are equal in size
-            fail("state_value_norms", "True unless the state never grows past one chunk "
-                 "(state_max_chunks=1, or state_budget_mode='fixed' with state_budget_min <= chunk_size)")
-        for field in ("kvm_value_residual_mode", "sliding_window_value_residual_mode"):
-            if getattr(self, field) not in VALUE_RESIDUAL_MODES:
-                fail(field, f"one of {VALUE_RESIDUAL_MODES}")
-        if not isinstance(self.sliding_window_every, int) or self.sliding_window_every < 0 or self.sliding_window_every == 1:
-            fail("sliding_window_every", "0 (no sliding-window layers) or an integer >= 2")
-        if self.sliding_window is not None and not isinstance(self.sliding_window, int):
-            fail("sliding_window", "an integer (<= 0 or None: chunk_size)")
-        if self.sliding_window_every and self.num_hidden_layers < 2:
-            fail("num_hidden_layers", "at least 2 when sliding_window_every is set (layer 1 must be a KVM layer)")
-        if self.value_residual and "rwkv_post_tokenshift" in (
-            self.kvm_value_residual_mode, self.sliding_window_value_residual_mode
-        ) and self.hidden_size != self.num_attention_heads * self.v_head_dim:
-            fail("value_head_dim", "hidden_size // num_attention_heads with value residual mode 'rwkv_post_tokenshift'")
-        if not self.residual_scale or self.residual_scale <= 0:
-            fail("residual_scale", "a number > 0")
-        if self.logit_softcap < 0:
-            fail("logit_softcap", "a number >= 0 (0 disables it)")
-
-    def validate_kv_heads(self, fail) -> None:
-        """num_key_value_heads: a divisor of the query heads, only where the research code supports it."""
-        kv = self.num_key_value_heads
-        if kv is None:
-            return
-        if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.num_attention_heads % kv:
-            fail("num_key_value_heads", f"None or a positive divisor of num_attention_heads={self.num_attention_heads}")
-        if kv == self.num_attention_heads:
-            return
+    def checks(self) -> Iterator[tuple[str, bool, str]]:
+        """(field, whether its value is valid, what is allowed) for each check, in order: a check is made only once
+        those before it passed, so it may rely on their fields."""
+        heads, kv, post_shift = self.num_attention_heads, self.num_key_value_heads, "rwkv_post_tokenshift"
+        for name in POSITIVE_FIELDS:
+            yield name, is_positive_int(getattr(self, name)), "a positive integer"
+        for name in ("head_dim", "value_head_dim", "intermediate_size"):
+            yield name, getattr(self, name) is None or is_positive_int(getattr(self, name)), "a positive integer"
+        yield ("num_attention_heads", (self.head_dim and self.value_head_dim) or not self.hidden_size % heads,
+               f"a divisor of hidden_size={self.hidden_size} (or set head_dim and value_head_dim)")
+        yield ("num_key_value_heads", kv is None or (is_positive_int(kv) and not heads % kv),
+               f"None or a positive divisor of num_attention_heads={heads}")
+        grouped = kv is not None and kv != heads
         # the research sliding-window mixer keeps one key/value head per query head
-        if self.sliding_window_every:
-            fail("num_key_value_heads", "None (or num_attention_heads) when sliding_window_every is set: "
-                 "sliding-window layers have no grouped-query attention")
-        if self.value_residual and self.kvm_value_residual_mode == "rwkv_post_tokenshift":
-            fail("num_key_value_heads", "None (or num_attention_heads) with kvm_value_residual_mode "
-                 "'rwkv_post_tokenshift' (not supported with grouped-query attention)")
+        yield ("num_key_value_heads", not (grouped and self.sliding_window_every),
+               "None (or num_attention_heads) when sliding_window_every is set: sliding-window layers have no "
+               "grouped-query attention")
+        yield ("num_key_value_heads", not (grouped and self.value_residual and self.kvm_value_residual_mode == post_shift),
+               f"None (or num_attention_heads) with kvm_value_residual_mode '{post_shift}' (not supported with "
+               "grouped-query attention)")
+        head = self.qk_head_dim
+        yield "rotary_dim", is_even_int(self.rotary_dim, 2, head), f"an even integer in [2, head_dim={head}]"
+        yield ("sliding_window_rotary_dim", is_even_int(self.sliding_window_rotary_dim, 0, head),
+               f"an even integer in [0, head_dim={head}]")
+        yield ("sink_slots", isinstance(self.sink_slots, int) and 0 <= self.sink_slots < self.chunk_size,
+               f"an integer in [0, chunk_size={self.chunk_size}) so that a mergeable slot remains")
+        yield "merge_routing_dtype", self.merge_routing_dtype in MERGE_ROUTING_DTYPES, f"one of {MERGE_ROUTING_DTYPES}"
+        yield "state_budget_mode", self.state_budget_mode in STATE_BUDGET_MODES, f"one of {STATE_BUDGET_MODES}"
+        yield ("state_budget_min", isinstance(self.state_budget_min, int) and self.state_budget_min >= -1,
+               "an integer >= -1 (-1: no appends beyond the first chunk)")
+        power_law = self.state_budget_mode == "power_law"
+        yield "state_budget_factor", not power_law or self.state_budget_factor > 0, "a number > 0"
+        yield "state_budget_exponent", not power_law or 0 <= self.state_budget_exponent <= 1, "a number in [0, 1]"
+        saturation = self.state_budget_saturation
+        yield ("state_budget_saturation", self.state_budget_mode != "kvm_saturation"
+               or (isinstance(saturation, int) and saturation >= 1),
+               "a positive integer when state_budget_mode='kvm_saturation'")
+        # the research count update only has defined shapes while merged blocks and state are equal in size
+        yield ("state_value_norms", self.state_value_norms or self.state_stays_one_chunk,
+               "True unless the state never grows past one chunk (state_max_chunks=1, or state_budget_mode='fixed' "
+               "with state_budget_min <= chunk_size)")
+        for name in ("kvm_value_residual_mode", "sliding_window_value_residual_mode"):
+            yield name, getattr(self, name) in VALUE_RESIDUAL_MODES, f"one of {VALUE_RESIDUAL_MODES}"
+        every = self.sliding_window_every
+        yield ("sliding_window_every", isinstance(every, int) and every >= 0 and every != 1,
+               "0 (no sliding-window layers) or an integer >= 2")
+        yield ("sliding_window", self.sliding_window is None or isinstance(self.sliding_window, int),
+               "an integer (<= 0 or None: chunk_size)")
+        yield ("num_hidden_layers", not every or self.num_hidden_layers >= 2,
+               "at least 2 when sliding_window_every is set (layer 1 must be a KVM layer)")
+        post_shifted = post_shift in (self.kvm_value_residual_mode, self.sliding_window_value_residual_mode)
+        yield ("value_head_dim", not (self.value_residual and post_shifted) or self.hidden_size == heads * self.v_head_dim,
+               f"hidden_size // num_attention_heads with value residual mode '{post_shift}'")
+        yield "residual_scale", bool(self.residual_scale) and not self.residual_scale <= 0, "a number > 0"
+        yield "logit_softcap", not self.logit_softcap < 0, "a number >= 0 (0 disables it)"
 
     def check_tensor_parallel(self, tp_size: int) -> None:
         """Raise ValueError when a tensor-parallel size would split a key/value head from its query heads."""
@@ -468,19 +451,21 @@ class KVMConfig(PretrainedConfig):
         return self.num_hidden_layers * batch_size * max(num_tokens, 0) * per_token
 
 
+
+def is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def is_even_int(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and low <= value <= high and not value % 2
+
+
 KVMConfig.__init__.__signature__ = init_signature(KVMConfig)
-# The fields a saved cache depends on (its config fingerprint): what the cache holds and how a model reads it.
-CACHE_CONFIG_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "value_head_dim", "intermediate_size", "layer_norm_eps", "rope_theta", "rotary_dim", "chunk_size",
-    "window_chunks", "sink_slots", "state_budget_mode", "state_budget_min", "state_budget_factor",
-    "state_budget_exponent", "state_budget_saturation", "state_budget_round_to", "state_max_chunks",
-    "merge_gate_keys", "merge_gate_values", "merge_gate_appends", "merge_gate_initial_state", "merge_routing_dtype",
-    "head_temperatures", "state_value_norms", "kvm_token_shift", "ffn_token_shift", "value_residual",
-    "kvm_value_residual_mode", "sliding_window_every", "sliding_window", "sliding_window_rope_theta",
-    "sliding_window_rotary_dim", "sliding_window_token_shift", "sliding_window_value_residual_mode",
-    "sliding_window_share_value_residual", "block_lambdas", "residual_scale", "logit_softcap",
-)
+# The fields a saved cache depends on (its config fingerprint): what the cache holds and how a model reads it, every
+# field but these
+NOT_IN_CACHE = ("max_position_embeddings", "tie_word_embeddings", "use_cache", "pad_token_id", "bos_token_id",
+                "eos_token_id")
+CACHE_CONFIG_FIELDS = tuple(field.name for field in own_fields(KVMConfig) if field.name not in NOT_IN_CACHE)
 
 
 def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
