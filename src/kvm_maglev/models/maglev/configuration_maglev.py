@@ -10,6 +10,7 @@ documented in its docstring, the architecture's and inference's (`Args:`) first,
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ CONSISTENCY_LOSSES = ("mse", "cosine")
 MEMORY_PREFILL_MODES = ("recurrent", "prefiller")
 TRAINING_FORWARDS = ("lifted", "recurrent")
 WEIGHT_INITS = ("nanochat", "torch")
+POSITIVE_FIELDS = ("vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "sequence_len")
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -198,85 +201,72 @@ class MaglevConfig(PretrainedConfig):
     # ----- validation -------------------------------------------------------------------
     def validate_maglev(self) -> None:
         """Raise a ValueError naming the field of the first invalid setting."""
-        positive = ("vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size",
-                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "max_position_embeddings", "sequence_len")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})")
-        if self.head_dim % 2:
-            raise ValueError(f"hidden_size / num_attention_heads must be even for rotary, got {self.head_dim}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
-                f"num_attention_heads ({self.num_attention_heads})")
-        _check_pattern("window_pattern", self.window_pattern)
-        _check_pattern("prefiller_window_pattern", self.prefiller_window_pattern)
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
-        if self.logit_softcap is not None and self.logit_softcap <= 0:
-            raise ValueError(f"logit_softcap must be positive or None, got {self.logit_softcap}")
-        for name, used in (("value_embedding_gate_channels", self.use_value_embeddings),
-                           ("smear_gate_channels", self.use_smear),
-                           ("memory_gate_channels", self.use_memory)):
-            channels = getattr(self, name)
-            if used and not 1 <= channels <= self.hidden_size:
-                raise ValueError(f"{name} must be in [1, hidden_size={self.hidden_size}], got {channels}")
-        if self.use_backout and not 0 <= self.backout_layer < self.num_hidden_layers:
-            raise ValueError(
-                f"backout_layer must be in [0, num_hidden_layers={self.num_hidden_layers}), got {self.backout_layer}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 2):
-            raise ValueError(f"sliding_window must be an integer >= 2 (keys including the current token) "
-                             f"or None, got {self.sliding_window!r}")
-        if self.use_memory and self.sliding_window is None:
-            raise ValueError("sliding_window must be set when use_memory is true")
-        if self.consistency_loss not in CONSISTENCY_LOSSES:
-            raise ValueError(f"consistency_loss must be one of {CONSISTENCY_LOSSES}, got {self.consistency_loss!r}")
-        if self.consistency_weight < 0:
-            raise ValueError(f"consistency_weight must be >= 0, got {self.consistency_weight}")
-        if self.memory_prefill not in MEMORY_PREFILL_MODES:
-            raise ValueError(f"memory_prefill must be one of {MEMORY_PREFILL_MODES}, got {self.memory_prefill!r}")
-        if self.training_forward not in TRAINING_FORWARDS:
-            raise ValueError(f"training_forward must be one of {TRAINING_FORWARDS}, got {self.training_forward!r}")
-        if self.memory_prefill == "prefiller" and not (self.use_memory and self.has_prefiller):
-            raise ValueError("memory_prefill='prefiller' needs use_memory=true and the prefiller's weights "
-                             "(has_prefiller=true); convert with --keep-prefiller")
-        self.validate_memory_training()
+        for valid, error in self.checks():
+            if not valid:
+                raise ValueError(error)
 
-    def validate_memory_training(self) -> None:
-        """Checks of the memory's shape switches and the training switches that close the exposure gap."""
-        layer = self.memory_source_layer
-        if layer is not None and (not _is_int(layer) or not 0 <= layer < self.num_hidden_layers):
-            raise ValueError(f"memory_source_layer must be None or in [0, num_hidden_layers="
-                             f"{self.num_hidden_layers}), got {layer!r}")
+    def checks(self) -> Iterator[tuple[bool, str]]:
+        """(whether a setting is valid, the error naming its field) for each check, in order: a check is made only
+        once those before it passed, so it may rely on their fields."""
+        for name in POSITIVE_FIELDS:
+            value = getattr(self, name)
+            yield is_int(value) and value >= 1, f"{name} must be a positive integer, got {value!r}"
+        heads, kv_heads, hidden, layers = (self.num_attention_heads, self.num_key_value_heads, self.hidden_size,
+                                           self.num_hidden_layers)
+        yield not hidden % heads, f"num_attention_heads ({heads}) must divide hidden_size ({hidden})"
+        yield not self.head_dim % 2, f"hidden_size / num_attention_heads must be even for rotary, got {self.head_dim}"
+        yield not heads % kv_heads, f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})"
+        for name in ("window_pattern", "prefiller_window_pattern"):
+            pattern = getattr(self, name)
+            yield (isinstance(pattern, str) and pattern and all(c in WINDOW_LETTERS for c in pattern.upper()),
+                   f"{name} must be a non-empty string of the letters S and L, got {pattern!r}")
+        yield not self.rope_theta <= 0, f"rope_theta must be positive, got {self.rope_theta}"
+        cap = self.logit_softcap
+        yield cap is None or not cap <= 0, f"logit_softcap must be positive or None, got {cap}"
+        for name, used in (("value_embedding_gate_channels", self.use_value_embeddings),
+                           ("smear_gate_channels", self.use_smear), ("memory_gate_channels", self.use_memory)):
+            channels = getattr(self, name)
+            yield not used or 1 <= channels <= hidden, f"{name} must be in [1, hidden_size={hidden}], got {channels}"
+        yield (not self.use_backout or 0 <= self.backout_layer < layers,
+               f"backout_layer must be in [0, num_hidden_layers={layers}), got {self.backout_layer}")
+        window = self.sliding_window
+        yield (window is None or (isinstance(window, int) and not window < 2),
+               f"sliding_window must be an integer >= 2 (keys including the current token) or None, got {window!r}")
+        yield not (self.use_memory and window is None), "sliding_window must be set when use_memory is true"
+        loss = self.consistency_loss
+        yield loss in CONSISTENCY_LOSSES, f"consistency_loss must be one of {CONSISTENCY_LOSSES}, got {loss!r}"
+        yield not self.consistency_weight < 0, f"consistency_weight must be >= 0, got {self.consistency_weight}"
+        for name, allowed in (("memory_prefill", MEMORY_PREFILL_MODES), ("training_forward", TRAINING_FORWARDS)):
+            yield getattr(self, name) in allowed, f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
+        yield (self.memory_prefill != "prefiller" or (self.use_memory and self.has_prefiller),
+               "memory_prefill='prefiller' needs use_memory=true and the prefiller's weights (has_prefiller=true); "
+               "convert with --keep-prefiller")
+        yield from self.memory_training_checks()
+
+    def memory_training_checks(self) -> Iterator[tuple[bool, str]]:
+        """`checks` of the memory's shape switches and the training switches that close the exposure gap."""
+        layer, layers = self.memory_source_layer, self.num_hidden_layers
+        yield (layer is None or (is_int(layer) and 0 <= layer < layers),
+               f"memory_source_layer must be None or in [0, num_hidden_layers={layers}), got {layer!r}")
         for name in ("memory_self_feed_steps", "memory_self_feed_mix_ramp_steps", "consistency_weight_ramp_steps"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if not 0.0 <= self.memory_self_feed_mix <= 1.0:
-            raise ValueError(f"memory_self_feed_mix must be in [0, 1], got {self.memory_self_feed_mix}")
-        if self.memory_noise_std < 0:
-            raise ValueError(f"memory_noise_std must be >= 0, got {self.memory_noise_std}")
+            yield is_int(value) and not value < 0, f"{name} must be an integer >= 0, got {value!r}"
+        mix = self.memory_self_feed_mix
+        yield 0.0 <= mix <= 1.0, f"memory_self_feed_mix must be in [0, 1], got {mix}"
+        yield not self.memory_noise_std < 0, f"memory_noise_std must be >= 0, got {self.memory_noise_std}"
         for name in ("consistency_weight_final", "consistency_weight_after_detach"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be None or >= 0, got {value}")
-        if (self.consistency_weight_final is None) != (self.consistency_weight_ramp_steps == 0):
-            raise ValueError("consistency_weight_final and consistency_weight_ramp_steps go together (a linear "
-                             f"ramp), got {self.consistency_weight_final!r} and {self.consistency_weight_ramp_steps!r}")
+            yield value is None or not value < 0, f"{name} must be None or >= 0, got {value}"
+        final, ramp = self.consistency_weight_final, self.consistency_weight_ramp_steps
+        yield ((final is None) == (ramp == 0), "consistency_weight_final and consistency_weight_ramp_steps go "
+               f"together (a linear ramp), got {final!r} and {ramp!r}")
         after = self.consistency_detach_target_after
-        if after is not None and (not _is_int(after) or after < 0):
-            raise ValueError(f"consistency_detach_target_after must be None or an integer >= 0, got {after!r}")
-        if self.weight_init not in WEIGHT_INITS:
-            raise ValueError(f"weight_init must be one of {WEIGHT_INITS}, got {self.weight_init!r}")
-        if not self.use_memory and (self.memory_projection or self.memory_residual_injection
-                                    or self.memory_self_feed_steps):
-            raise ValueError("memory_projection, memory_residual_injection and memory_self_feed_steps need "
-                             "use_memory=true")
+        yield (after is None or (is_int(after) and not after < 0),
+               f"consistency_detach_target_after must be None or an integer >= 0, got {after!r}")
+        yield self.weight_init in WEIGHT_INITS, f"weight_init must be one of {WEIGHT_INITS}, got {self.weight_init!r}"
+        yield (self.use_memory or not (self.memory_projection or self.memory_residual_injection
+                                       or self.memory_self_feed_steps),
+               "memory_projection, memory_residual_injection and memory_self_feed_steps need use_memory=true")
 
     @property
     def step_dependent_training(self) -> bool:
@@ -422,10 +412,5 @@ def growing_capacity(num_tokens: int) -> int:
     return capacity
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_pattern(name: str, pattern: str) -> None:
-    if not isinstance(pattern, str) or not pattern or any(c not in WINDOW_LETTERS for c in pattern.upper()):
-        raise ValueError(f"{name} must be a non-empty string of the letters S and L, got {pattern!r}")
