@@ -13,7 +13,7 @@ Each engine step runs `KVMModel.forward` once over every scheduled token of ever
 prefill chunks together, whatever their positions. vLLM compiles it (its `support_torch_compile`, unless
 `enforce_eager`): the traced graph holds the projections, norms and feed-forwards, and splits at the operators of
 `engine_ops` (token shifts, attention), which run each layer's per-request work eagerly on a `KVMCache` whose layers
-are bound to the pages (`KVMCache.over_pages`, built once per step): no copy into a cache and back. A request at
+are bound to the pages (`page_caches.kvm_cache_over_pages`, built once per step): no copy into a cache and back. A request at
 position 0 (new, or preempted and recomputed) starts from an empty state; a chunked prompt continues from its pages.
 Folds run at the chunk boundary, batched over the requests that cross one in the step.
 """
@@ -34,6 +34,7 @@ from kvm_maglev.models.kvm.modeling_kvm import KVMModel
 from kvm_maglev.models.kvm.step_plan_kvm import PromptStep
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.engine_ops import PagedStep
+from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
 from kvm_maglev.vllm.pages import PagedStateModel, page_layers, scheduled_step
 from kvm_maglev.vllm.tensor_parallel import shard_by_plan
 
@@ -141,7 +142,7 @@ class VllmKVMForCausalLM(PagedStateModel):
             return None
         if self.rows is None or self.rows[0] is not metadata:
             step = scheduled_step(self.state_layers, positions)
-            cache = KVMCache.over_pages(self.config, self.named_pages(), step.pages, step.starts)
+            cache = kvm_cache_over_pages(self.config, self.named_pages(), step.pages, step.starts)
             if all(count == 1 for count in step.counts) and all(step.starts):  # every request decodes
                 model_step = self.model.decoding_step(cache, step.starts, positions.device)
             else:

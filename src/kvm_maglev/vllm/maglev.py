@@ -8,7 +8,7 @@ embedding, read from and written to layer 0's page; the other layers' carry rows
 one size). A request's position is vLLM's token position, so it is not stored.
 
 Each engine step runs `MaglevModel.forward` on a `MaglevCache` whose layers are bound to the pages
-(`MaglevCache.over_pages`). Recurrent folders: one forward; P reads every request's tokens in order, the paper's
+(`page_caches.maglev_cache_over_pages`). Recurrent folders: one forward; P reads every request's tokens in order, the paper's
 recurrent prompt processing, and each recurrent step advances every request that has a token left in one batch
 (`MaglevModel.recurrent_rows`). Chunked prefill continues a request from its pages, and a preempted request restarts
 at position 0 with a fresh state, so both give the tokens of one uninterrupted `generate()`.
@@ -44,6 +44,7 @@ from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevModel
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.engine_ops import PagedDecodeStep, PagedRing
+from kvm_maglev.vllm.page_caches import maglev_cache_over_pages
 from kvm_maglev.vllm.pages import PagedStateModel, ScheduledStep, page_layers
 from kvm_maglev.vllm.tensor_parallel import plan_rule, rank_slice, shard_by_plan, split_table_columns
 
@@ -130,7 +131,7 @@ class VllmMaglevForCausalLM(PagedStateModel):
         index = [torch.arange(rows, device=device) for _ in rings]
         position = max(pages.shapes[0][1] for pages in self.state_layers) + 1  # past the widest ring
         carry = torch.zeros(rows, config.hidden_size, dtype=self.state_layers[0].dtypes[2], device=device)
-        cache = MaglevCache.over_pages(config, rings, index, [position] * rows, carry, carry, self.model.memory_init)
+        cache = maglev_cache_over_pages(config, rings, index, [position] * rows, carry, carry, self.model.memory_init)
         return input_ids.new_zeros(rows, 1), cache
 
     def split_value_embeddings(self) -> dict[str, int]:
@@ -194,7 +195,7 @@ class VllmMaglevForCausalLM(PagedStateModel):
         valid = torch.zeros_like(rows, dtype=torch.bool)
         valid[columns] = True
         carry = self.read_carries(step.pages[0])
-        cache = MaglevCache.over_pages(
+        cache = maglev_cache_over_pages(
             self.config, [{"keys": self.page_tensors(i)[0], "values": self.page_tensors(i)[1]}
                           for i in range(len(self.state_layers))],
             step.pages, step.starts, carry[:, MEMORY], carry[:, EMBEDDING], self.model.memory_init)

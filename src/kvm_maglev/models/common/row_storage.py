@@ -41,15 +41,6 @@ class RowStorage:
         self.run: slice | None = None  # `index` as a slice when it is a run of consecutive storage rows
         self.record: LayerRecord | None = None  # while recording a step: where its writes keep what they replace
 
-    def bind(self, tensors: dict[str, torch.Tensor], index: torch.Tensor) -> None:
-        """Read and write `tensors` (an engine's pages, [pages, ...] each), the forward's rows being storage rows
-        `index`. When those are consecutive (requests admitted together often hold consecutive pages), reading
-        all rows is a view of the pages, not a copy."""
-        self.tensors, self.index = tensors, index
-        pages = index.tolist()
-        consecutive = bool(pages) and pages == list(range(pages[0], pages[0] + len(pages)))
-        self.run = slice(pages[0], pages[0] + len(pages)) if consecutive else None
-
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 

@@ -9,7 +9,7 @@ last real token of each shifted stream); a sliding-window layer its ring of the 
 values and its carries. How much of each is live follows from the row's position (state_kvm's one rule).
 
 A layer's tensors are addressed by row (`RowStorage`): generate()'s cache owns dense tensors with one storage row
-per batch row; a serving engine binds its own per-request pages (`KVMCache.over_pages`) and the same layer code
+per batch row; a serving engine binds its own per-request pages (the vLLM plugin's `page_caches`) and the same layer code
 reads and writes them in place. While recording (assisted decoding) each layer keeps, per forward, what its writes
 replaced and what the forward computed (`KVMLayerRecord`), so `crop` undoes forwards and redoes the kept columns of
 one it falls inside, exactly.
@@ -285,18 +285,6 @@ class KVMCache(RowCache):
         self.rows = 0
         self.paged = False
 
-    @classmethod
-    def over_pages(cls, config: KVMConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
-                   seen: list[int]) -> KVMCache:
-        """A cache whose layers read and write a serving engine's pages in place: `pages[i]` are layer i's page
-        tensors (named as the layers name them, [pages, ...]), `index[i]` the page of each row in them, `seen`
-        each row's position."""
-        cache = cls(config)
-        for layer, tensors, pages_of_rows in zip(cache.layers, pages, index):
-            layer.bind(tensors, pages_of_rows)
-        cache.seen, cache.rows, cache.paged = list(seen), len(seen), True
-        return cache
-
     # ---- what the model uses ----------------------------------------------------------------------------
     def row_starts(self, batch: int) -> list[int]:
         """Where each of a forward's `batch` rows stands (all at 0 on the first forward); another batch size than
@@ -354,24 +342,6 @@ class KVMCache(RowCache):
         """Entries per layer for monitors: state slots (KVM layers) or window tokens (sliding-window layers)."""
         return [max(((layer.live_window(seen) if layer.is_sliding else layer.live_slots(seen)) for seen in self.seen),
                     default=0) for layer in self.layers]
-
-    def row_tensors(self, row: int) -> list[torch.Tensor]:
-        """What the cache holds for one row, live entries only, the window in position order: per layer its
-        window, state and carries (for comparing caches row by row)."""
-        seen, out = self.seen[row], []
-        index = torch.tensor([row])
-        for layer in self.layers:
-            begin = seen - layer.live_window(seen)
-            slots = (torch.arange(begin, seen) % layer.ring_size)
-            for name in sorted(layer.tensors):
-                tensor = layer.read(name, index)
-                if name in WINDOW:
-                    out.append(tensor[:, :, slots])
-                elif name in STATE or name in READ:
-                    out.append(tensor[:, :, :layer.live_slots(seen)])
-                elif seen:
-                    out.append(tensor)
-        return out
 
     def nbytes(self) -> int:
         """Bytes of the live data the cache holds: each row's window tokens, state slots and carries (not spare

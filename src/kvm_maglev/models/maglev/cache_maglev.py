@@ -287,32 +287,6 @@ class MaglevCache(RowCache):
         # knows, since an engine's compiled step puts layers of its own in the cache layers' place
         self.recording_forward = False
 
-    @classmethod
-    def over_pages(cls, config: MaglevConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
-                   positions: list[int], memory: torch.Tensor, embedding: torch.Tensor,
-                   memory_init: torch.Tensor | None) -> "MaglevCache":
-        """A cache whose layers read and write a serving engine's pages in place: `pages[i]` are layer i's ring
-        tensors ("keys", "values": [pages, Hkv, slots, D]), `index[i]` the page of each row in them; `positions`
-        each row's position, `memory` and `embedding` [rows, H] each row's carries. Rows at position 0 start
-        fresh whatever their pages hold: empty rings, no smear, memory `memory_init` (None: the memory is off)."""
-        cache = cls(config)
-        device = embedding.device
-        fresh = torch.tensor([position == 0 for position in positions], device=device)
-        for layer, tensors, rows in zip(cache.layers, pages, index):
-            layer.bind(tensors, rows)
-            layer.batch, layer.grows = len(positions), False
-            layer.capacity = tensors["keys"].shape[2]
-            if bool(fresh.any()):
-                layer.zero_rows(fresh.nonzero().squeeze(1))
-        cache.positions = torch.tensor(positions, dtype=torch.long, device=device)
-        cache.previous_embedding = torch.where(fresh[:, None], 0, embedding)[:, None]
-        if memory_init is not None:
-            cache.last_memory = torch.where(fresh[:, None], memory_init.to(memory.dtype), memory)[:, None]
-        # 0 when every row starts fresh: the model's first forward, which the prefiller reads in "prefiller" mode
-        # (as generate()'s first); else a count above 0, so that the forward continues the rows
-        cache.columns = max(positions) + 1 if any(positions) else 0
-        return cache
-
     # ----- what the model uses -----------------------------------------------------------
     def prepare(self, batch_size: int, like: torch.Tensor, memory_init: torch.Tensor | None) -> None:
         """Start empty rows on the first forward (smear predecessor 0 = no smear, memory = memory_init);

@@ -1,0 +1,60 @@
+"""The models' caches over a serving engine's pages: the plugin's adapter, which binds each cache layer to the pages
+vLLM allocated, so that the models' own layer code reads and writes them in place (no copy into a cache and back).
+The models know only that a layer's storage row of a forward's row i is `index[i]` (`RowStorage`)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvm_maglev.models.common.row_storage import RowStorage
+from kvm_maglev.models.kvm.cache_kvm import KVMCache
+from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
+from kvm_maglev.models.maglev.cache_maglev import MaglevCache
+from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
+
+
+def bind_pages(storage: RowStorage, tensors: dict[str, torch.Tensor], index: torch.Tensor) -> None:
+    """Let `storage` read and write `tensors` (an engine's pages, [pages, ...] each), the forward's rows being pages
+    `index`. When those are consecutive (requests admitted together often hold consecutive pages), reading all rows
+    is a view of the pages, not a copy (`RowStorage.run`)."""
+    storage.tensors, storage.index = tensors, index
+    pages = index.tolist()
+    consecutive = bool(pages) and pages == list(range(pages[0], pages[0] + len(pages)))
+    storage.run = slice(pages[0], pages[0] + len(pages)) if consecutive else None
+
+
+def kvm_cache_over_pages(config: KVMConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
+                         seen: list[int]) -> KVMCache:
+    """A KVMCache whose layers read and write the pages in place: `pages[i]` are layer i's page tensors (named as
+    the layers name them, [pages, ...]), `index[i]` the page of each row in them, `seen` each row's position."""
+    cache = KVMCache(config)
+    for layer, tensors, pages_of_rows in zip(cache.layers, pages, index):
+        bind_pages(layer, tensors, pages_of_rows)
+    cache.seen, cache.rows, cache.paged = list(seen), len(seen), True
+    return cache
+
+
+def maglev_cache_over_pages(config: MaglevConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
+                            positions: list[int], memory: torch.Tensor, embedding: torch.Tensor,
+                            memory_init: torch.Tensor | None) -> MaglevCache:
+    """A MaglevCache whose layers read and write the pages in place: `pages[i]` are layer i's ring tensors ("keys",
+    "values": [pages, Hkv, slots, D]), `index[i]` the page of each row in them; `positions` each row's position,
+    `memory` and `embedding` [rows, H] each row's carries. Rows at position 0 start fresh whatever their pages hold:
+    empty rings, no smear, memory `memory_init` (None: the memory is off)."""
+    cache = MaglevCache(config)
+    device = embedding.device
+    fresh = torch.tensor([position == 0 for position in positions], device=device)
+    for layer, tensors, rows in zip(cache.layers, pages, index):
+        bind_pages(layer, tensors, rows)
+        layer.batch, layer.grows = len(positions), False
+        layer.capacity = tensors["keys"].shape[2]
+        if bool(fresh.any()):
+            layer.zero_rows(fresh.nonzero().squeeze(1))
+    cache.positions = torch.tensor(positions, dtype=torch.long, device=device)
+    cache.previous_embedding = torch.where(fresh[:, None], 0, embedding)[:, None]
+    if memory_init is not None:
+        cache.last_memory = torch.where(fresh[:, None], memory_init.to(memory.dtype), memory)[:, None]
+    # 0 when every row starts fresh: the model's first forward, which the prefiller reads in "prefiller" mode (as
+    # generate()'s first); else a count above 0, so that the forward continues the rows
+    cache.columns = max(positions) + 1 if any(positions) else 0
+    return cache
