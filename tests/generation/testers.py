@@ -11,6 +11,7 @@ import torch
 
 from kvm_maglev import KVMConfig, KVMForCausalLM  # the package's classes: the row-block loss is theirs
 from kvm_maglev.models.kvm import KVMCache
+from kvm_maglev.models.kvm.cache_kvm import READ, STATE, WINDOW
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from tests.models.maglev.test_maglev_model import VOCAB as MAGLEV_VOCAB
 from tests.models.maglev.test_maglev_model import tiny_model as tiny_maglev
@@ -100,9 +101,27 @@ def tiny_kvm(seed: int = 0, **overrides) -> KVMForCausalLM:
     return _KVM_MODELS[key]
 
 
+def kvm_row_tensors(cache: KVMCache, row: int) -> list[torch.Tensor]:
+    """What the cache holds for one row, live entries only, the window in position order: per layer its window,
+    state and carries (for comparing caches row by row)."""
+    seen, out = cache.seen[row], []
+    index = torch.tensor([row])
+    for layer in cache.layers:
+        slots = torch.arange(seen - layer.live_window(seen), seen) % layer.ring_size
+        for name in sorted(layer.tensors):
+            tensor = layer.read(name, index)
+            if name in WINDOW:
+                out.append(tensor[:, :, slots])
+            elif name in STATE or name in READ:
+                out.append(tensor[:, :, :layer.live_slots(seen)])
+            elif seen:
+                out.append(tensor)
+    return out
+
+
 def kvm_row_state(cache: KVMCache, row: int) -> list[torch.Tensor]:
     """Everything the cache holds for one row: per layer its live window (in position order), state and carries."""
-    return cache.row_tensors(row) + [torch.tensor(cache.row_lengths()[row])]
+    return kvm_row_tensors(cache, row) + [torch.tensor(cache.row_lengths()[row])]
 
 
 KVM = GenerationTester(

@@ -11,6 +11,7 @@ import torch
 
 from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
+from tests.generation.testers import kvm_row_tensors
 
 BASE = dict(
     vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, rotary_dim=8,
@@ -241,4 +242,4 @@ def test_folds_computed_ahead_are_bitwise_identical(budget, speedups):
     assert all(layer.pending is None for layer in boundary_cache.layers)
     assert torch.equal(ahead, at_boundary)
     for row in range(2):
-        assert all(torch.equal(x, y) for x, y in zip(ahead_cache.row_tensors(row), boundary_cache.row_tensors(row)))
+        assert all(torch.equal(x, y) for x, y in zip(kvm_row_tensors(ahead_cache, row), kvm_row_tensors(boundary_cache, row)))

@@ -14,6 +14,7 @@ from kvm_maglev.models.common.transformers_versions import GENERATE_CACHE_KWARG
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.models.kvm.decode_step_kvm import DecodeStep
 from kvm_maglev.models.kvm.step_plan_kvm import PromptStep
+from tests.generation.testers import kvm_row_tensors
 
 BASE = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, chunk_size=4, window_chunks=2)
 VARIANTS = {
@@ -70,7 +71,7 @@ def test_decoding_steps_equal_the_general_path(variant):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
     assert cache.row_lengths() == reference_cache.row_lengths()
     for row in range(3):
-        for ours, theirs in zip(cache.row_tensors(row), reference_cache.row_tensors(row)):
+        for ours, theirs in zip(kvm_row_tensors(cache, row), kvm_row_tensors(reference_cache, row)):
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-5)
 
 
@@ -191,7 +192,7 @@ def test_compiled_prompt_chunks_equal_eager(variant, padded):
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     assert compiled_cache.row_lengths() == eager_cache.row_lengths()
     for row in range(3):
-        for ours, theirs in zip(compiled_cache.row_tensors(row), eager_cache.row_tensors(row)):
+        for ours, theirs in zip(kvm_row_tensors(compiled_cache, row), kvm_row_tensors(eager_cache, row)):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM, modeling_kvm, state_kvm
 from kvm_maglev.models.speedups import onednn_linear
+from tests.generation.testers import kvm_row_tensors
 
 
 def random_model(**overrides) -> KVMForCausalLM:
@@ -75,7 +76,7 @@ def test_stepping_inside_runtime_speedups_matches_the_plain_model():
         assert any(layer.pending is not None for layer in fast_cache.layers)
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
     for row in range(2):
-        for x, y in zip(fast_cache.row_tensors(row), plain_cache.row_tensors(row)):
+        for x, y in zip(kvm_row_tensors(fast_cache, row), kvm_row_tensors(plain_cache, row)):
             torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)  # sums of many tokens
     assert all(type(m) is torch.nn.Linear and "onednn" not in vars(m) for m in linears)
     assert plain_cache.layers[0].pending is not None  # outside the block folds are paced too
