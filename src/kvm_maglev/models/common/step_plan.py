@@ -1,14 +1,12 @@
 """Per-row geometry of one forward, shared by both models: which columns are real tokens and where each row
-stands, each token's real predecessor, KVM's row groups and chunk grid, Maglev's query blocks, and the documents
-of a packed row. Plans are built from a forward's inputs and the cache's counts and hold nothing between forwards;
-the caches hold storage, rollback and save/load.
+stands, each token's real predecessor, Maglev's query blocks, and the documents of a packed row; and `Step`, the one
+protocol of a forward's kind. Plans are built from a forward's inputs and the cache's counts and hold nothing
+between forwards.
 
 Packed rows (several documents in one row, as DataCollatorWithFlattening and TRL's padding-free batches make
-them): both models run a right-padded batch exactly (they are causal, so trailing pads never reach a real token)
-and batch rows independently. A packed row is therefore run exactly by splitting it into its documents, gathering
-them into a few length buckets (lengths rounded up to `align`, the KVM chunk size, so every document's chunk grid
-starts at its own first token), running each bucket as an ordinary unpacked batch, and scattering the outputs
-back to the packed layout, where the head and the loss run as usual."""
+them) run exactly as their documents in a few right-padded length buckets (lengths rounded up to `align`, the KVM
+chunk size, so that every document's chunk grid starts at its own first token), the outputs scattered back.
+"""
 
 from __future__ import annotations
 

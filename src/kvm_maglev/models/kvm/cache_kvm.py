@@ -1,18 +1,11 @@
 """KVMCache: what a KVM model carries between forward calls, one layer object per decoder layer (`cache.layers`).
 
-Every row of a batch is at its own position, the number of real tokens it has read (padding never enters
-anything), and a forward may advance rows by different numbers of tokens. Per row, a KVM layer holds its block
-window as a ring (keys, values and merge gates of positions `window_start(n)` .. n - 1, position p in slot
-p % window_size), its state (key sums, value sums, value norms or counts) padded to a capacity, the state's
-attention-ready form (recomputed only when the state changes, once per chunk), and the token-shift carries (the
-last real token of each shifted stream); a sliding-window layer its ring of the last `sliding_window` keys and
-values and its carries. How much of each is live follows from the row's position (state_kvm's one rule).
-
-A layer's tensors are addressed by row (`RowStorage`): generate()'s cache owns dense tensors with one storage row
-per batch row; a serving engine binds its own per-request pages (the vLLM plugin's `page_caches`) and the same layer code
-reads and writes them in place. While recording (assisted decoding) each layer keeps, per forward, what its writes
-replaced and what the forward computed (`KVMLayerRecord`), so `crop` undoes forwards and redoes the kept columns of
-one it falls inside, exactly.
+Each row stands at its own position (the real tokens it has read; padding enters nothing). Per row, a KVM layer
+holds its block window as a ring (position p in slot p % window_size), its state padded to a capacity, the state's
+attention-ready form (recomputed only when the state changes, once per chunk) and the token-shift carries; a
+sliding-window layer its ring and carries. How much of each is live follows from the row's position (the one rule
+of configuration_kvm). While recording (assisted decoding) each layer also keeps what a forward computed
+(`KVMLayerRecord`), so that `crop` can redo the kept columns of a forward it falls inside.
 """
 
 from __future__ import annotations

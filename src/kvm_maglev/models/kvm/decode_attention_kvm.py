@@ -1,13 +1,8 @@
-"""Decoding attention of KVM: one query per row over its row's state slots and window ring, read in place.
+"""Decoding attention of KVM: one query per row over its row's live state slots and visible window ring slots, one
+softmax, read in place by a per-row page index (dense storage under generate(), an engine's pages under vLLM).
 
-Each row's query attends, in one softmax, to the live slots of its row's state and to the ring slots its query sees,
-each segment with its own per-head temperature. Both are read from the storage tensors by a per-row page index: under
-generate() the storage is dense and row i is page i; under a serving engine the storage is the engine's pages.
-
-`state_window_attention_torch` computes it (as `joint_attention` of modeling_kvm over a state and a window key set)
-with plain tensor operations of static shapes: no host syncs, traceable by torch.compile with fullgraph=True. It is
-the reference of the optional Triton kernel (speedups/decode_kernel_kvm), which the seam `decoding_attention` picks
-where it is there and reads the tensors on CUDA.
+`state_window_attention_torch` is `joint_attention` of modeling_kvm in static shapes (no host syncs, traceable with
+fullgraph=True), and the reference of the optional Triton kernel that the seam `decoding_attention` picks.
 """
 
 from __future__ import annotations

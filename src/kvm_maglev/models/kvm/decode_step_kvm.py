@@ -1,17 +1,10 @@
 """KVM's decoding step as one graph: every row reads one token, and nothing in the forward waits on the host.
 
-A decoding step's geometry depends only on where each row stands, so it is computed before the forward from the
-cache's positions, as tensors (`DecodeStep`, made by `KVMModel.decoding_step`, a kind of `Step`): the token's position, its slot in
-each window ring, which ring slots it sees, how many state slots it reads, whether it enters its row's first
-chunk. The fold of a block leaving the window needs only tokens the ring already holds, so it runs then too (the
-cache layer's `fold_due`, for the rows `rows_folding` names). Under vLLM the same step runs over the engine's pages
-(each cache layer's page index). In the forward each attention hands its token to its cache layer (`update`: the
-ring slot, a first-chunk state slot) and reads state and window in one softmax (`decode_attention_kvm`), and the
-token shifts swap the carries (the step's `token_shift`): fixed shapes, no `.item()`, no Python over rows - what
-`torch.compile(fullgraph=True)` and CUDA graphs need.
-
-The general path (`KVMAttention.attend` over `Pieces` and a `StateSchedule`) is the reference: a decoding step
-taken either way gives the same logits and leaves the same cache (tests/models/kvm/test_kvm_decode_step.py).
+A decoding step's geometry depends only on where each row stands, so `DecodeStep` holds it as tensors made before
+the forward, and the folds its tokens read run then too (the cache layers' `fold_due`, for the rows
+`rows_folding` names): fixed shapes, no `.item()`, no Python over rows - what `torch.compile(fullgraph=True)` and
+CUDA graphs need. The general path (`KVMAttention.attend` over `Pieces`) is its reference: the same logits and the
+same cache (tests/models/kvm/test_kvm_decode_step.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """KVM's paced fold, kept apart from the math (state_kvm) and from the cache layers that carry it (cache_kvm).
 
-Whatever steps the model (generate(), a loop of one's own), a decoding forward on a dense cache whose rows stand at
-one position computes ahead the fold of the block that leaves the window at the next chunk boundary, one of
-state_kvm's fold stages every few decoding steps, so that the boundary step costs what any other step costs: the
-cache's layers carry the fold under way (`pending`) and own it: a forward runs its next stage (`KVMCacheLayer.fold_ahead`)
-and the fold round at the boundary swaps it in (`KVMCacheLayer.take_fold_ahead`), the same tensors bit for bit. A
-serving engine's paged cache folds at the boundary, batched. Measurements behind it: docs/kvm_runtime_notes.md.
+A decoding forward on a dense cache whose rows stand at one position computes ahead, one of state_kvm's fold
+stages every few steps, the fold of the block that leaves the window at the next chunk boundary, so that the
+boundary step costs what any other step costs (`KVMCacheLayer.fold_ahead`, swapped in by `take_fold_ahead`: the
+same tensors bit for bit). An engine's paged cache folds at the boundary, batched. Measurements:
+docs/kvm_runtime_notes.md.
 """
 from __future__ import annotations
 
