@@ -194,7 +194,7 @@ def maglev_state(cache: MaglevCache) -> list[torch.Tensor]:
     tensors = [cache.positions, cache.previous_embedding]
     tensors += [] if cache.last_memory is None else [cache.last_memory]
     for store in cache.layers:
-        tensors += list(store.state().values())
+        tensors += list(store.tensors.values())
     return tensors
 
 

@@ -62,7 +62,7 @@ def maglev_state(cache) -> tuple[dict[str, torch.Tensor], dict]:
     if cache.last_memory is not None:
         tensors["last_memory"] = cache.last_memory
     for i, layer in enumerate(cache.layers):
-        tensors.update({f"layers.{i}.{name}": t for name, t in layer.state().items()})
+        tensors.update({f"layers.{i}.{name}": t for name, t in layer.tensors.items()})
     fields = {"seen_tokens": cache.columns, "batch_size": cache.batch_size,
               "dtype": str(cache.previous_embedding.dtype).removeprefix("torch.")}
     return tensors, fields

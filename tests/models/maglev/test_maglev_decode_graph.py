@@ -147,7 +147,7 @@ def test_decode_step_equals_the_general_one_token_forward_exactly(overrides):
             step = model(token, past_key_values=cache).logits
             logits.append(step)
             token = step[:, -1:].argmax(-1)
-        rings = [t for layer in cache.layers for t in layer.state().values()]
+        rings = [t for layer in cache.layers for t in layer.tensors.values()]
         state = [cache.positions, cache.previous_embedding] + rings
         runs.append((torch.cat(logits, 1), state))
     assert torch.equal(runs[0][0], runs[1][0])
@@ -201,7 +201,7 @@ def test_fullgraph_prefiller_prompts_equal_eager_and_recompile_once():
             inputs = prompt_inputs(model, ids, mask)
             logits = forward(**inputs).logits
             cache = inputs[GENERATE_CACHE_KWARG]
-            runs.append((logits, cache.get_seq_length(), cache.last_memory, cache.layers[0].state()["keys"]))
+            runs.append((logits, cache.get_seq_length(), cache.last_memory, cache.layers[0].tensors["keys"]))
         assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1] == length
         assert torch.equal(runs[0][2], runs[1][2]) and torch.equal(runs[0][3], runs[1][3])
     assert len(graphs) == 2

@@ -35,7 +35,7 @@ def test_speedups_equal_the_plain_path(overrides):
         cache, logits = getattr(out, CACHE_NAME), [out.logits]
         for t in range(13, 21):
             logits.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).logits)
-        return torch.cat(logits, dim=1), [t for store in cache.layers for t in store.state().values()]
+        return torch.cat(logits, dim=1), [t for store in cache.layers for t in store.tensors.values()]
 
     plain_logits, plain_state = run()
     with model.runtime_speedups():

@@ -187,10 +187,6 @@ class MaglevCacheLayer(RowCacheLayer):
     def length(self) -> int:
         return self.capacity if "keys" in self else 0
 
-    def state(self) -> dict:
-        return dict(self.tensors)
-
-
 
 class PlannedStep(Step):
     """A Maglev step over its forward's plan (`plan`, a `StepPlan`: the rows' positions, their real tokens, masks
