@@ -1,7 +1,7 @@
 """docs/architecture.md names only what exists: every backticked path is a file, every `module.name` and
 `Class.member` is defined there (a class's bases included), and every other backticked name is defined somewhere in
-the package (or is one of the few outside names it cites). A span
-with a `<placeholder>` is a template, not a name."""
+the package (or is one of the few outside names it cites). A span with a `<placeholder>` is a template, not a
+name."""
 
 from __future__ import annotations
 
