@@ -1,11 +1,9 @@
-"""Where the models pick their optional speed-ups (`kvm_maglev.models.speedups`), one seam each: the implementation
-imports or is None, and the model takes it or its plain torch path, the reference it is tested against (as
-transformers' models take a kernel or their torch fallback).
+"""Where the models pick their optional speed-ups (`kvm_maglev.models.speedups`), one seam each: the speed-up
+module or None, and the model takes it or its plain torch path, the reference it is tested against.
 
-In the package the speed-ups are its own, on by default. A Hub folder's generated file is the plain model unless its
-user asks for an installed kvm_maglev's speed-ups, as transformers' `use_kernels=True` asks for kernels: with
-`KVM_MAGLEV_SPEEDUPS=1` in the environment before the model's code is imported. It records the speed-ups' version it
-was written with (`CODE_VERSION`) and takes them only at that version; never required.
+In the package the speed-ups are on by default. A generated file is the plain model unless its user sets
+`KVM_MAGLEV_SPEEDUPS=1` before importing it (as `use_kernels=True` asks transformers for kernels), and then takes an
+installed kvm_maglev's speed-ups only at the version it was written with (`CODE_VERSION`).
 """
 
 from __future__ import annotations

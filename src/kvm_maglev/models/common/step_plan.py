@@ -192,15 +192,11 @@ class RowTokens:
 
 
 class Step:
-    """One forward's tokens as a model's layers read them, prepared before the forward (a model's
-    `prepare_step(cache, input_ids, ...)`, which generate() runs in `prepare_inputs_for_generation` and parks on the
-    cache as `cache.prepared_step`; the forward takes it with `cache.take_prepared_step()`, or prepares one itself).
+    """One forward's tokens as a model's layers read them, prepared before the forward by the model's
+    `prepare_step(cache, input_ids, ...)` (parked on the cache for the forward to take) or by the forward itself.
 
-    Its kinds - a decoding step (one token per row, its geometry made before the forward), a prompt chunk (any other
-    forward), a serving engine's step over its pages (the vLLM plugin's) - differ in how the tokens are laid out, how
-    a layer's streams are token-shifted, how a layer attends over its cache layer and what the cache records after
-    the layers. They carry that as the methods below, so that a model runs one loop whatever the kind; each model
-    uses the methods its layers have (KVM: token shifts and `attend`; Maglev: `attend`)."""
+    Its kinds (a decoding step, a prompt chunk, a serving engine's step over its pages) differ in the methods below,
+    so that a model runs one loop whatever the kind."""
 
     def flatten(self, x: torch.Tensor) -> torch.Tensor:
         """The forward's tokens [N, ...], flat, of the model's [batch, length, ...] input layout."""

@@ -1,9 +1,7 @@
-"""What the models need to run sharded by transformers' tensor parallelism (`from_pretrained(tp_plan="auto")`).
-
-The plans in the configs split the attention projections by head (colwise in, rowwise out) and the MLP by
-hidden unit. Per-head parameters outside the linear layers (token-shift mixes, gate biases, temperatures)
-are sharded by the same plans into DTensors; the layers read the rank's own part with `local_tensor`, so
-each rank computes its heads - and keeps their state - alone. Imports only torch: any model folder can carry it.
+"""What the models need to run sharded by transformers' tensor parallelism (`from_pretrained(tp_plan="auto")`):
+the configs' plans shard the per-head parameters outside the linear layers (token-shift mixes, gate biases,
+temperatures) into DTensors with their heads, and the layers read the rank's own part with `local_tensor`, so that
+each rank computes its heads - and keeps their state - alone.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""The key-value-means state: how a block enters it and how attention reads it, as small pure functions.
+"""The key-value-means state: how a block enters it and how attention reads it, as small pure functions (no
+cache, no module, no device tuning).
 
 A state is three tensors per layer: key sums [B, H, slots, D] (layer-normed, rotary channels zeroed), value sums
-[B, H, slots, Dv] and float32 value norms or merge counts [B, H, slots, 1], H the key/value heads. Rows of a batch
-may hold different numbers of slots: the tensors are padded, and `slots` [B] says how many are live.
-
-What a layer holds after n tokens and how big the state may grow are configuration_kvm's one rule.
-- A block leaving the window enters the state in stages (`Fold`): score the block's tokens against the slots
-  (`score_overflow`), choose the most novel to append while the state is below its budget (`choose_appends`),
-  append them (`append`), route the rest to their most similar slot (`route_merges`, sink slots protected) and add
-  them to it (`merge`). Rows fold together, each at its own slot count. `run_fold` runs the stages at once;
-  runtime_kvm runs the same stages one every few decoding steps.
-- Attention reads the state renormalised (`readable_state`).
-No cache, no module, no device tuning.
+[B, H, slots, Dv] and float32 value norms or merge counts [B, H, slots, 1], padded; `slots` [B] says how many are
+live. A block leaving the window enters in stages (`Fold`): score its tokens against the slots (`score_overflow`),
+choose the most novel to append while the state is below its budget (`choose_appends`), append them (`append`),
+route the rest to their most similar slot (`route_merges`, sink slots protected) and add them to it (`merge`).
+`run_fold` runs the stages at once; runtime_kvm one every few decoding steps. Attention reads the state
+renormalised (`readable_state`).
 """
 
 from __future__ import annotations
@@ -105,11 +101,10 @@ class Fold:
     computed for the next.
 
     `state` is padded to a capacity that holds every row's slots after the fold; `slots` [B] are the live slots
-    before it and `appends` the block tokens each row appends (Python ints: they choose the stages, so that no stage
-    waits on a tensor's value). `reference` holds the layer-normed keys of
-    the state's slots; None until the first stage that needs them norms them with `normalize`. Similarities run
-    in `similarity_rows` blocks, each its own stage, so that the stages of a fold computed at once or one per step
-    are the same products.
+    before it and `appends` the block tokens each row appends (Python ints, so that no stage waits on a tensor's
+    value). `reference`: the state's keys layer-normed by the first stage that needs them. Similarities run in
+    `similarity_rows` blocks, each a stage, so that a fold computed at once or one stage per step makes the same
+    products.
     """
 
     state: State
