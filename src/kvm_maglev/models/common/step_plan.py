@@ -32,6 +32,14 @@ def real_tokens(attention_mask, batch: int, length: int, cached: int, device) ->
     return attention_mask[:, -length:].to(device=device) != 0
 
 
+def query_positions(start: torch.Tensor, valid: torch.Tensor | None, length: int) -> torch.Tensor:
+    """[B, T]: each column's position, its row's count of real tokens before it (`start` [B] read before this
+    forward); a padding column gets the position of the next real token."""
+    if valid is None:
+        return start[:, None] + torch.arange(length, device=start.device)
+    return start[:, None] + valid.long().cumsum(dim=1) - valid.long()
+
+
 def last_real_index(valid: torch.Tensor) -> torch.Tensor:
     """[B, T]: 1 + the index of the last real token at or before t (0 when none)."""
     steps = torch.arange(1, valid.shape[1] + 1, device=valid.device)
@@ -61,14 +69,9 @@ class StepPlan:
         self.start = start
         self.valid = valid
         self.length = length
-        if valid is None:
-            self.query_positions = start[:, None] + torch.arange(length, device=start.device)
-            self.key_positions = self.query_positions
-            self.before = None
-        else:
-            self.before = valid.long().cumsum(dim=1) - valid.long()
-            self.query_positions = start[:, None] + self.before
-            self.key_positions = torch.where(valid, self.query_positions, -1)
+        self.query_positions = query_positions(start, valid, length)
+        self.before = None if valid is None else self.query_positions - start[:, None]
+        self.key_positions = self.query_positions if valid is None else torch.where(valid, self.query_positions, -1)
         self.rows: torch.Tensor | None = None  # the cache rows these rows are (None: every row, in order)
         self._masks: dict = {}
 

@@ -39,12 +39,12 @@ from ..common.seams import speedups_block
 from ..common.step_plan import (
     RowTokens,
     Step,
-    StepPlan,
     boundary_kwargs,
     bucket_index,
     gather_bucket,
     length_buckets,
     packed_documents,
+    query_positions,
     real_tokens,
     refuse_packed_cache,
     scatter_outputs,
@@ -934,7 +934,7 @@ class KVMModel(KVMPreTrainedModel):
         tokens = RowTokens.from_batch(starts, valid, batch, length, source.device)
         positions = None
         if position_ids is not None:
-            own = StepPlan(tokens.start, valid, length).query_positions
+            own = query_positions(tokens.start, valid, length)
             check_position_ids(position_ids, own, valid, batch, "KVM", "state and token shifts")
             positions = tokens.flatten(position_ids.to(source.device).expand(batch, length)[..., None])[:, 0]
         if cache is not None:
