@@ -45,6 +45,7 @@ from ..common.step_plan import (
     length_buckets,
     packed_documents,
     previous_real_index,
+    query_positions,
     real_tokens,
     refuse_packed_cache,
     scatter_outputs,
@@ -776,7 +777,7 @@ class MaglevModel(MaglevPreTrainedModel):
         windows and its memory run over consecutive tokens, so other position_ids are refused."""
         batch, length = input_ids.shape
         start = cache.positions if cache is not None else input_ids.new_zeros(batch)
-        own = start[:, None] if length == 1 else StepPlan(start, valid, length).query_positions
+        own = query_positions(start, valid, length)
         if check_position_ids(position_ids, own, valid, batch, "Maglev", "memory"):
             raise ValueError("position_ids differ from Maglev's own positions (each row's count of real tokens "
                              "before, cached ones included): its sliding windows and recurrent memory run over "
