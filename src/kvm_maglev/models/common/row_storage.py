@@ -1,7 +1,7 @@
-"""Per-row tensors of a cache layer, addressed by row, whoever owns them: a cache's own dense tensors (one storage
-row per batch row, generate()) or a serving engine's pages (one page per request, bound for each step). The layer code
-reads and writes through it the same way in both cases, in place. On it, what both models' caches share: the cache
-layer (`RowCacheLayer`), which records what a step overwrites and undoes it on crop, and the cache (`RowCache`)."""
+"""Per-row tensors of a cache layer (`RowStorage`), whoever owns them: a cache's own dense tensors (one storage row
+per batch row) or a serving engine's pages (one per request), read and written in place the same way; and on it what
+both models' caches share: the cache layer (`RowCacheLayer`, which records what a step overwrites for crop) and the
+cache (`RowCache`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """KVM's geometry of one forward, computed once from the rows' positions and shared by the layers: which queries
-attend together (`Pieces`), where each of their keys comes from (the layer's cached window or this forward's
-tokens), and when each row's state changes (`StateSchedule`: first-chunk slots, folds, which state each piece
-reads), from state_kvm's one rule; and the `PromptStep`, the kind of `Step` such a forward is: its layers' token
-shifts over each row's tokens (`shift_tokens`) and their attention by pieces.
-
-Rows advance independently: each is at its own position, so a step may hold decoding rows, rows continuing a
-prompt and fresh rows together, and every layer runs them in one batched attention call.
+attend together and where their keys come from (`Pieces`), when each row's state changes (`StateSchedule`), and
+`PromptStep`, the kind of `Step` such a forward is. Rows advance independently, so one step may hold decoding rows,
+continuing prompts and fresh rows, and every layer runs them in one batched attention call.
 """
 
 from __future__ import annotations
