@@ -256,11 +256,6 @@ def fit_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, 0, 0, slots - tensor.shape[2]))
 
 
-def new_cache_layer(config: KVMConfig, layer_idx: int) -> RingLayer:
-    cls = SlidingWindowCacheLayer if config.is_sliding_window_layer(layer_idx) else KVMCacheLayer
-    return cls(config, layer_idx)
-
-
 class KVMCache(RowCache):
     """Cache of a KVM model; created by the model (`generate` or a forward with use_cache).
 
@@ -273,7 +268,9 @@ class KVMCache(RowCache):
     ROW_START = "each row's ring, state and carries follow its own real tokens"
 
     def __init__(self, config: KVMConfig, max_rollback: int = 256, **kwargs) -> None:
-        super().__init__(config, [new_cache_layer(config, i) for i in range(config.num_hidden_layers)], max_rollback)
+        layers = [(SlidingWindowCacheLayer if config.is_sliding_window_layer(i) else KVMCacheLayer)(config, i)
+                  for i in range(config.num_hidden_layers)]
+        super().__init__(config, layers, max_rollback)
         self.seen: list[int] = []  # real tokens each row has read
         self.rows = 0
         self.paged = False

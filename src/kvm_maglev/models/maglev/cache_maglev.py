@@ -427,11 +427,9 @@ class MaglevCache(RowCache):
 
     def nbytes(self) -> int:
         """Bytes held by the cache's state (rollback records, kept only while recording, not included)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors())
-
-    def _tensors(self) -> list[torch.Tensor]:
         tensors = [t for store in self.layers for t in store.tensors.values()]
-        return tensors + [t for t in (self.positions, self.last_memory, self.previous_embedding) if t is not None]
+        tensors += [t for t in (self.positions, self.last_memory, self.previous_embedding) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def select_rows(self, source: list[int]) -> None:
         """New row i holds old row source[i] (`RowCache.change_rows`); a prepared forward is prepared again, its
