@@ -15,7 +15,7 @@ import torch
 import kvm_maglev
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 from kvm_maglev.convert.export import build_hub_folder
-from kvm_maglev.models import hub_code, speedups
+from kvm_maglev.models import hub_code, hub_layout, speedups
 
 from .without_package import expected_outputs, resave_without_package, run_without_package
 
@@ -63,6 +63,19 @@ def test_two_files_importing_only_torch_transformers_and_each_other(kind):
     order = [f"class {prefix}ForCausalLM(", f"class {prefix}Model(", f"class {layer}(", f"class {prefix}Attention(",
              f"class {prefix}CacheLayer(", math, *run_time]
     assert [modeling.index(text) for text in order] == sorted(modeling.index(text) for text in order)
+    # the model comes first: the cache's storage base is placed where the cache section needs it
+    assert modeling.index(f"class {prefix}PreTrainedModel(") < modeling.index("class RowStorage:")
+
+
+def test_a_base_class_is_placed_just_before_its_first_use():
+    """Laid out top-down, a class would come before its base: the base is placed just before it, marked with the
+    module it comes from, and its own module's section no longer holds it."""
+    sections = [("# ---- base.py ----", "class Base:\n    pass\n"),
+                ("# ---- model.py ----", "class Model(Base):\n    pass\n\n\nclass Other:\n    pass\n")]
+    text = "\n\n\n".join(hub_layout.render(hub_layout.top_down(sections)))
+    assert text == ("# ---- model.py ----\n\n\nclass Other:\n    pass\n\n\n"
+                    "# (from base.py: defined here, before its first use)\nclass Base:\n    pass\n\n\n"
+                    "class Model(Base):\n    pass\n\n\n# ---- base.py ----")
 
 
 @pytest.mark.parametrize("kind", ["kvm", "maglev"])
@@ -319,8 +332,8 @@ def test_a_section_left_without_code_loses_its_rule():
 
 @pytest.mark.parametrize("kind", ["kvm", "maglev"])
 def test_a_generated_file_defines_one_logger_and_no_empty_section(kind):
-    """Each package module defines its own logger; a generated file, one. Modules whose every statement is built
-    first (the mixins of generation_cache) leave no empty section behind. The modeling file carries nothing twice
+    """Each package module defines its own logger; a generated file, one. Modules whose every statement is placed
+    before its first use elsewhere (the mixins of generation_cache) leave no empty section behind. The modeling file carries nothing twice
     that the configuration file carries."""
     for name, text in hub_code.hub_code_files(kind).items():
         assert text.count("\nlogger = ") <= 1, name

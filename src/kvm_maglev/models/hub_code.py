@@ -218,7 +218,7 @@ def generate(root: str, keep: dict[str, str], told_top_down: bool = False) -> st
     runtime = [m for m in modules[:-1] if m.name in RUNTIME]
     parts = [HEADER + (f'"""{top.docstring}"""' if top.docstring else ""), "\n".join(import_lines(modules, siblings))]
     if told_top_down:
-        parts += hub_layout.render(*hub_layout.top_down([(section(Module(m.name, m.docstring)), m.body)
+        parts += hub_layout.render(hub_layout.top_down([(section(Module(m.name, m.docstring)), m.body)
                                                         for m in inlined]))
     else:
         parts += [section(m) for m in inlined]

@@ -4,8 +4,8 @@ attention, cache, and the state math last, the order a reader needs (`hub_code` 
 The package's modules are written bottom-up, as Python runs them; reversed, a class would come before its base and
 a default argument before its constant. What a statement needs at the moment it runs (bases, decorators, default
 arguments, class-body values, module-level expressions; annotations are lazy under `from __future__ import
-annotations`; what a function called then reads) and is defined further down goes into a short section at the top,
-`built first`, in the package's order: the small base classes and constants the classes below are made from.
+annotations`; what a function called then reads) and is defined further down is placed just before the first
+statement that needs it, under a line naming the module it comes from (`PULLED_UP`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ import re
 from dataclasses import dataclass
 
 SUBSECTION = re.compile(r"^# ---- ")  # the package modules' own section rules inside a module
-BUILT_FIRST = ("# ---- built first " + "-" * 98 + "\n# The base classes and constants the classes below are made "
-               "from, and the functions run at import:\n# Python needs them defined first. Each comes from the module "
-               "that the sections below name.")
+PULLED_UP = "# (from {module}: defined here, before its first use)"
 
 
 @dataclass
@@ -139,39 +137,62 @@ def first_code(statement: Statement) -> str:
     return next(line for line in statement.text.splitlines() if line.strip() and not line.startswith("#"))
 
 
-def top_down(sections: list[tuple[str, str]]) -> tuple[list[Statement], list[tuple[str, list[tuple[str, Statement]]]]]:
+def top_down(sections: list[tuple[str, str]]) -> list[tuple[str, list[tuple[str, Statement]]]]:
     """`sections` (title, body) in the package's order, dependencies first, the model module last, laid out
     top-down: the model's module first, the dependencies after it in reverse, each module by `reversed_module`.
-    What a statement needs at definition time from a module further down is built first. Returns the statements
-    built first (package order) and the sections as (title, [(rule, statement)])."""
+    A statement that needs, at definition time, one defined further down gets it placed just before itself (with
+    what that one needs, first), marked with its module. Returns the sections as (title, [(rule, statement)])."""
     package_order = [(title, subsections(body)) for title, body in sections]
     every = [statement for _, parts in package_order for _, block in parts for statement in block]
     with_calls_followed(every)
-    layout = [(title, reversed_module(parts)) for title, parts in package_order[::-1]]
-    owner = {}
+    home = {id(statement): title for title, parts in package_order for _, block in parts for statement in block}
+    owner: dict[str, Statement] = {}
     for statement in every:
         for name in statement.defines:
             owner.setdefault(name, statement)
-    first: set[int] = set()
-    while True:
-        order = [s for s in every if id(s) in first] + [s for _, placed in layout for _, s in placed
-                                                        if id(s) not in first]
-        defined, missing = set(), set()
-        for statement in order:
-            missing |= {id(owner[name]) for name in statement.needs & owner.keys() - defined}
-            defined |= statement.defines
-        if not missing - first:
-            break
-        first |= missing
-    built_first = [s for s in every if id(s) in first]
-    laid_out = [(title, [(rule, s) for rule, s in placed if id(s) not in first]) for title, placed in layout]
-    return built_first, laid_out
+    layout = [(title, reversed_module(parts)) for title, parts in package_order[::-1]]
+    order = [statement for _, placed in layout for _, statement in placed]
+    position = {id(statement): index for index, statement in enumerate(order)}
+    moved: dict[int, list[Statement]] = {}  # a statement -> the ones placed just before it
+    placed: set[int] = set()
+
+    def pull_up(statement: Statement, before: Statement) -> None:
+        """Place what `statement` needs, and then `statement` if it moves, before `before`."""
+        for name in sorted(statement.needs & owner.keys()):
+            need = owner[name]
+            if id(need) not in placed and position[id(need)] > position[id(before)]:
+                placed.add(id(need))
+                pull_up(need, before)
+                moved.setdefault(id(before), []).append(need)
+
+    for statement in order:
+        if id(statement) not in placed:
+            placed.add(id(statement))
+            pull_up(statement, statement)
+    laid_out = []
+    for title, statements in layout:
+        kept = []
+        for rule, statement in statements:
+            marked = None  # the module the last marker named: one marker for a run of one module's statements
+            for need in moved.get(id(statement), []):
+                module = module_name(home[id(need)])
+                marker = PULLED_UP.format(module=module) + "\n" if module != marked else ""
+                kept.append(("", Statement(marker + need.text.strip("\n"), need.defines, need.needs, need.reads)))
+                marked = module
+            if not any(id(statement) in {id(n) for n in needs} for needs in moved.values()):
+                kept.append((rule, statement))
+        laid_out.append((title, kept))
+    return laid_out
 
 
-def render(built_first: list[Statement], laid_out: list) -> list[str]:
-    """The file's parts after its imports: the built-first section, then each section, a part's rule written
-    before its first statement."""
-    parts = [BUILT_FIRST + "\n\n" + "\n\n\n".join(s.text.strip("\n") for s in built_first)] if built_first else []
+def module_name(title: str) -> str:
+    """The module file a section's title rule names (`# ---- cache_kvm.py ----`)."""
+    return title.split("\n")[0].split()[2]
+
+
+def render(laid_out: list) -> list[str]:
+    """The file's parts after its imports: each section, a part's rule written before its first statement."""
+    parts = []
     for title, placed in laid_out:
         texts, ruled = [title.strip("\n")], set()
         for rule, statement in placed:
