@@ -157,7 +157,7 @@ def top_down(sections: list[tuple[str, str]]) -> list[tuple[str, list[tuple[str,
     placed: set[int] = set()
 
     def pull_up(statement: Statement, before: Statement) -> None:
-        """Place what `statement` needs, and then `statement` if it moves, before `before`."""
+        """Place before `before` what `statement` needs and the layout has further down, each after its needs."""
         for name in sorted(statement.needs & owner.keys()):
             need = owner[name]
             if id(need) not in placed and position[id(need)] > position[id(before)]:
@@ -169,6 +169,7 @@ def top_down(sections: list[tuple[str, str]]) -> list[tuple[str, list[tuple[str,
         if id(statement) not in placed:
             placed.add(id(statement))
             pull_up(statement, statement)
+    pulled = {id(need) for needs in moved.values() for need in needs}
     laid_out = []
     for title, statements in layout:
         kept = []
@@ -179,7 +180,7 @@ def top_down(sections: list[tuple[str, str]]) -> list[tuple[str, list[tuple[str,
                 marker = PULLED_UP.format(module=module) + "\n" if module != marked else ""
                 kept.append(("", Statement(marker + need.text.strip("\n"), need.defines, need.needs, need.reads)))
                 marked = module
-            if not any(id(statement) in {id(n) for n in needs} for needs in moved.values()):
+            if id(statement) not in pulled:
                 kept.append((rule, statement))
         laid_out.append((title, kept))
     return laid_out
