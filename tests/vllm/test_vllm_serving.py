@@ -199,6 +199,34 @@ def test_shared_prefixes_hit_the_cache_and_give_generates_tokens(folder, referen
     del llm
 
 
+def test_shared_prefixes_hit_where_the_prompts_part(folder, reference):
+    """Requests sharing a 24-token prefix (3 blocks), each with its own part longer than a block: the first's prompt
+    step ends at its own last block, past the shared prefix, so nothing of the prefix is cached; the second stops
+    its prompt step where it leaves the first's prompt (the plugin's scheduler hands vLLM that junction) and the
+    state there is kept; the later ones continue from it. Every request's tokens equal generate()'s on its whole
+    prompt; a prefiller folder caches nothing."""
+    from vllm import LLM
+
+    from kvm_maglev.vllm.scheduling import SharedPrefixJunctions
+
+    llm = LLM(model=str(folder), **ENGINE)
+    batch = prompts(seed=6)
+    shared = batch[3][:24]
+    requests = [shared + own for own in (batch[1], batch[6], batch[5], batch[2])]
+    hits = []
+    for prompt in requests:  # one at a time: each request's schedule is known
+        output = llm.generate([{"prompt_token_ids": prompt}], greedy())[0]
+        assert list(output.outputs[0].token_ids) == reference(prompt), f"prompt of {len(prompt)} tokens"
+        hits.append(output.num_cached_tokens)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    if is_prefiller(folder):
+        assert hits == [0] * len(requests)
+        assert not isinstance(scheduler, SharedPrefixJunctions)
+    else:
+        assert hits == [0, 0, 24, 24], hits
+    del llm
+
+
 def test_shared_prefixes_under_preemption_give_generates_tokens(folder, reference):
     """Eight requests sharing a prefix in a budget of 10 state blocks of 6 tokens (not a multiple of KVM's chunk of
     4: any block boundary is exact): vLLM preempts running requests when a block boundary needs a page it does not
