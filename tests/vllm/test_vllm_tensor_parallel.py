@@ -20,6 +20,8 @@ from tests.vllm.test_vllm_serving import (
     greedy,
     hf_continuation,
     hf_model,
+    junction_prompts,
+    one_at_a_time,
     prompts,
     run_schedule,
     split_prompts,
@@ -133,6 +135,23 @@ def test_two_ranks_give_one_ranks_and_generates_tokens(gqa_folder, engines):
     model = hf_model(gqa_folder)
     for prompt, tokens_two, tokens_one in zip(batch, two, one):
         assert tokens_two == tokens_one == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
+
+
+@needs_two_ranks
+@pytest.mark.parametrize("model", ["kvm", "maglev"])
+def test_two_ranks_cache_shared_prefixes_and_give_generates_tokens(model, request):
+    """Prefix caching at two ranks (each copies its own share of a cached state): requests sharing a 3-block prefix
+    read in 16-token steps hit where the prompts part, as at one rank, and every request's tokens equal one rank's
+    and generate()'s."""
+    fixture, folder = {"kvm": ("engines", "gqa_folder"), "maglev": ("maglev_engines", "maglev_folder")}[model]
+    engine = request.getfixturevalue(fixture)
+    batch = junction_prompts()
+    two, two_hits = one_at_a_time(engine(2), batch)
+    one, one_hits = one_at_a_time(engine(1), batch)
+    assert two_hits == one_hits == [0, 0, 24, 24], (two_hits, one_hits)
+    hf = hf_model(request.getfixturevalue(folder))
+    for prompt, tokens_two, tokens_one in zip(batch, two, one):
+        assert tokens_two == tokens_one == hf_continuation(hf, prompt), f"prompt of {len(prompt)} tokens"
 
 
 @needs_two_ranks

@@ -27,9 +27,10 @@ from vllm.v1.request import Request
 # how the config hook names these schedulers to vLLM (`scheduler_config.scheduler_cls`, resolved by qualified name)
 QUALIFIED_NAME = "kvm_maglev.vllm.scheduling.prompt_first_scheduler"
 JUNCTIONS_NAME = "kvm_maglev.vllm.scheduling.shared_prefix_scheduler"
-# prompt blocks `SharedPrefixJunctions` remembers (the least recently seen dropped first): a hash and a request id
-# each, a few MB; 16M prompt tokens at KVM's 256-token blocks, 1M at Maglev's 16
+# prompt blocks `SharedPrefixJunctions` remembers (the least recently seen dropped first): two hashes each, a few
+# MB; 16M prompt tokens at KVM's 256-token blocks, 1M at Maglev's 16
 REMEMBERED_PROMPT_BLOCKS = 1 << 16
+PARTED = object()  # what `SharedPrefixJunctions` remembers after a prefix that prompts went on from differently
 
 
 class PromptFirstRecompute:
@@ -68,50 +69,52 @@ def prompt_first_scheduler(*, vllm_config, **kwargs) -> Scheduler:
 
 
 class SharedPrefixJunctions:
-    """Prompt steps that stop where a prompt stops sharing its blocks with an earlier request's prompt, so that the
-    state there is kept and later requests with that prefix hit it (`mamba_cache_mode="align"` keeps a state only
-    where a step ends on a block boundary).
+    """Prompt steps that stop where prompts part, so that the state there is kept and later requests sharing that
+    prefix hit it (`mamba_cache_mode="align"` keeps a state only where a step ends on a block boundary).
 
     vLLM finds such a junction only for hybrid models, from its attention groups' cached blocks, which an
-    attention-free model has none of; this scheduler remembers the block hashes of the prompts it has looked up
-    (vLLM's hashes, chained over the whole prefix, so one equal hash is an equal prefix) and hands vLLM the junction
-    as its own (`request.shared_prefix_boundary`): vLLM's split then ends the step there and its cache manager keeps
-    that block's state. The first request to meet a junction reads it in two steps; those after it start from it.
-    The hooks are vLLM 0.32's private `_get_local_prefix_cache_hit` and `shared_prefix_boundary`, checked in the
+    attention-free model has none of. This scheduler remembers, for the prompts it has looked up, which block
+    follows each prefix of whole blocks (vLLM's block hashes, chained over the whole prefix, so one equal hash is an
+    equal prefix); a prefix followed by two different blocks (or by one and the prompt's end) is where prompts
+    part. It hands vLLM the deepest such point of a request's prompt past its cache hit as vLLM's own junction
+    (`request.shared_prefix_boundary`): vLLM's split ends the prompt step there and its cache manager keeps that
+    block's state. The first request to meet a junction reads it in two steps; those after it start from it. The
+    hooks are vLLM 0.32's private `_get_local_prefix_cache_hit` and `shared_prefix_boundary`, checked in the
     plugin's tests."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # block hash of a prompt prefix -> the request whose prompt first had it
-        self.prompt_blocks: OrderedDict[object, str] = OrderedDict()
+        # block hash of a prompt prefix -> the hash of the block that followed it (None: the prompt's last token
+        # did), or PARTED once two prompts went on differently
+        self.next_blocks: OrderedDict[object, object] = OrderedDict()
 
     def _get_local_prefix_cache_hit(self, request: Request):
-        """vLLM's cache hit, with the junction past it where the request's prompt leaves an earlier one's."""
+        """vLLM's cache hit, with the junction past it where the request's prompt parts from another one."""
         blocks, hit, junction, diverged = super()._get_local_prefix_cache_hit(request)
         if self.kv_cache_manager.prefix_cache_lookup_enabled(request):
-            shared = self.shared_prefix_end(request)
-            if shared > hit:
-                junction = max(junction, shared)
+            parting = self.parting_point(request)
+            if parting > hit:
+                junction = max(junction, parting)
         return blocks, hit, junction, diverged
 
-    def shared_prefix_end(self, request: Request) -> int:
-        """The end of the longest prefix of whole blocks, short of the prompt's last token (which a step must read
-        for the logits), that `request`'s prompt shares with another request's prompt seen before (0: none); the
+    def parting_point(self, request: Request) -> int:
+        """The end of the longest prefix of whole blocks of `request`'s prompt, short of its last token (which a
+        step must read for the logits), after which another prompt seen before went on differently (0: none). The
         prompt's blocks are remembered for later requests."""
         block = self.cache_config.block_size  # where vLLM's split for state models stops prompt steps
-        hashes = request.block_hashes
-        shared = 0
-        for end in range(block, request.num_prompt_tokens, block):
-            index = end // self.hash_block_size - 1  # the hash of the prompt's first `end` tokens
-            if index >= len(hashes):
-                break
-            owner = self.prompt_blocks.setdefault(hashes[index], request.request_id)
-            self.prompt_blocks.move_to_end(hashes[index])
-            if owner != request.request_id:
-                shared = end
-        while len(self.prompt_blocks) > REMEMBERED_PROMPT_BLOCKS:
-            self.prompt_blocks.popitem(last=False)
-        return shared
+        ends = range(block, request.num_prompt_tokens, block)
+        # the hash of the prompt's first `end` tokens, for each end
+        hashes = [request.block_hashes[end // self.hash_block_size - 1] for end in ends]
+        parting = 0
+        for end, prefix, following in zip(ends, hashes, hashes[1:] + [None]):
+            if self.next_blocks.setdefault(prefix, following) != following:
+                self.next_blocks[prefix] = PARTED
+            self.next_blocks.move_to_end(prefix)
+            if self.next_blocks[prefix] is PARTED:
+                parting = end
+        while len(self.next_blocks) > REMEMBERED_PROMPT_BLOCKS:
+            self.next_blocks.popitem(last=False)
+        return parting
 
 
 class SharedPrefixScheduler(SharedPrefixJunctions, Scheduler):

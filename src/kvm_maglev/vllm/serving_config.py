@@ -146,8 +146,6 @@ def uncached_reason(vllm_config) -> str | None:
     if not vllm_config.scheduler_config.enable_chunked_prefill:
         return ("chunked prefill is off: states are cached at the block boundaries where vLLM splits prompts, "
                 "which needs chunked prefill")
-    if vllm_config.parallel_config.tensor_parallel_size > 1:
-        return "not tested under tensor parallelism"
     return None
 
 
