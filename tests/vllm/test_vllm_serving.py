@@ -344,6 +344,25 @@ def test_prefix_caching_on_by_default_and_speculative_decoding_refused(folder):
                                                               "prompt_lookup_max": 2})
 
 
+def test_prefix_caching_installs_the_junction_scheduler_unless_the_user_chose_one(folder):
+    """With prefix caching on, the config hook names the plugin's scheduler that stops prompt steps where prompts
+    part; a scheduler the user named is kept; off (or a prefiller folder, whose own scheduler is named) it is not
+    installed."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvm_maglev.vllm.scheduling import JUNCTIONS_NAME, QUALIFIED_NAME
+
+    def scheduler(**arguments):
+        return EngineArgs(model=str(folder), **(ENGINE | arguments)).create_engine_config().scheduler_config
+    if is_prefiller(folder):
+        assert scheduler().scheduler_cls == QUALIFIED_NAME
+        return
+    assert scheduler().scheduler_cls == JUNCTIONS_NAME
+    assert scheduler(enable_prefix_caching=False).scheduler_cls is None
+    mine = "vllm.v1.core.sched.scheduler.Scheduler"
+    assert scheduler(scheduler_cls=mine).scheduler_cls == mine
+
+
 def test_prefiller_schedules_prompts_whole_and_refuses_flags_that_split_them(tmp_path):
     """A prefiller folder: chunked prefill turned off and the plugin's scheduler installed; a token budget below
     max_model_len, a cap on a prompt's tokens per step and another scheduler refused at start-up, each by its flag."""
