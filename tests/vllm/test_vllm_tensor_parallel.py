@@ -126,6 +126,19 @@ def greedy_tokens(llm, batch: list[list[int]]) -> list[list[int]]:
             for output in llm.generate([{"prompt_token_ids": prompt} for prompt in batch], greedy())]
 
 
+def shared_prefixes_at_two_ranks(engine, folder) -> None:
+    """Prefix caching at two ranks (each copies its own share of a cached state): requests sharing a 3-block prefix
+    read in 16-token steps hit where the prompts part, as at one rank, and every request's tokens equal one rank's
+    and generate()'s."""
+    batch = junction_prompts()
+    two, two_hits = one_at_a_time(engine(2), batch)
+    one, one_hits = one_at_a_time(engine(1), batch)
+    assert two_hits == one_hits == [0, 0, 24, 24], (two_hits, one_hits)
+    model = hf_model(folder)
+    for prompt, tokens_two, tokens_one in zip(batch, two, one):
+        assert tokens_two == tokens_one == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
+
+
 @needs_two_ranks
 def test_two_ranks_give_one_ranks_and_generates_tokens(gqa_folder, engines):
     """Prompts of 1 to 40 tokens read in 16-token steps (chunked prefill, state folds, window wrap-around)."""
@@ -137,21 +150,12 @@ def test_two_ranks_give_one_ranks_and_generates_tokens(gqa_folder, engines):
         assert tokens_two == tokens_one == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
 
 
+# placed right after the tests that make the engines they share: an engine made and deleted in this process
+# (the tests below) takes down the process-wide parallel groups the one-rank engine steps with
 @needs_two_ranks
-@pytest.mark.parametrize("model", ["kvm", "maglev"])
-def test_two_ranks_cache_shared_prefixes_and_give_generates_tokens(model, request):
-    """Prefix caching at two ranks (each copies its own share of a cached state): requests sharing a 3-block prefix
-    read in 16-token steps hit where the prompts part, as at one rank, and every request's tokens equal one rank's
-    and generate()'s."""
-    fixture, folder = {"kvm": ("engines", "gqa_folder"), "maglev": ("maglev_engines", "maglev_folder")}[model]
-    engine = request.getfixturevalue(fixture)
-    batch = junction_prompts()
-    two, two_hits = one_at_a_time(engine(2), batch)
-    one, one_hits = one_at_a_time(engine(1), batch)
-    assert two_hits == one_hits == [0, 0, 24, 24], (two_hits, one_hits)
-    hf = hf_model(request.getfixturevalue(folder))
-    for prompt, tokens_two, tokens_one in zip(batch, two, one):
-        assert tokens_two == tokens_one == hf_continuation(hf, prompt), f"prompt of {len(prompt)} tokens"
+def test_two_ranks_cache_shared_prefixes_and_give_generates_tokens(gqa_folder, engines):
+    """KVM: see `shared_prefixes_at_two_ranks`."""
+    shared_prefixes_at_two_ranks(engines, gqa_folder)
 
 
 @needs_two_ranks
@@ -279,6 +283,12 @@ def test_maglev_two_ranks_give_one_ranks_and_generates_tokens_chunked_and_preemp
     model = hf_model(maglev_folder)
     for index, prompt in enumerate(batch):
         assert two[index] == one[index] == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
+
+
+@needs_two_ranks
+def test_maglev_two_ranks_cache_shared_prefixes_and_give_generates_tokens(maglev_folder, maglev_engines):
+    """Maglev: see `shared_prefixes_at_two_ranks` (placed before the test below, which deletes an engine)."""
+    shared_prefixes_at_two_ranks(maglev_engines, maglev_folder)
 
 
 @needs_two_ranks
