@@ -150,8 +150,9 @@ def test_two_ranks_give_one_ranks_and_generates_tokens(gqa_folder, engines):
         assert tokens_two == tokens_one == hf_continuation(model, prompt), f"prompt of {len(prompt)} tokens"
 
 
-# placed right after the tests that make the engines they share: an engine made and deleted in this process
-# (the tests below) takes down the process-wide parallel groups the one-rank engine steps with
+# placed right after the tests that make the engines they share: run before an engine was made and deleted in this
+# process (the next test), a one-rank engine made here failed its later steps with "pipeline model parallel group is
+# not initialized" (vLLM's process-wide groups, taken down with the deleted engine, it seems; not traced further)
 @needs_two_ranks
 def test_two_ranks_cache_shared_prefixes_and_give_generates_tokens(gqa_folder, engines):
     """KVM: see `shared_prefixes_at_two_ranks`."""
