@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,52 @@ def test_shared_prefixes_hit_the_cache_and_give_generates_tokens(folder, referen
     del llm
 
 
+def junction_prompts() -> list[list[int]]:
+    """Four prompts sharing their first 24 tokens (3 blocks of 8), each with its own part longer than a block; of a
+    seed no other test uses (engines shared between tests remember the prompts they have seen)."""
+    batch = prompts(seed=11)
+    shared = batch[3][:24]
+    return [shared + own for own in (batch[1], batch[6], batch[5], batch[2])]
+
+
+def one_at_a_time(llm, batch: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's greedy tokens and its prompt tokens found in the prefix cache, the requests run one after
+    another (so that each one's schedule is known)."""
+    tokens, hits = [], []
+    for prompt in batch:
+        output = llm.generate([{"prompt_token_ids": prompt}], greedy())[0]
+        tokens.append(list(output.outputs[0].token_ids))
+        hits.append(output.num_cached_tokens)
+    return tokens, hits
+
+
+def test_shared_prefixes_hit_where_the_prompts_part(folder, reference):
+    """Requests sharing a 24-token prefix (3 blocks), each with its own part longer than a block: the first's prompt
+    step ends at its own last block, past the shared prefix, so nothing of the prefix is cached; the second stops
+    its prompt step where it parts from the first's prompt (the plugin's scheduler hands vLLM that junction) and
+    the state there is kept; the later ones continue from it. With the cache emptied, the first prompt sent again
+    stops there too (the scheduler remembers where prompts part), and the last one hits. Every request's tokens
+    equal generate()'s on its whole prompt; a prefiller folder caches nothing."""
+    from vllm import LLM
+
+    from kvm_maglev.vllm.scheduling import SharedPrefixJunctions
+
+    llm = LLM(model=str(folder), **ENGINE)
+    requests = junction_prompts()
+    tokens, hits = one_at_a_time(llm, requests)
+    assert llm.reset_prefix_cache()
+    again, hits_again = one_at_a_time(llm, [requests[0], requests[3]])
+    for prompt, generated in zip(requests + [requests[0], requests[3]], tokens + again):
+        assert generated == reference(prompt), f"prompt of {len(prompt)} tokens"
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    if is_prefiller(folder):
+        assert hits + hits_again == [0] * 6
+        assert not isinstance(scheduler, SharedPrefixJunctions)
+    else:
+        assert (hits, hits_again) == ([0, 0, 24, 24], [0, 24]), (hits, hits_again)
+    del llm
+
+
 def test_shared_prefixes_under_preemption_give_generates_tokens(folder, reference):
     """Eight requests sharing a prefix in a budget of 10 state blocks of 6 tokens (not a multiple of KVM's chunk of
     4: any block boundary is exact): vLLM preempts running requests when a block boundary needs a page it does not
@@ -296,6 +343,25 @@ def test_prefix_caching_on_by_default_and_speculative_decoding_refused(folder):
     with pytest.raises(Exception, match="speculative decoding is not supported"):
         LLM(model=str(folder), **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                               "prompt_lookup_max": 2})
+
+
+def test_prefix_caching_installs_the_junction_scheduler_unless_the_user_chose_one(folder):
+    """With prefix caching on, the config hook names the plugin's scheduler that stops prompt steps where prompts
+    part; a scheduler the user named is kept; off (or a prefiller folder, whose own scheduler is named) it is not
+    installed."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvm_maglev.vllm.scheduling import JUNCTIONS_NAME, QUALIFIED_NAME
+
+    def scheduler(**arguments):
+        return EngineArgs(model=str(folder), **(ENGINE | arguments)).create_engine_config().scheduler_config
+    if is_prefiller(folder):
+        assert scheduler().scheduler_cls == QUALIFIED_NAME
+        return
+    assert scheduler().scheduler_cls == JUNCTIONS_NAME
+    assert scheduler(enable_prefix_caching=False).scheduler_cls is None
+    mine = "vllm.v1.core.sched.scheduler.Scheduler"
+    assert scheduler(scheduler_cls=mine).scheduler_cls == mine
 
 
 def test_prefiller_schedules_prompts_whole_and_refuses_flags_that_split_them(tmp_path):
@@ -581,6 +647,40 @@ def test_kvm_compiles_at_start_up_and_never_while_serving(tmp_path):
         assert list(output.outputs[0].token_ids) == hf_continuation(model, prompt, new_tokens)
     assert graphs["unique_graphs"] == started
     del llm
+
+
+def test_junctions_are_where_prompts_part():
+    """The plugin's scheduler finds, for a prompt, the end of its longest prefix of whole blocks after which another
+    prompt went on differently (a hit's stop: before the prompt's last token), from vLLM's chained block hashes;
+    it remembers a bounded number of blocks, the least recently seen dropped first."""
+    from types import SimpleNamespace
+
+    from kvm_maglev.vllm import scheduling
+
+    class Junctions(scheduling.SharedPrefixJunctions):  # the scheduler's part that finds junctions, alone
+        def __init__(self):
+            self.next_blocks, self.hash_block_size = OrderedDict(), 2
+            self.cache_config = SimpleNamespace(block_size=4)
+
+    def prompt(tokens: str):  # a hash per 2 tokens, chained: the prefix itself
+        return SimpleNamespace(num_prompt_tokens=len(tokens),
+                               block_hashes=[tokens[:end] for end in range(2, len(tokens) + 1, 2)])
+
+    junctions = Junctions()
+    assert junctions.parting_point(prompt("sssssssAAAAA")) == 0  # nothing seen before
+    assert junctions.parting_point(prompt("sssssssAAAAA")) == 0  # the same prompt: it parts from none
+    assert junctions.parting_point(prompt("sssssssBBBBBBBB")) == 4  # shares 7 tokens, one whole block
+    assert junctions.parting_point(prompt("sssssssAAAAA")) == 4  # the first again: it parts there too
+    # continues the first, which stopped at 8 (a step reads a prompt's last token): parts there
+    assert junctions.parting_point(prompt("sssssssAAAAACCCC")) == 8
+    assert junctions.parting_point(prompt("sssssssAAAAA")) == 8
+    assert junctions.parting_point(prompt("tttt")) == 0  # no whole block before the last token
+    scheduling.REMEMBERED_PROMPT_BLOCKS, limit = 3, scheduling.REMEMBERED_PROMPT_BLOCKS
+    try:
+        junctions.parting_point(prompt("uuuuuuuuuuuuu"))
+    finally:
+        scheduling.REMEMBERED_PROMPT_BLOCKS = limit
+    assert list(junctions.next_blocks) == ["uuuu", "uuuuuuuu", "uuuuuuuuuuuu"]
 
 
 def test_a_steps_requests_select_their_tokens_and_pages():

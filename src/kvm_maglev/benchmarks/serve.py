@@ -302,6 +302,8 @@ def run_vllm(job: dict) -> dict:
     engine = job["engine"]
     llm = LLM(model=job["folder"], skip_tokenizer_init=True, seed=job["seed"], **job["vllm"])
 
+    cached = []  # each generate()'s prompt tokens found in the prefix cache
+
     def generate(requests: list[Request]):
         outputs = llm.generate([{"prompt_token_ids": r.prompt} for r in requests],
                                [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
@@ -309,6 +311,7 @@ def run_vllm(job: dict) -> dict:
         produced = [len(o.outputs[0].token_ids) for o in outputs]
         if produced != [r.max_tokens for r in requests]:
             raise RuntimeError(f"{engine}: produced {produced} tokens, asked for {[r.max_tokens for r in requests]}")
+        cached.append(sum(o.num_cached_tokens or 0 for o in outputs))
 
     generate([Request(**r) for r in job["warmup"]])
     # and a request alone: steps of one row, which a model compiled with dynamic shapes compiles apart (a size of 1
@@ -323,6 +326,7 @@ def run_vllm(job: dict) -> dict:
             runs.append(timed(lambda: generate(requests)))
         results[name] = summarize(requests, runs)
         results[name]["graphs_compiled_while_serving"] = compiled_graphs() - graphs
+        results[name]["cached_prompt_tokens"] = cached[-len(runs):]  # per run
         print(f"[{engine}] {name}: {results[name]['output_tokens_per_s']:.1f} output tok/s, "
               f"{results[name]['wall_s']:.2f} s, {results[name]['graphs_compiled_while_serving']} graphs compiled",
               flush=True)

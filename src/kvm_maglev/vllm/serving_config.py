@@ -93,6 +93,22 @@ def state_prefix_caching(vllm_config) -> None:
     if cache_config.mamba_block_size is None:
         chunk = model_config.hf_config.chunk_size if model_config.architecture == "KVMForCausalLM" else 1
         cache_config.mamba_block_size = state_block_size(cache_config.block_size, chunk)
+    shared_prefix_junctions(vllm_config)
+
+
+def shared_prefix_junctions(vllm_config) -> None:
+    """Prompt steps stop where a prompt leaves an earlier one's blocks, so that the state there is kept and shared
+    prompts hit (`scheduling.SharedPrefixJunctions`; vLLM finds such junctions only for models with attention
+    groups). A scheduler the user chose is kept, the junctions then off (logged)."""
+    from kvm_maglev.vllm.scheduling import JUNCTIONS_NAME
+
+    scheduler = vllm_config.scheduler_config
+    if scheduler.scheduler_cls in (None, JUNCTIONS_NAME):
+        scheduler.scheduler_cls = JUNCTIONS_NAME
+        return
+    logger.warning("%s: --scheduler-cls %s kept: prompt steps do not stop at shared prefixes, so a shared prompt's "
+                   "state is cached only where a step happens to end", vllm_config.model_config.architecture,
+                   scheduler.scheduler_cls)
 
 
 def default_prefix_caching_on(architectures) -> None:
@@ -130,8 +146,6 @@ def uncached_reason(vllm_config) -> str | None:
     if not vllm_config.scheduler_config.enable_chunked_prefill:
         return ("chunked prefill is off: states are cached at the block boundaries where vLLM splits prompts, "
                 "which needs chunked prefill")
-    if vllm_config.parallel_config.tensor_parallel_size > 1:
-        return "not tested under tensor parallelism"
     return None
 
 
