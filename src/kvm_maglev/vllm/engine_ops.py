@@ -5,9 +5,10 @@ kinds of `Step` (`PagedStep`, `PagedDecodeStep`) launch them.
 
 Everything that reads or writes a request's state - token-shift carries, window rings, the state and its folds -
 depends on the step's schedule (which requests, at which positions, which of them cross a chunk boundary), so it
-runs inside these operators, eagerly, on the model's own kind of `Step` for the scheduled tokens (a `DecodeStep`
-when every request decodes, else a `PromptStep`) and a `KVMCache` over the pages, both built once per engine step
-from vLLM's attention metadata. The traced forward runs on a `PagedStep`, the kind of `Step` whose token shifts and
+runs inside these operators, on what the served model builds once per engine step from vLLM's attention metadata:
+when every request decodes, an `EngineDecode` over which each operator launches one function of decode_kvm
+(compiled unless vLLM runs eagerly); else the model's own kind of `Step` for the scheduled tokens (a `PromptStep`)
+and a `KVMCache` over the pages, run eagerly. The traced forward runs on a `PagedStep`, the kind of `Step` whose token shifts and
 attention launch these operators. Between them, projections, norms and feed-forwards are traced once and
 compiled. No `from __future__ import annotations` here: torch.library reads the operators' signatures.
 """
@@ -19,37 +20,58 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from kvm_maglev.models.common.step_plan import Step
 from kvm_maglev.models.maglev.cache_maglev import TokenStep
+from kvm_maglev.vllm.decode_kvm import EngineDecode, compiled_shift, decode_attention, decode_shift
 
 LIBRARY = Library("kvm_maglev", "FRAGMENT")  # alive as long as the module: the operators' lifetime
 
 
-def scheduled(layer_name: str, positions: torch.Tensor, output: torch.Tensor):
-    """What the operator of the state pages named `layer_name` works on: the served model, the decoder layer's
-    index, the engine step's model `Step`, its count of scheduled tokens and its cache over the pages (vLLM's forward
-    context keeps every state layer by name), with `output` zeroed - what vLLM's padding, and a run without requests
-    (None), keep."""
+def scheduled(layer_name: str, positions: torch.Tensor):
+    """What the operator of the state pages named `layer_name` works on: its pages, the served model and the
+    engine step's rows (`step_rows`: an `EngineDecode`, or the model's `Step`, its count of scheduled tokens and
+    its cache over the pages; None in a run without requests). vLLM's forward context keeps every state layer by
+    name."""
     pages = get_forward_context().no_compile_layers[layer_name]
-    output.zero_()
-    rows = pages.served.step_rows(positions)
-    return None if rows is None else (pages.served, pages.index, *rows)
+    return pages, pages.served, pages.served.step_rows(positions)
 
 
 def token_shift(x: torch.Tensor, mix: torch.Tensor, positions: torch.Tensor, output: torch.Tensor,
-                layer_name: str, stream: str, first: str) -> None:
-    """Token shift of stream `stream` of layer `layer_name` over the step's scheduled tokens, into `output`."""
-    scheduled_step = scheduled(layer_name, positions, output)
-    if scheduled_step is not None:
-        _, index, step, count, cache = scheduled_step
-        output[:, :count] = step.token_shift(x[:, :count], mix, cache.layers[index], stream, first)
+                layer_name: str, streams: str, first: str) -> None:
+    """Token shift of layer `layer_name`'s streams `streams` (names joined by commas, consecutive in the layer's
+    carries; x and mix hold their columns side by side) over the step's scheduled tokens, into `output` (zeros past
+    them: vLLM's padding)."""
+    pages, served, rows = scheduled(layer_name, positions)
+    if isinstance(rows, EngineDecode):
+        shift = compiled_shift if served.compile_decode else decode_shift
+        # contiguous, as at start-up, where the graphs were compiled (no copy when they are)
+        shift(x.contiguous(), mix.contiguous(), served.carry_columns(pages.index, streams), rows.pages[pages.index],
+              rows.count, output)
+        return
+    output.zero_()
+    if rows is not None:
+        step, count, cache = rows
+        begin = 0
+        for name in streams.split(","):
+            end = begin + cache.layers[pages.index].tensors[f"carry.{name}"].shape[-1]
+            output[:, :count, begin:end] = step.token_shift(x[:, :count, begin:end], mix[..., begin:end],
+                                                            cache.layers[pages.index], name, first)
+            begin = end
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
               positions: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
     """The attention of layer `layer_name` (window, state and its folds, pages updated) over the step's scheduled
-    tokens, into `output`."""
-    scheduled_step = scheduled(layer_name, positions, output)
-    if scheduled_step is not None:
-        served, index, step, count, cache = scheduled_step
+    tokens, into `output` (zeros past them)."""
+    pages, served, rows = scheduled(layer_name, positions)
+    index = pages.index
+    if isinstance(rows, EngineDecode):
+        q, k, v, gate = (None if t is None else t.contiguous() for t in (q, k, v, gate))  # as at start-up
+        layer = served.model.layers[index]
+        decode_attention(layer.self_attn, q, k, v, gate, rows, rows.pages[index], output, served.named_pages()[index],
+                         None if layer.sliding else served.slot_table, served.compile_decode)
+        return
+    output.zero_()
+    if rows is not None:
+        step, count, cache = rows
         output[:count] = step.attend(served.model.layers[index].self_attn, cache.layers[index], q[:count], k[:count],
                                      v[:count], None if gate is None else gate[:count])
 
@@ -64,7 +86,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: to
     output.copy_(step.attend(attention, rings[index], q, k, v, served.config.decoder_windows[index]))
 
 
-def token_shift_fake(x, mix, positions, output, layer_name, stream, first) -> None:
+def token_shift_fake(x, mix, positions, output, layer_name, streams, first) -> None:
     return None
 
 
@@ -98,9 +120,17 @@ class PagedStep(Step):
         return self.positions
 
     def token_shift(self, x: torch.Tensor, mix: torch.Tensor, cache_layer, name: str, first: str) -> torch.Tensor:
-        output = torch.empty_like(x)
+        output = x.new_empty(x.shape)
         torch.ops.kvm_maglev.token_shift(x, mix, self.positions, output, cache_layer.prefix, name, first)
         return output
+
+    def token_shifts(self, streams: list[tuple[torch.Tensor, torch.Tensor, str]], cache_layer,
+                     first: str) -> list[torch.Tensor]:
+        """The streams in one operator call: their columns side by side."""
+        shifted = self.token_shift(torch.cat([x for x, _, _ in streams], dim=-1),
+                                   torch.cat([mix.reshape(-1) for _, mix, _ in streams]), cache_layer,
+                                   ",".join(name for _, _, name in streams), first)
+        return list(shifted.split([x.shape[-1] for x, _, _ in streams], dim=-1))
 
     def attend(self, attention, cache_layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                gate: torch.Tensor | None) -> torch.Tensor:

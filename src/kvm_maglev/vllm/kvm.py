@@ -33,6 +33,7 @@ from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_dtype_for
 from kvm_maglev.models.kvm.modeling_kvm import KVMModel
 from kvm_maglev.models.kvm.step_plan_kvm import PromptStep
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
+from kvm_maglev.vllm.decode_kvm import EngineDecode, engine_decode, fold_due, state_slot_table
 from kvm_maglev.vllm.engine_ops import PagedStep
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
 from kvm_maglev.vllm.pages import PagedStateModel, page_layers, scheduled_step
@@ -67,6 +68,32 @@ def page_layout(config: KVMConfig, model: KVMModel, max_len: int, dtype: torch.d
     return layout
 
 
+def name_pages(layout: list[list[tuple]], model: KVMModel,
+               tensors: list[tuple[torch.Tensor, ...]]) -> list[dict[str, torch.Tensor]]:
+    """Each layer's page tensors (`tensors[i]`, in `page_layout` order) under a KVMCache layer's names; the carry
+    vector's streams as column views."""
+    named = []
+    for layer_layout, layer, layer_tensors in zip(layout, model.layers, tensors):
+        pages = dict(zip((name for name, _, _ in layer_layout), layer_tensors))
+        carries, begin = pages.pop("carries", None), 0
+        for stream, width in layer.carries():
+            pages[f"carry.{stream}"] = carries[:, begin:begin + width]
+            begin += width
+        named.append(pages)
+    return named
+
+
+def carry_columns(pages: dict[str, torch.Tensor], layer, streams: list[str]) -> torch.Tensor:
+    """The carry columns of a layer's `streams`, consecutive in its carries (`layer.carries()`), as one view of its
+    named pages (`name_pages`)."""
+    order = [stream for stream, _ in layer.carries()]
+    if streams[0] not in order or order[order.index(streams[0]):order.index(streams[0]) + len(streams)] != streams:
+        raise ValueError(f"streams {streams} are not consecutive in the layer's carries {order}")
+    first, width = pages[f"carry.{streams[0]}"], sum(pages[f"carry.{name}"].shape[1] for name in streams)
+    # the streams' columns lie side by side in the carry vector: one view from the first one's
+    return first.as_strided((first.shape[0], width), first.stride(), first.storage_offset())
+
+
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})
 class VllmKVMForCausalLM(PagedStateModel):
     """`KVMForCausalLM` for vLLM: our model and head, a `StatePages` per decoder layer; the forward compiled by
@@ -91,11 +118,19 @@ class VllmKVMForCausalLM(PagedStateModel):
         self.state_layers = page_layers(prefix, [[shape for _, shape, _ in layer] for layer in self.layout],
                                         [[dtype for _, _, dtype in layer] for layer in self.layout])
         self.bound: list[dict[str, torch.Tensor]] | None = None  # page tensors by name, once vLLM has bound them
+        self.carry_views: dict[tuple[int, str], torch.Tensor] = {}  # `carry_columns`, made once
         for index, pages in enumerate(self.state_layers):
             # how the state operators find their layer (set on the instance's dict: not a submodule)
             pages.__dict__.update(served=self, index=index)
         self.pages_view = SimpleNamespace(layers=self.state_layers)  # the layers' handles on their pages
-        self.rows: tuple | None = None  # (attention metadata, model step, token count, cache) of the step under way
+        self.rows: tuple | None = None  # (attention metadata, the step's rows: `step_rows`) of the step under way
+        max_len = vllm_config.model_config.max_model_len
+        self.slot_table = state_slot_table(self.config, max_len)  # a decoding token's live state slots by block
+        self.slot_list = self.slot_table.tolist()
+        # decode_kvm's functions compiled: equal to the eager ones (tests/vllm/test_engine_decode.py), but inside a
+        # vLLM engine their graphs came out specialised to each batch size and width, so that serving compiled
+        # again and again up to dynamo's limit: off until they compile once at start-up
+        self.compile_decode = False
 
     def split_heads(self) -> None:
         """Each attention's head counts as this rank's, read from its sharded projections: its carries, pages and
@@ -106,17 +141,17 @@ class VllmKVMForCausalLM(PagedStateModel):
             attention.kv_heads = attention.k_proj.out_features // attention.head_dim
 
     def named_pages(self) -> list[dict[str, torch.Tensor]]:
-        """Each layer's page tensors under a KVMCache layer's names; the carry vector's streams as column views."""
+        """Each layer's page tensors under a KVMCache layer's names (`name_pages`), once vLLM has bound them."""
         if self.bound is None:
-            self.bound = []
-            for index, (layout, layer) in enumerate(zip(self.layout, self.model.layers)):
-                tensors = dict(zip((name for name, _, _ in layout), self.page_tensors(index)))
-                carries, begin = tensors.pop("carries", None), 0
-                for stream, width in layer.carries():
-                    tensors[f"carry.{stream}"] = carries[:, begin:begin + width]
-                    begin += width
-                self.bound.append(tensors)
+            self.bound = name_pages(self.layout, self.model, [self.page_tensors(i) for i in range(len(self.layout))])
         return self.bound
+
+    def carry_columns(self, index: int, streams: str) -> torch.Tensor:
+        """`carry_columns` of layer `index`'s pages for streams `streams` (names joined by commas), made once."""
+        if (index, streams) not in self.carry_views:
+            self.carry_views[index, streams] = carry_columns(self.named_pages()[index], self.model.layers[index],
+                                                             streams.split(","))
+        return self.carry_views[index, streams]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -132,25 +167,33 @@ class VllmKVMForCausalLM(PagedStateModel):
             return self.model(input_ids=input_ids, position_ids=positions, cache=self.pages_view, use_cache=False,
                               step=PagedStep(positions)).last_hidden_state
 
-    def step_rows(self, positions: torch.Tensor) -> tuple[Step, int, KVMCache] | None:
-        """The engine step's scheduled tokens as the model's own `Step` (a `DecodeStep`, its folds done, when every
-        request decodes, else a `PromptStep`), their count and a cache over their pages, built by the first state
-        operator of the step and shared by the others; None in vLLM's profiling and warm-up runs (no request, no
-        pages)."""
+    def step_rows(self, positions: torch.Tensor) -> EngineDecode | tuple[Step, int, KVMCache] | None:
+        """The engine step's scheduled tokens, built by the first state operator of the step and shared by the
+        others: an `EngineDecode` when every request decodes (decode_kvm; its folds done), else the model's own
+        `PromptStep`, the token count and a cache over the pages; None in vLLM's profiling and warm-up runs (no
+        request, no pages)."""
         metadata = get_forward_context().attn_metadata
         if metadata is None:
             return None
         if self.rows is None or self.rows[0] is not metadata:
-            step = scheduled_step(self.state_layers, positions)
-            cache = kvm_cache_over_pages(self.config, self.named_pages(), step.pages, step.starts)
-            if all(count == 1 for count in step.counts) and all(step.starts):  # every request decodes
-                model_step = self.model.decoding_step(cache, step.starts, positions.device)
-            else:
-                tokens = step.row_tokens(positions.device)
-                cache.prepare(tokens)
-                model_step = PromptStep(tokens, None, 0)  # the pages hold the positions: no columns to count
-            self.rows = (metadata, model_step, step.total, cache)
-        return self.rows[1:]
+            self.rows = (metadata, self.build_rows(metadata, positions))
+        return self.rows[1]
+
+    def build_rows(self, metadata, positions: torch.Tensor) -> EngineDecode | tuple[Step, int, KVMCache]:
+        """`step_rows` of a new engine step."""
+        if isinstance(metadata, list):  # one dict per micro-batch (ubatching); a single one here
+            metadata = metadata[0]
+        layers = [metadata[layer.prefix] for layer in self.state_layers]
+        decode = engine_decode(self.config, self.slot_list, layers[0],
+                               [layer.state_indices_tensor for layer in layers], positions)
+        if decode is not None:
+            fold_due(self.model, self.named_pages(), decode)
+            return decode
+        step = scheduled_step(self.state_layers, positions)
+        cache = kvm_cache_over_pages(self.config, self.named_pages(), step.pages, step.starts)
+        tokens = step.row_tokens(positions.device)
+        cache.prepare(tokens)
+        return PromptStep(tokens, None, 0), step.total, cache  # the pages hold the positions: no columns to count
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The head's logits over the whole vocabulary, soft-capped when the config sets a cap (as

@@ -219,6 +219,12 @@ class Step:
         (`"zero"`)."""
         raise NotImplementedError(f"{type(self).__name__} shifts no tokens")
 
+    def token_shifts(self, streams: list[tuple[torch.Tensor, torch.Tensor, str]], cache_layer,
+                     first: str) -> list[torch.Tensor]:
+        """`token_shift` of a layer's streams (x, mix, name each) that shift at one point of the forward; a kind
+        of step that can shift them in one operation overrides it."""
+        return [self.token_shift(x, mix, cache_layer, name, first) for x, mix, name in streams]
+
     def attend(self, attention, cache_layer, *inputs) -> torch.Tensor:
         """The attention of module `attention` for this kind of step: its queries over its cache layer (None: no
         cache) and the step's own keys, the cache layer updated. `inputs`: the queries, keys and values and what

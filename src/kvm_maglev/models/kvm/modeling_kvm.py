@@ -326,9 +326,8 @@ class KVMAttentionBase(nn.Module):
         elif self.value_residual_mode == "rwkv":
             v = v + (v_first.to(v.dtype) - v) * value_gate
         if self.token_shift_on:
-            q = step.token_shift(q, local_tensor(self.q_shift), cache_layer, "q", "first")
-            k = step.token_shift(k, local_tensor(self.k_shift), cache_layer, "k", "first")
-            v = step.token_shift(v, local_tensor(self.v_shift), cache_layer, "v", "first")
+            q, k, v = step.token_shifts([(q, local_tensor(self.q_shift), "q"), (k, local_tensor(self.k_shift), "k"),
+                                         (v, local_tensor(self.v_shift), "v")], cache_layer, "first")
         if self.value_residual_mode == "rwkv_post_tokenshift":
             v = v + (v_first.to(v.dtype) - v) * value_gate
         # -1 heads: under tensor parallelism a rank holds only its share of them

@@ -1,0 +1,191 @@
+"""KVM's decoding engine step on vLLM at the engine's cost: when every scheduled request reads one token (the
+serving steady state), the step is described once by an `EngineDecode` (vLLM's positions and page indices, the
+host facts the step needs), and each layer's operator launches one function over the pages: `decode_shift` (a
+token shift) or `decode_attention` (the ring write, the first-chunk state entry and the state-and-window attention
+in one softmax). Both read everything that depends on the schedule - ring slots, visible slots, live state slots -
+from the positions tensor, so no operator runs Python over requests and no layer builds geometry. Each function
+also has a compiled form (`torch.compile`, dynamic shapes; a page tensor written one per call, since vLLM's page
+tensors share one buffer, which a graph may not write through two inputs), equal to it and far fewer aten calls,
+which the engine does not use yet: inside a vLLM engine its graphs came out specialised to each batch size
+(`VllmKVMForCausalLM.compile_decode`).
+
+The model's own decoding step (`KVMModel.decoding_step`, `DecodeStep.token_shift`, `KVMAttention.attend_decoding`
+over a `kvm_cache_over_pages` cache) is the reference they equal (tests/vllm/test_engine_decode.py); a step whose
+requests fold a block into their state (once a chunk per request) runs its folds through that path first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx.experimental._config as shape_config
+
+from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, slots_after_folds
+from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
+from kvm_maglev.models.kvm.decode_step_kvm import rows_folding, visible_ring
+from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
+
+STATE = ("state_keys", "state_values", "state_norms", "read_keys", "read_values")
+
+
+def state_slot_table(config: KVMConfig, max_len: int) -> torch.Tensor:
+    """[blocks]: the live state slots of a token at chunk `window_chunks + b` (b blocks folded), for any position
+    below `max_len` (`decode_step`'s table, made once for the engine)."""
+    return torch.tensor(slots_after_folds(config, max(0, max_len // config.chunk_size - config.window_chunks)))
+
+
+def reach(config: KVMConfig, table: list[int], seen: list[int]) -> tuple[int, int, int]:
+    """How many leading state, window-ring and sliding-ring slots any row at `seen` reads (as `decode_step`'s
+    `reach`), at least 2 each: a dynamic graph specialises sizes 0 and 1, and the masks hide the extra slots."""
+    chunk, window_chunks = config.chunk_size, config.window_chunks
+    blocks = [p // chunk - window_chunks for p in seen]
+    state = max(table[block] if block >= 0 else 0 for block in blocks)
+    top = max(seen) + 1
+    return max(2, state), max(2, min(config.window_size, top)), max(2, min(config.sliding_window_size, top))
+
+
+@dataclass
+class EngineDecode:
+    """An engine step in which each of `count` requests reads one token at position `seen[r]` > 0: token r is
+    request r's; `positions` is vLLM's positions tensor, `pages[i]` layer i's page of each request ([count], int64,
+    contiguous: the graphs compiled at start-up read that kind of tensor); `reach` (state, window, sliding) as
+    `reach` gives it."""
+
+    count: int
+    seen: list[int]
+    positions: torch.Tensor
+    pages: list[torch.Tensor]
+    reach: tuple[int, int, int]
+
+
+def engine_decode(config: KVMConfig, table: list[int], first, pages: list[torch.Tensor],
+                  positions: torch.Tensor) -> EngineDecode | None:
+    """The `EngineDecode` of a step whose layer metadata `first` (vLLM's linear-attention metadata of the first
+    state layer) schedules only decoding requests, each past its first token; else None (the general path)."""
+    if first.num_prefills or not first.num_decodes:
+        return None
+    count = first.num_decodes
+    seen = positions[:count].tolist()
+    if not all(seen):  # a one-token prompt starts its request on pages another request may have used
+        return None
+    made: dict[int, torch.Tensor] = {}  # layers usually share one index tensor: one copy of it
+    pages = [made.setdefault(id(index), index[:count].long().contiguous()) for index in pages]
+    return EngineDecode(count, seen, positions, pages, reach(config, table, seen))
+
+
+def fold_due(model, named_pages: list[dict[str, torch.Tensor]], decode: EngineDecode) -> None:
+    """The folds of the blocks leaving the window of the rows that cross a chunk boundary with this step's token,
+    by the model's own decoding step over the pages (rare: once a chunk per request)."""
+    if not rows_folding(model.config, decode.seen):
+        return
+    cache = kvm_cache_over_pages(model.config, named_pages, decode.pages, decode.seen)
+    model.decoding_step(cache, decode.seen, decode.positions.device)
+
+
+def decode_shift(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
+                 output: torch.Tensor) -> None:
+    """Token shift of one stream over a decoding step's tokens x [1, tokens, D] into `output` (zeros past
+    `count`): each token's predecessor is its request's carry [pages, D], which it then replaces (as
+    `DecodeStep.token_shift`); `page` [count] each request's page."""
+    new = x[:, :count]
+    output[:, :count] = new + mix * (carry[page].to(x.dtype)[None] - new)
+    output[:, count:] = 0
+    carry[page] = new[0].to(carry.dtype)
+
+
+def write_slots(tensor: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, values: torch.Tensor) -> None:
+    """Slot `slot[r]` of page `page[r]` of `tensor` [pages, heads, slots, d] set to `values[r]` [heads, d]. One page
+    tensor a call: a compiled graph cannot write two of them, which share vLLM's buffer."""
+    tensor[page, :, slot] = values.to(tensor.dtype)
+
+
+def first_chunk_entries(attention, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
+                        positions: torch.Tensor, page: torch.Tensor, count: int,
+                        state: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """What a decoding step writes into the states of layer `attention` for its requests in their first chunk:
+    each token's state slot and read form (`KVMAttention.first_chunk_entries`) at slot `position`; the slot's old
+    values at slot 0 for the other requests (so that one write serves all). `state`: the STATE page tensors."""
+    position = positions[:count]
+    first_chunk = position < attention.config.chunk_size
+    entries = attention.first_chunk_entries(k[:count], v[:count], None if gate is None else gate[:count],
+                                            slice(None))
+    slot, keep = torch.where(first_chunk, position, 0), ~first_chunk[:, None, None]
+    return slot, [torch.where(keep, tensor[page, :, slot], new.to(tensor.dtype)) for tensor, new in zip(state, entries)]
+
+
+def attend_pages(attention, q: torch.Tensor, positions: torch.Tensor, page: torch.Tensor, count: int,
+                 output: torch.Tensor, pages: dict[str, torch.Tensor], table: torch.Tensor | None,
+                 state_reach: int, window_reach: int) -> None:
+    """Each request's query over its live state slots and visible ring slots, in one softmax, into `output` (zeros
+    past `count`), the step's tokens already in the pages (as `attend_decoding` reads them after its writes)."""
+    config = attention.config
+    position = positions[:count]
+    sliding = table is None
+    size = config.sliding_window_size if sliding else config.window_size
+    if sliding:
+        visible = visible_ring(position, size, position - size + 1)
+        state_slots = position * 0
+        read_keys = pages["window_keys"][:, :, :0]
+        read_values = pages["window_values"][:, :, :0]
+        temperatures = (None, None)
+    else:
+        chunk = config.chunk_size
+        block = torch.div(position, chunk, rounding_mode="floor") - config.window_chunks
+        visible = visible_ring(position, size, (block + 1).clamp(min=0) * chunk)
+        state_slots = torch.where(block < 0, 0, table.to(position.device)[block.clamp(min=0)])
+        read_keys = pages["read_keys"][:, :, :state_reach]
+        read_values = pages["read_values"][:, :, :state_reach]
+        temperatures = (attention.temperature("state_temperature"), attention.temperature("window_temperature"))
+    output[:count] = state_window_attention_torch(
+        q[:count], page, read_keys, read_values, state_slots, pages["window_keys"][:, :, :window_reach],
+        pages["window_values"][:, :, :window_reach], visible[:, :window_reach], *temperatures, q.shape[-1] ** -0.5)
+    output[count:] = 0
+
+
+def decode_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
+                     decode: EngineDecode, page: torch.Tensor, output: torch.Tensor, pages: dict[str, torch.Tensor],
+                     table: torch.Tensor | None, compiled: bool) -> None:
+    """Layer `attention`'s decoding step into `output` (zeros past the step's tokens): each request's token
+    written into its ring slot (and, in its first chunk, its state slot), then its query over its live state
+    slots and visible ring slots in one softmax - `KVMAttention.attend_decoding` or
+    `KVMSlidingWindowAttention.attend_decoding` over the pages. `page` [count]: each request's page; `table`:
+    `state_slot_table` (None for a sliding-window layer); `compiled`: the tensor work in compiled graphs."""
+    count, positions = decode.count, decode.positions
+    sliding = table is None
+    config = attention.config
+    if k.shape[0] != count:  # vLLM's padding
+        k, v, gate = k[:count], v[:count], None if gate is None else gate[:count]
+    position = positions if positions.shape[0] == count else positions[:count]
+    slot = position % (config.sliding_window_size if sliding else config.window_size)
+    write = compiled_write if compiled else write_slots
+    for name, new in (("window_keys", k), ("window_values", v), ("window_gates", gate)):
+        if name in pages and new is not None:
+            write(pages[name], page, slot, new)
+    if not sliding and min(decode.seen) < config.chunk_size:  # some request still in its first chunk
+        state = [pages[name] for name in STATE]
+        entry_slot, values = (compiled_entries if compiled else first_chunk_entries)(
+            attention, k, v, gate, positions, page, count, state)
+        for tensor, value in zip(state, values):
+            write(tensor, page, entry_slot, value)
+    state_reach, window_reach, sliding_reach = decode.reach
+    (compiled_attend if compiled else attend_pages)(attention, q, positions, page, count, output, pages, table,
+                                                    state_reach, sliding_reach if sliding else window_reach)
+
+
+def compiled(function):
+    """`function` compiled with dynamic shapes (one graph for every batch size and reach), its sizes not
+    duck-shaped: two sizes that happen to be equal when it compiles (4 heads, 4 requests) do not become a guard
+    that a later step fails, compiling again while serving."""
+    graph = torch.compile(function, dynamic=True, fullgraph=True)
+
+    def run(*args):
+        with shape_config.patch(use_duck_shape=False):
+            return graph(*args)
+    return run
+
+
+compiled_shift = compiled(decode_shift)
+compiled_write = compiled(write_slots)
+compiled_entries = compiled(first_chunk_entries)
+compiled_attend = compiled(attend_pages)

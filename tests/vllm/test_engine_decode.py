@@ -1,0 +1,147 @@
+"""KVM's decoding engine step (kvm_maglev.vllm.decode_kvm) against the model's own decoding step over the same
+pages (`KVMModel.decoding_step`, `DecodeStep.token_shift` and `.attend` on a `KVMCache.over_pages`): the same
+outputs and the same pages afterwards, eager and compiled, for rows at scattered pages and positions - in their
+first chunk, past it, folding a block at this token - with vLLM's padding after the scheduled tokens; an
+attention's q, k and v streams shifted in one call over their carries' columns, as the operator shifts them."""
+
+import pytest
+import torch
+
+from kvm_maglev.models.kvm.cache_kvm import KVMCache
+from kvm_maglev.vllm.decode_kvm import (
+    EngineDecode,
+    compiled_shift,
+    decode_attention,
+    decode_shift,
+    fold_due,
+    reach,
+    state_slot_table,
+)
+from kvm_maglev.vllm.kvm import carry_columns, name_pages, page_layout
+from tests.models.kvm.test_kvm_cache import VARIANTS, random_model
+
+MAX_LEN = 64
+PAGES = 12
+PAGE_OF_ROW = [7, 2, 9, 3, 0, 11]
+SEEN = [1, 3, 6, 12, 21, 30]  # chunks of 4, a window of 2 or 3 chunks: 12 folds a block in the 2-chunk variants
+PADDING = 2
+
+
+class PageLayout:
+    """One layer's page shapes and dtypes, as vLLM's `MambaBase.bind_kv_cache` reads them from a state layer."""
+
+    def __init__(self, layer: list[tuple]):
+        self.shapes, self.dtypes = [shape for _, shape, _ in layer], [dtype for _, _, dtype in layer]
+
+    def get_state_shape(self):
+        return self.shapes
+
+    def get_state_dtype(self):
+        return self.dtypes
+
+
+def random_pages(model, generator: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+    """Every layer's page tensors (`page_layout`), random (garbage a request's pages may hold is read alike), as
+    vLLM binds them: views of one buffer per layer."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    pages = []
+    for layer in page_layout(model.config, model.model, MAX_LEN, torch.float32):
+        layout = PageLayout(layer)
+        size = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in zip(layout.shapes, layout.dtypes))
+        MambaBase.bind_kv_cache(layout, torch.zeros(PAGES, 1, 1, size, dtype=torch.int8))
+        for tensor in layout.kv_cache:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        pages.append(layout.kv_cache)
+    return pages
+
+
+def layer_inputs(model, generator: torch.Generator) -> list[dict]:
+    """Per layer: each token-shifted stream's input and mix, and the attention's q, k, v and merge gates, for the
+    step's tokens and vLLM's padding after them."""
+    tokens = len(SEEN) + PADDING
+    inputs = []
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        streams = {name: (torch.randn(1, tokens, width, generator=generator), torch.rand(width, generator=generator))
+                   for name, width in layer.carries()}
+        q = torch.randn(tokens, attention.num_heads, attention.head_dim, generator=generator)
+        k = torch.randn(tokens, attention.kv_heads, attention.head_dim, generator=generator)
+        v = torch.randn(tokens, attention.kv_heads, attention.value_head_dim, generator=generator)
+        gate = 1 + torch.rand(tokens, attention.kv_heads, 1, generator=generator) if getattr(attention, "gated", False) \
+            else None
+        inputs.append({"streams": streams, "attention": (q, k, v, gate)})
+    return inputs
+
+
+def reference_step(model, pages, inputs) -> list:
+    """The model's decoding step over the pages: its folds, then each layer's token shifts and attention."""
+    count = len(SEEN)
+    index = torch.tensor(PAGE_OF_ROW)
+    named = name_pages(page_layout(model.config, model.model, MAX_LEN, torch.float32), model.model, pages)
+    cache = KVMCache.over_pages(model.config, named, [index] * len(pages), SEEN)
+    step = model.model.decoding_step(cache, SEEN, index.device)
+    outputs = []
+    for layer, cache_layer, layer_in in zip(model.model.layers, cache.layers, inputs):
+        for name, (x, mix) in layer_in["streams"].items():
+            outputs.append(step.token_shift(x[:, :count], mix, cache_layer, name, "first"))
+        q, k, v, gate = (None if t is None else t[:count] for t in layer_in["attention"])
+        outputs.append(step.attend(layer.self_attn, cache_layer, q, k, v, gate))
+    return outputs
+
+
+def engine_step(model, pages, inputs, compiled: bool) -> list:
+    """decode_kvm's step over the pages, as the operators run it; outputs cut to the scheduled tokens after
+    checking that the padding's are zeros."""
+    count, config = len(SEEN), model.config
+    page_index = torch.tensor(PAGE_OF_ROW)
+    positions = torch.tensor(SEEN + [0] * PADDING)
+    named = name_pages(page_layout(config, model.model, MAX_LEN, torch.float32), model.model, pages)
+    table = state_slot_table(config, MAX_LEN)
+    decode = EngineDecode(count, list(SEEN), positions, [page_index] * len(pages), reach(config, table.tolist(), SEEN))
+    assert min(SEEN) < config.chunk_size  # the first-chunk writes run
+    fold_due(model.model, named, decode)
+    shift = compiled_shift if compiled else decode_shift
+    outputs, shifted = [], {}
+    for layer, layer_pages, layer_in in zip(model.model.layers, named, inputs):
+        streams = layer_in["streams"]
+        joint = [name for name in ("q", "k", "v") if name in streams]  # one call, as the operator shifts them
+        for names in [[name] for name in streams if name not in joint] + ([joint] if joint else []):
+            x = torch.cat([streams[name][0] for name in names], dim=-1)
+            mix = torch.cat([streams[name][1].reshape(-1) for name in names])
+            out = torch.full_like(x, float("nan"))
+            shift(x, mix, carry_columns(layer_pages, layer, names), page_index, count, out)
+            assert not out[:, count:].any()
+            widths = [streams[name][0].shape[-1] for name in names]
+            shifted.update(zip(names, out[:, :count].split(widths, dim=-1)))
+        outputs += [shifted.pop(name) for name in streams]
+        q, k, v, gate = layer_in["attention"]
+        out = torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"))
+        decode_attention(layer.self_attn, q, k, v, gate, decode, page_index, out, layer_pages,
+                         None if layer.sliding else table, compiled)
+        assert not out[count:].any()
+        outputs.append(out[:count])
+    return outputs
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_engine_decode_equals_model_decoding_step(variant, compiled):
+    if compiled and variant in ("counts_no_gates_no_temps_no_sink", "fixed_linear_residual_no_shift"):
+        pytest.skip("compiled on the two variants with sliding-window layers or the gated power-law state only "
+                    "(each variant is a compilation of its own: minutes on 2 shared cores)")
+    model = random_model(**VARIANTS[variant])
+    generator = torch.Generator().manual_seed(3)
+    pages = random_pages(model, generator)
+    inputs = layer_inputs(model, generator)
+    engine_pages = random_pages(model, torch.Generator().manual_seed(3))  # the same values, their own buffer
+    with torch.no_grad():
+        expected = reference_step(model, pages, inputs)
+        got = engine_step(model, engine_pages, inputs, compiled)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if compiled else dict(rtol=0, atol=0)
+    assert len(got) == len(expected)
+    for ours, reference in zip(got, expected):
+        torch.testing.assert_close(ours, reference, **tolerance)
+    for ours, reference in zip(engine_pages, pages):
+        for page, reference_page in zip(ours, reference):
+            torch.testing.assert_close(page, reference_page, **tolerance)
