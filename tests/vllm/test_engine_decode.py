@@ -1,5 +1,5 @@
 """KVM's decoding engine step (kvm_maglev.vllm.decode_kvm) against the model's own decoding step over the same
-pages (`KVMModel.decoding_step`, `DecodeStep.token_shift` and `.attend` on a `KVMCache.over_pages`): the same
+pages (`KVMModel.decoding_step`, `DecodeStep.token_shift` and `.attend` on a `kvm_cache_over_pages` cache): the same
 outputs and the same pages afterwards, eager and compiled, for rows at scattered pages and positions - in their
 first chunk, past it, folding a block at this token - with vLLM's padding after the scheduled tokens; an
 attention's q, k and v streams shifted in one call over their carries' columns, as the operator shifts them."""
@@ -7,7 +7,6 @@ attention's q, k and v streams shifted in one call over their carries' columns, 
 import pytest
 import torch
 
-from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.vllm.decode_kvm import (
     EngineDecode,
     compiled_shift,
@@ -18,6 +17,7 @@ from kvm_maglev.vllm.decode_kvm import (
     state_slot_table,
 )
 from kvm_maglev.vllm.kvm import carry_columns, name_pages, page_layout
+from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
 from tests.models.kvm.test_kvm_cache import VARIANTS, random_model
 
 MAX_LEN = 64
@@ -79,7 +79,7 @@ def reference_step(model, pages, inputs) -> list:
     count = len(SEEN)
     index = torch.tensor(PAGE_OF_ROW)
     named = name_pages(page_layout(model.config, model.model, MAX_LEN, torch.float32), model.model, pages)
-    cache = KVMCache.over_pages(model.config, named, [index] * len(pages), SEEN)
+    cache = kvm_cache_over_pages(model.config, named, [index] * len(pages), SEEN)
     step = model.model.decoding_step(cache, SEEN, index.device)
     outputs = []
     for layer, cache_layer, layer_in in zip(model.model.layers, cache.layers, inputs):
