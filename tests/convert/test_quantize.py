@@ -164,3 +164,36 @@ def test_a_failed_write_leaves_nothing(float_folder, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         quantize_folder(folder, "W8A8", tmp_path / "q")
     assert list(tmp_path.iterdir()) == []
+
+
+HUB_SCRIPT = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+ids = torch.tensor([[5, 17, 33, 2, 90, 41]])
+with torch.no_grad():
+    logits = model(ids).logits
+quantized = sorted(name for name, module in model.named_modules()
+                   if getattr(module, "quantization_scheme", None) is not None)
+print(json.dumps({"module": type(model).__module__, "quantized": quantized, "logits": logits[0].tolist()}))
+"""
+
+
+def test_a_hub_folder_quantizes_and_loads_without_the_package(float_folder, tmp_path):
+    """A generated Hub folder (its own code) quantizes; the result loads with that code where the package is absent,
+    to the logits the package's load of it gives."""
+    from kvm_maglev.convert.export import build_hub_folder
+    from kvm_maglev.convert.quantize import quantize_folder
+    from tests.convert.without_package import run_script
+
+    kind, _ = float_folder
+    float_model = tiny(kind)
+    hub = build_hub_folder(float_model, tmp_path / "hub", progress=False)
+    out = quantize_folder(hub, "W4A16", tmp_path / "q", group_size=GROUP)
+    assert sorted(p.name for p in out.glob("*.py")) == sorted(p.name for p in hub.glob("*.py"))
+    report = run_script(HUB_SCRIPT, [out], tmp_path)
+    assert not report["module"].startswith("kvm_maglev")
+    assert set(report["quantized"]) == projections(kind, float_model)
+    with torch.no_grad():
+        expected = load(out)(torch.tensor([[5, 17, 33, 2, 90, 41]])).logits[0]
+    torch.testing.assert_close(torch.tensor(report["logits"]), expected, rtol=0, atol=1e-4)
