@@ -38,6 +38,7 @@ from vllm.distributed import (
     get_tp_group,
     tensor_model_parallel_all_reduce,
 )
+from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 
@@ -74,20 +75,21 @@ class Projection:
         raise AttributeError(f"{type(self).__name__} has no weight")  # not yet registered: nn.Module may add it
 
 
-def projection_classes() -> dict[str | None, type]:
-    """The vLLM linear layer per plan rule (None: replicated), as a `Projection`."""
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+class ColumnProjectionLinear(Projection, ColumnParallelLinear):
+    """A colwise projection: this rank's output rows (heads, MLP units), not gathered."""
 
-    class ColumnProjectionLinear(Projection, ColumnParallelLinear):
-        """A colwise projection: this rank's output rows (heads, MLP units), not gathered."""
 
-    class RowProjectionLinear(Projection, RowParallelLinear):
-        """A rowwise projection: this rank's input columns; the partial products summed over the ranks."""
+class RowProjectionLinear(Projection, RowParallelLinear):
+    """A rowwise projection: this rank's input columns; the partial products summed over the ranks."""
 
-    class ReplicatedProjectionLinear(Projection, ReplicatedLinear):
-        """A projection every rank holds whole."""
 
-    return {"colwise": ColumnProjectionLinear, "rowwise": RowProjectionLinear, None: ReplicatedProjectionLinear}
+class ReplicatedProjectionLinear(Projection, ReplicatedLinear):
+    """A projection every rank holds whole."""
+
+
+# the vLLM linear layer of each plan rule (None: replicated)
+PROJECTIONS: dict[str | None, type] = {"colwise": ColumnProjectionLinear, "rowwise": RowProjectionLinear,
+                                       None: ReplicatedProjectionLinear}
 
 
 def quantized_projections(model: nn.Module, plan: dict[str, str], quant_config, device: torch.device) -> None:
@@ -95,14 +97,13 @@ def quantized_projections(model: nn.Module, plan: dict[str, str], quant_config, 
     full-precision gates are another class) by vLLM's linear layer of its plan rule built with `quant_config`,
     named as in the checkpoint (what the method's ignore list and targets match), its parameters empty on
     `device`."""
-    classes = projection_classes()
     for name, module in list(model.named_modules()):
         if not name.startswith(BASE_PREFIX) or type(module) not in (nn.Linear, OneDNNLinear):
             continue
         rule = plan_rule(plan, name[len(BASE_PREFIX):])
         options = dict(gather_output=False) if rule == "colwise" else dict(input_is_parallel=True) if rule else {}
         with torch.device(device):
-            layer = classes[rule](module.in_features, module.out_features, bias=module.bias is not None,
+            layer = PROJECTIONS[rule](module.in_features, module.out_features, bias=module.bias is not None,
                                   params_dtype=module.weight.dtype, quant_config=quant_config, prefix=name,
                                   return_bias=False, **options)
         parent, attribute = name.rsplit(".", 1)
