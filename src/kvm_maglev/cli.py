@@ -14,6 +14,7 @@ _SUBCOMMANDS = {
     "bench": "kvm_maglev.benchmarks.cli",
     "demo": "kvm_maglev.demo",
     "push": "kvm_maglev.hub",
+    "quantize": "kvm_maglev.convert.quantize",
 }
 
 

@@ -293,3 +293,35 @@ def test_qlora_trains_saves_reloads_and_merges_into_the_float_model(saved, tmp_p
         base = model_class.from_pretrained(folder).eval()(input_ids=probe).logits
     assert (unmerged - base).abs().max() > 1e-2  # the adapter was trained
 
+
+
+def test_trl_sft_trainer_trains_a_4bit_model_with_lora(saved, tmp_path):
+    """TRL's SFTTrainer on a 4-bit model with a LoRA config (it prepares the model for k-bit training itself), on
+    pre-tokenized rows, gradient checkpointing on: the loss falls, only the adapters train, the 4-bit weights stay."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+
+    from kvm_maglev.training import lora_target_modules
+    from tests.vllm.folders import tiny_tokenizer
+
+    kind, folder, _ = saved
+    model = load_quantized(folder, kind, quantization_config("bnb_nf4"))
+    packed = [param.detach().clone() for param in model.parameters() if param.dtype == torch.uint8]
+    assert packed  # bitsandbytes' 4-bit weights
+    rows = datasets.Dataset.from_dict({"input_ids": [row["input_ids"].tolist() for row in training_rows()]})
+    args = trl.SFTConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=12,
+                         learning_rate=2e-2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+                         bf16=False, disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=True,
+                         gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=lora_target_modules(model), lora_dropout=0.0)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tiny_tokenizer(VOCAB),
+                             peft_config=lora)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 12 and sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    trained = {name for name, param in trainer.model.named_parameters() if param.requires_grad}
+    assert trained and all("lora_" in name for name in trained)
+    after = [param for param in trainer.model.parameters() if param.dtype == torch.uint8]  # in module order
+    assert len(after) == len(packed) and all(torch.equal(a, b) for a, b in zip(after, packed))

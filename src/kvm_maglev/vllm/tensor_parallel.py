@@ -17,6 +17,12 @@ a table whose columns a colwise projection's heads read (`split_table_columns`: 
 
 Embeddings and head are split by vocabulary rows with vLLM's own layers (`VocabParallelEmbedding`,
 `ParallelLMHead` and its `LogitsProcessor`, which gathers the ranks' logits and soft-caps them).
+
+A quantized model (vLLM's `quant_config`: a compressed-tensors folder) has its projections built as vLLM's own
+linear layers with that config, as vLLM's models build theirs (`quantized_projections`): colwise ones
+`ColumnParallelLinear`, rowwise ones `RowParallelLinear`, the rest `ReplicatedLinear`; each loads its share of the
+checkpoint through its parameters' weight loaders and runs the method's kernel. The declared full-precision gates
+stay the model's own layers.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ import re
 
 import torch
 from torch import nn
+from vllm.config import get_current_vllm_config
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     get_tp_group,
     tensor_model_parallel_all_reduce,
 )
+from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 
@@ -43,6 +51,63 @@ class RowParallelOneDNNLinear(OneDNNLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tensor_model_parallel_all_reduce(super().forward(x))
+
+
+class Projection:
+    """What makes a vLLM linear layer a projection of our models: called on the input alone (vLLM's layers return
+    no bias here: `return_bias=False`) and sized as nn.Linear, by this rank's share."""
+
+    @property
+    def in_features(self) -> int:
+        return getattr(self, "input_size_per_partition", self.input_size)
+
+    @property
+    def out_features(self) -> int:
+        return getattr(self, "output_size_per_partition", self.output_size)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The stored weight: `weight` (int8), or `weight_packed` (int4 in int32s). The model reads a projection's
+        weight only for its kind (a tensor-parallel share or not), never its values."""
+        for name in ("weight", "weight_packed"):
+            if name in self._parameters:
+                return self._parameters[name]
+        raise AttributeError(f"{type(self).__name__} has no weight")  # not yet registered: nn.Module may add it
+
+
+class ColumnProjectionLinear(Projection, ColumnParallelLinear):
+    """A colwise projection: this rank's output rows (heads, MLP units), not gathered."""
+
+
+class RowProjectionLinear(Projection, RowParallelLinear):
+    """A rowwise projection: this rank's input columns; the partial products summed over the ranks."""
+
+
+class ReplicatedProjectionLinear(Projection, ReplicatedLinear):
+    """A projection every rank holds whole."""
+
+
+# the vLLM linear layer of each plan rule (None: replicated)
+PROJECTIONS: dict[str | None, type] = {"colwise": ColumnProjectionLinear, "rowwise": RowProjectionLinear,
+                                       None: ReplicatedProjectionLinear}
+
+
+def quantized_projections(model: nn.Module, plan: dict[str, str], quant_config, device: torch.device) -> None:
+    """Replace each projection of `model`'s base model (every layer of exactly type nn.Linear: the declared
+    full-precision gates are another class) by vLLM's linear layer of its plan rule built with `quant_config`,
+    named as in the checkpoint (what the method's ignore list and targets match), its parameters empty on
+    `device`."""
+    for name, module in list(model.named_modules()):
+        if not name.startswith(BASE_PREFIX) or type(module) not in (nn.Linear, OneDNNLinear):
+            continue
+        rule = plan_rule(plan, name[len(BASE_PREFIX):])
+        options = dict(gather_output=False) if rule == "colwise" else dict(input_is_parallel=True) if rule else {}
+        with torch.device(device):
+            layer = PROJECTIONS[rule](module.in_features, module.out_features, bias=module.bias is not None,
+                                  params_dtype=module.weight.dtype, quant_config=quant_config, prefix=name,
+                                  return_bias=False, **options)
+        parent, attribute = name.rsplit(".", 1)
+        setattr(model.get_submodule(parent), attribute, layer)
 
 
 def plan_rule(plan: dict[str, str], name: str) -> str | None:
@@ -98,8 +163,11 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 def shard_by_plan(model: nn.Module, plan: dict[str, str], device: torch.device) -> dict[str, int]:
     """Give `model` (a served causal LM built on the meta device, so that no rank ever holds the whole of it; the
     plan names its base model's modules) this rank's shares of the planned linear layers and parameters and empty
-    replicated ones, all on `device`. Returns, per parameter name, the checkpoint dimension to slice for this rank
-    when loading."""
+    replicated ones, all on `device` (a quantized model's projections: `quantized_projections`). Returns, per
+    parameter name, the checkpoint dimension to slice for this rank when loading."""
+    quant_config = get_current_vllm_config().quant_config
+    if quant_config is not None:  # vLLM's linear layers: each loads and splits its own share
+        quantized_projections(model, plan, quant_config, device)
     tp_size = get_tensor_model_parallel_world_size()
     shards: dict[str, int] = {}
     planned: list[tuple[nn.Module, str, str]] = []  # (module, parameter, its full name) to shard once materialized

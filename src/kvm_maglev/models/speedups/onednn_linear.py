@@ -77,8 +77,10 @@ class OneDNNLinear(nn.Linear):
 
 def switchable(module: nn.Module) -> bool:
     """Whether `onednn_linears()` makes `module` a OneDNNLinear: an nn.Linear itself (not a subclass with a forward
-    of its own, such as bitsandbytes' and quanto's quantized layers) holding a plain weight."""
-    return type(module) is nn.Linear and plain_weight(module.weight)
+    of its own, such as bitsandbytes' and quanto's quantized layers) holding a plain weight; not a compressed-tensors
+    layer (`quantization_scheme`: its forward quantizes, and a packed one has no `weight` until decompressed)."""
+    return (type(module) is nn.Linear and getattr(module, "quantization_scheme", None) is None
+            and plain_weight(module.weight))
 
 
 @contextlib.contextmanager
