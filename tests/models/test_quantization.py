@@ -6,13 +6,14 @@ an eval forward reloads to the same logits, QLoRA trains, and a Hub folder quant
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
 from kvm_maglev.convert.export import build_hub_folder
-from kvm_maglev.models.common.conventions import FullPrecisionLinear
+from kvm_maglev.models.common.conventions import FullPrecisionLinear, with_head_kept
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.models.maglev import MaglevConfig, MaglevForCausalLM
 from kvm_maglev.models.speedups import onednn_linear
@@ -153,15 +154,17 @@ def test_every_projection_but_the_declared_ones_is_quantized(saved, method):
 
 
 def test_a_users_skip_list_adds_to_the_declared_one(saved):
-    """llm_int8_skip_modules names more layers to keep: those stay float too, and the gates are still kept
-    (transformers drops only its own default, the head: Maglev's load steps aside for a quantized head)."""
+    """llm_int8_skip_modules names more layers to keep: those stay float too, and the gates and the head are still
+    kept (transformers would let the user's list replace its default, the head); the user's config is unchanged."""
     pytest.importorskip("bitsandbytes")
     from transformers import BitsAndBytesConfig
 
     kind, folder, float_model = saved
-    model = load_quantized(folder, kind, BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["o_proj"]))
+    users = BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["o_proj"])
+    model = load_quantized(folder, kind, users)
     quantized = {name for name, flag in linear_names(model).items() if flag}
-    assert quantized == expected_quantized(kind, float_model, {"o_proj"}) | {"lm_head"}
+    assert quantized == expected_quantized(kind, float_model, {"o_proj"})
+    assert users.llm_int8_skip_modules == ["o_proj"]
     with torch.no_grad():
         logits = model(ids()).logits
     assert logits.shape == (2, 14, VOCAB) and torch.isfinite(logits).all()
@@ -325,3 +328,15 @@ def test_trl_sft_trainer_trains_a_4bit_model_with_lora(saved, tmp_path):
     assert trained and all("lora_" in name for name in trained)
     after = [param for param in trainer.model.parameters() if param.dtype == torch.uint8]  # in module order
     assert len(after) == len(packed) and all(torch.equal(a, b) for a, b in zip(after, packed))
+
+
+def test_the_head_joins_a_users_skip_list_in_any_quantizers_field():
+    """Each quantization config's own skip-list field (or a dict's key) gains the head; one without a list, or one
+    naming the head already, is passed on as given."""
+    assert with_head_kept({"quant_method": "bitsandbytes", "llm_int8_skip_modules": ["o_proj"]}) == {
+        "quant_method": "bitsandbytes", "llm_int8_skip_modules": ["o_proj", "lm_head"]}
+    assert with_head_kept({"modules_to_not_convert": ["gate"]})["modules_to_not_convert"] == ["gate", "lm_head"]
+    unset = {"quant_method": "bitsandbytes", "llm_int8_skip_modules": None}
+    assert with_head_kept(unset) is unset
+    named = SimpleNamespace(skip_modules=["lm_head"])
+    assert with_head_kept(named) is named

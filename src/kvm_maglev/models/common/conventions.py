@@ -4,6 +4,7 @@ implementations a user can choose ("sdpa": torch's fused kernel; "eager": explic
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -157,14 +158,37 @@ class FullPrecisionLinear(nn.Linear):
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
+# where each quantization config holds a user's list of modules to keep unquantized (bitsandbytes; torchao, quanto
+# and others; HQQ)
+SKIP_LIST_FIELDS = ("llm_int8_skip_modules", "modules_to_not_convert", "skip_modules")
+
+
+def with_head_kept(quantization_config):
+    """`quantization_config` (a config or its dict), its user's skip list also naming the head: transformers lets a
+    user's list replace its default one (the head), and a quantized head costs the logits their precision."""
+    is_dict = isinstance(quantization_config, dict)
+    for field in SKIP_LIST_FIELDS:
+        skipped = quantization_config.get(field) if is_dict else getattr(quantization_config, field, None)
+        if skipped is not None and "lm_head" not in skipped:
+            if is_dict:
+                quantization_config = {**quantization_config, field: [*skipped, "lm_head"]}
+            else:
+                quantization_config = copy.copy(quantization_config)  # the user's own stays as they made it
+                setattr(quantization_config, field, [*skipped, "lm_head"])
+    return quantization_config
+
+
 class QuantizedLoadMixin:
-    """transformers' from_pretrained, with bitsandbytes' 4-bit layers kept out of their AVX512-BF16 CPU repacking:
-    bitsandbytes 0.50 repacks a 4-bit weight at its first eval forward on such CPUs, and `state_dict()` after that
-    writes corrupted weights (save_pretrained, Trainer checkpoints and adapter saves of the model). Without the
-    repacking the layers compute with bitsandbytes' plain CPU kernel; elsewhere the switch is already off."""
+    """transformers' from_pretrained, with the head kept out of a quantizer a user gave their own skip list, and
+    bitsandbytes' 4-bit layers kept out of their AVX512-BF16 CPU repacking: bitsandbytes 0.50 repacks a 4-bit weight
+    at its first eval forward on such CPUs, and `state_dict()` after that writes corrupted weights (save_pretrained,
+    Trainer checkpoints and adapter saves of the model). Without the repacking the layers compute with bitsandbytes'
+    plain CPU kernel; elsewhere the switch is already off."""
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
+        if kwargs.get("quantization_config") is not None:
+            kwargs["quantization_config"] = with_head_kept(kwargs["quantization_config"])
         loaded = super().from_pretrained(*args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True returns a tuple
         for module in model.modules():
