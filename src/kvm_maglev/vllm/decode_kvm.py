@@ -133,7 +133,7 @@ def attend_pages(attention, q: torch.Tensor, positions: torch.Tensor, page: torc
         chunk = config.chunk_size
         block = torch.div(position, chunk, rounding_mode="floor") - config.window_chunks
         visible = visible_ring(position, size, (block + 1).clamp(min=0) * chunk)
-        state_slots = torch.where(block < 0, 0, table.to(position.device)[block.clamp(min=0)])
+        state_slots = torch.where(block < 0, 0, table[block.clamp(min=0)])
         read_keys = pages["read_keys"][:, :, :state_reach]
         read_values = pages["read_values"][:, :, :state_reach]
         temperatures = (attention.temperature("state_temperature"), attention.temperature("window_temperature"))
@@ -150,7 +150,8 @@ def decode_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     written into its ring slot (and, in its first chunk, its state slot), then its query over its live state
     slots and visible ring slots in one softmax - `KVMAttention.attend_decoding` or
     `KVMSlidingWindowAttention.attend_decoding` over the pages. `page` [count]: each request's page; `table`:
-    `state_slot_table` (None for a sliding-window layer); `compiled`: the tensor work in compiled graphs."""
+    `state_slot_table` on the positions' device (None for a sliding-window layer); `compiled`: the tensor work in
+    compiled graphs."""
     count, positions = decode.count, decode.positions
     sliding = table is None
     config = attention.config

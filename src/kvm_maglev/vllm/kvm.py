@@ -125,7 +125,8 @@ class VllmKVMForCausalLM(PagedStateModel):
         self.pages_view = SimpleNamespace(layers=self.state_layers)  # the layers' handles on their pages
         self.rows: tuple | None = None  # (attention metadata, the step's rows: `step_rows`) of the step under way
         max_len = vllm_config.model_config.max_model_len
-        self.slot_table = state_slot_table(self.config, max_len)  # a decoding token's live state slots by block
+        # a decoding token's live state slots by block: on the model's device, which every layer's attention reads
+        self.slot_table = state_slot_table(self.config, max_len).to(device)
         self.slot_list = self.slot_table.tolist()
         # decode_kvm's functions compiled: equal to the eager ones (tests/vllm/test_engine_decode.py), but inside a
         # vLLM engine their graphs came out specialised to each batch size and width, so that serving compiled
