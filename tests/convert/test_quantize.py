@@ -17,7 +17,8 @@ from kvm_maglev.cli import main
 from tests.models.test_quantization import KEPT, ids, tiny
 
 pytest.importorskip("compressed_tensors")
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
+              pytest.mark.usefixtures("package_auto_classes")]
 
 GROUP = 32  # the W4A16 group size of these tests (hidden 128)
 QMAX = {"W8A8": 127, "W4A16": 7}  # symmetric int8 / int4: [-QMAX - 1, QMAX]
@@ -45,11 +46,9 @@ def reference(model: nn.Module, scheme: str, quantized: set[str]) -> nn.Module:
 
 
 def load(folder) -> nn.Module:
+    """A quantized folder loaded by model_type through the Auto classes (registered for this module only)."""
     from transformers import AutoModelForCausalLM
 
-    from kvm_maglev import register_auto_classes
-
-    register_auto_classes()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -197,3 +196,26 @@ def test_a_hub_folder_quantizes_and_loads_without_the_package(float_folder, tmp_
     with torch.no_grad():
         expected = load(out)(torch.tensor([[5, 17, 33, 2, 90, 41]])).logits[0]
     torch.testing.assert_close(torch.tensor(report["logits"]), expected, rtol=0, atol=1e-4)
+
+
+UNREGISTERED_LOAD = """
+import sys
+from pathlib import Path
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from kvm_maglev.convert.quantize import load_float_model
+model = load_float_model(Path(sys.argv[1]))
+print(type(model).__name__, sorted(name for name in ("kvm", "maglev") if name in CONFIG_MAPPING))
+"""
+
+
+def test_loading_the_float_model_registers_no_auto_class(float_folder):
+    """The quantizer loads the package's folders by model_type without registering the Auto classes: a registration
+    lasts for the process and would make every remote-code folder loaded after it use the package's code."""
+    import subprocess
+    import sys
+
+    kind, folder = float_folder
+    result = subprocess.run([sys.executable, "-c", UNREGISTERED_LOAD, str(folder)], capture_output=True, text=True,
+                            timeout=180, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == f"{type(tiny(kind)).__name__} []"

@@ -123,18 +123,26 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 128, skip: l
 
 
 def load_float_model(folder: Path) -> nn.Module:
-    """The folder's model as saved (its dtype), with the package's classes or the folder's own code."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The folder's model as saved (its dtype): the package's class for its own model types, else the folder's code.
 
-    from kvm_maglev import register_auto_classes
+    The package's classes are picked by model_type rather than registered with the Auto classes, because a
+    registration is process-wide and would override every remote-code folder loaded afterwards."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    import kvm_maglev
 
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json: not a saved model folder")
-    register_auto_classes()
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    if getattr(config, "quantization_config", None):
-        method = dict(config.quantization_config).get("quant_method", "?")
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
         raise ValueError(f"{folder} is already quantized ({method}); quantize a full-precision folder")
+    package_class = {"kvm": kvm_maglev.KVMForCausalLM, "maglev": kvm_maglev.MaglevForCausalLM}.get(
+        config.get("model_type"))
+    if package_class is not None:
+        return package_class.from_pretrained(folder, dtype="auto").eval()
     return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype="auto").eval()
 
 
