@@ -78,7 +78,7 @@ def train(model: nn.Module, rows: torch.Tensor, steps: int, batch: int, seed: in
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
