@@ -114,6 +114,7 @@ class VllmKVMForCausalLM(PagedStateModel):
     and the vocabulary (`kvm_maglev.vllm.tensor_parallel`)."""
 
     MODEL_NAME = "KVM"
+    COMPILE_DECODE = True  # decode_kvm's functions compiled where vLLM compiles (the benchmark's --eager-decode: off)
     PROMPT_EMBEDDINGS_REFUSED = "token shifts and the state are driven by the model's own embeddings of token ids"
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -145,7 +146,7 @@ class VllmKVMForCausalLM(PagedStateModel):
         # layers' steps have not been compiled), in its warm-up run, once per operator site (`warmed`), on scratch
         # pages (`scratch`); a site not warmed up, or a step of one request, runs eagerly
         compiles = vllm_config.compilation_config.mode != CompilationMode.NONE
-        self.compile_decode = compiles and get_tensor_model_parallel_world_size() == 1
+        self.compile_decode = self.COMPILE_DECODE and compiles and get_tensor_model_parallel_world_size() == 1
         self.max_len = max_len
         self.warmed: set[tuple[int, str]] = set()
         self.scratch: list[dict[str, torch.Tensor]] | None = None
