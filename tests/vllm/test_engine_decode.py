@@ -2,7 +2,8 @@
 pages (`KVMModel.decoding_step`, `DecodeStep.token_shift` and `.attend` on a `kvm_cache_over_pages` cache): the same
 outputs and the same pages afterwards, eager and compiled, for rows at scattered pages and positions - in their
 first chunk, past it, folding a block at this token - with vLLM's padding after the scheduled tokens; an
-attention's q, k and v streams shifted in one call over their carries' columns, as the operator shifts them."""
+attention's q, k and v streams shifted in one call over their carries' columns, as the operator shifts them. The
+warm-up's scratch pages against vLLM's binding of pages, and `packed` against a copy."""
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from kvm_maglev.vllm.decode_kvm import (
     decode_attention,
     decode_shift,
     fold_due,
+    packed,
     reach,
+    scratch_pages,
     state_slot_table,
 )
 from kvm_maglev.vllm.kvm import carry_columns, name_pages, page_layout
@@ -145,3 +148,36 @@ def test_engine_decode_equals_model_decoding_step(variant, compiled):
     for ours, reference in zip(engine_pages, pages):
         for page, reference_page in zip(ours, reference):
             torch.testing.assert_close(page, reference_page, **tolerance)
+
+
+def test_scratch_pages_are_laid_out_as_vllm_binds_pages():
+    """The warm-up's scratch pages have the shapes, dtypes and strides of pages vLLM binds (`MambaBase.bind_kv_cache`
+    over one byte row a page, padded to the largest layer's), and are not inference tensors, even when made in
+    inference mode: the compiled graphs guard on all of these."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    model = random_model(**VARIANTS["saturation_swa_post_tokenshift"])  # sliding and KVM layers: pages of two sizes
+    layout = page_layout(model.config, model.model, MAX_LEN, torch.float32)
+    largest = max(sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in layer) for layer in layout)
+    with torch.inference_mode():
+        scratch = scratch_pages(layout, PAGES, torch.device("cpu"))
+    assert len({len(layer) for layer in layout}) > 1
+    for layer, tensors in zip(layout, scratch):
+        bound = PageLayout(layer)
+        MambaBase.bind_kv_cache(bound, torch.zeros(PAGES, 1, 1, largest, dtype=torch.int8))
+        assert len(tensors) == len(bound.kv_cache)
+        for ours, theirs in zip(tensors, bound.kv_cache):
+            assert (ours.shape, ours.dtype, ours.stride()) == (theirs.shape, theirs.dtype, theirs.stride())
+            assert not ours.is_inference()
+
+
+def test_packed_gives_a_new_tensors_strides():
+    tensor = torch.randn(5, 3, 1)
+    assert packed(tensor) is tensor and packed(None) is None
+    odd = tensor.as_strided((5, 3, 1), (3, 1, 7))  # contiguous to torch (a size-1 dimension's stride is free)
+    assert odd.is_contiguous() and odd.stride() != tensor.stride()
+    assert packed(odd).stride() == tensor.stride()
+    torch.testing.assert_close(packed(odd), odd, rtol=0, atol=0)
+    sliced = torch.randn(5, 6)[:, :3]
+    assert packed(sliced).stride() == (3, 1)
+    torch.testing.assert_close(packed(sliced), sliced, rtol=0, atol=0)
