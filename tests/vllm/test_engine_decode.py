@@ -10,7 +10,6 @@ import torch
 
 from kvm_maglev.vllm.decode_kvm import (
     EngineDecode,
-    compiled_shift,
     decode_attention,
     decode_shift,
     fold_due,
@@ -104,7 +103,6 @@ def engine_step(model, pages, inputs, compiled: bool) -> list:
     decode = EngineDecode(count, list(SEEN), positions, [page_index] * len(pages), reach(config, table.tolist(), SEEN))
     assert min(SEEN) < config.chunk_size  # the first-chunk writes run
     fold_due(model.model, named, decode)
-    shift = compiled_shift if compiled else decode_shift
     outputs, shifted = [], {}
     for layer, layer_pages, layer_in in zip(model.model.layers, named, inputs):
         streams = layer_in["streams"]
@@ -113,7 +111,7 @@ def engine_step(model, pages, inputs, compiled: bool) -> list:
             x = torch.cat([streams[name][0] for name in names], dim=-1)
             mix = torch.cat([streams[name][1].reshape(-1) for name in names])
             out = torch.full_like(x, float("nan"))
-            shift(x, mix, carry_columns(layer_pages, layer, names), page_index, count, out)
+            decode_shift(x, mix, carry_columns(layer_pages, layer, names), page_index, count, out, compiled)
             assert not out[:, count:].any()
             widths = [streams[name][0].shape[-1] for name in names]
             shifted.update(zip(names, out[:, :count].split(widths, dim=-1)))

@@ -639,13 +639,13 @@ def test_kvm_compiles_at_start_up_and_never_while_serving(model_name, tmp_path, 
     Tokens = generate()'s."""
     from vllm import LLM
 
-    from kvm_maglev.vllm import decode_kvm, engine_ops
+    from kvm_maglev.vllm import decode_kvm
 
     monkeypatch.setattr(decode_kvm, "SERVING_STANCE", "fail_on_recompile")
     batches = []
-    attend, shift = decode_kvm.compiled_attend, engine_ops.compiled_shift
+    attend, shift = decode_kvm.compiled_attend, decode_kvm.compiled_shift
     monkeypatch.setattr(decode_kvm, "compiled_attend", lambda *args: batches.append(args[4]) or attend(*args))
-    monkeypatch.setattr(engine_ops, "compiled_shift", lambda *args: batches.append(args[4]) or shift(*args))
+    monkeypatch.setattr(decode_kvm, "compiled_shift", lambda *args: batches.append(args[4]) or shift(*args))
     folder = MODELS[model_name](tmp_path)
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]

@@ -4,8 +4,8 @@ host facts the step needs), and each layer's operator launches one function over
 token shift) or `decode_attention` (the ring write, the first-chunk state entry and the state-and-window attention
 in one softmax). Both read everything that depends on the schedule - ring slots, visible slots, live state slots -
 from the positions tensor, so no operator runs Python over requests and no layer builds geometry. Each function
-also has a compiled form (`torch.compile`, dynamic shapes; a page tensor written one per call, since vLLM's page
-tensors share one buffer, which a graph may not write through two inputs), equal to it and far fewer aten calls.
+also has a compiled form (`torch.compile`, dynamic shapes) of its reads and arithmetic, equal to it and far fewer
+aten calls; the writes into the pages stay eager (one `index_put_` each).
 
 The compiled forms compile in vLLM's warm-up run, before any request (`VllmKVMForCausalLM.warm_up_shift`,
 `.warm_up_attention`), on inputs of the kinds a served step gives them: scratch pages laid out as vLLM binds its
@@ -120,20 +120,27 @@ def fold_due(model, named_pages: list[dict[str, torch.Tensor]], decode: EngineDe
     model.decoding_step(cache, decode.seen, decode.positions.device)
 
 
-def decode_shift(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
+def shift_tokens(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
                  output: torch.Tensor) -> None:
     """Token shift of one stream over a decoding step's tokens x [1, tokens, D] into `output` (zeros past
-    `count`): each token's predecessor is its request's carry [pages, D], which it then replaces (as
-    `DecodeStep.token_shift`); `page` [count] each request's page."""
+    `count`): each token's predecessor is its request's carry [pages, D] (as `DecodeStep.token_shift`); `page`
+    [count] each request's page. The carries are left as they are (`decode_shift` writes them)."""
     new = x[:, :count]
     output[:, :count] = new + mix * (carry[page].to(x.dtype)[None] - new)
     output[:, count:] = 0
-    carry[page] = new[0].to(carry.dtype)
+
+
+def decode_shift(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
+                 output: torch.Tensor, compiled: bool = False) -> None:
+    """`shift_tokens` (compiled or not), then each request's token into its carry. The write stays eager, as do
+    the attention's page writes: a compiled graph writes a view of vLLM's page buffer by copying the whole view
+    (tens of milliseconds a write at the benchmark's pages)."""
+    (compiled_shift if compiled else shift_tokens)(x, mix, carry, page, count, output)
+    carry[page] = x[0, :count].to(carry.dtype)
 
 
 def write_slots(tensor: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, values: torch.Tensor) -> None:
-    """Slot `slot[r]` of page `page[r]` of `tensor` [pages, heads, slots, d] set to `values[r]` [heads, d]. One page
-    tensor a call: a compiled graph cannot write two of them, which share vLLM's buffer."""
+    """Slot `slot[r]` of page `page[r]` of `tensor` [pages, heads, slots, d] set to `values[r]` [heads, d]."""
     tensor[page, :, slot] = values.to(tensor.dtype)
 
 
@@ -196,16 +203,15 @@ def decode_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         k, v, gate = k[:count], v[:count], None if gate is None else gate[:count]
     position = positions if positions.shape[0] == count else positions[:count]
     slot = position % (config.sliding_window_size if sliding else config.window_size)
-    write = compiled_write if compiled else write_slots
     for name, new in (("window_keys", k), ("window_values", v), ("window_gates", gate)):
         if name in pages and new is not None:
-            write(pages[name], page, slot, new)
+            write_slots(pages[name], page, slot, new)
     if not sliding and min(decode.seen) < config.chunk_size:  # some request still in its first chunk
         state = [pages[name] for name in STATE]
         entry_slot, values = (compiled_entries if compiled else first_chunk_entries)(
             attention, k, v, gate, positions, page, count, state)
         for tensor, value in zip(state, values):
-            write(tensor, page, entry_slot, value)
+            write_slots(tensor, page, entry_slot, value)
     state_reach, window_reach, sliding_reach = decode.reach
     (compiled_attend if compiled else attend_pages)(attention, q, positions, page, count, output, pages, table,
                                                     state_reach, sliding_reach if sliding else window_reach)
@@ -264,7 +270,6 @@ def compiled(function):
     return run
 
 
-compiled_shift = compiled(decode_shift)
-compiled_write = compiled(write_slots)
+compiled_shift = compiled(shift_tokens)
 compiled_entries = compiled(first_chunk_entries)
 compiled_attend = compiled(attend_pages)

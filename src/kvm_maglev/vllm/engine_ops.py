@@ -22,7 +22,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from kvm_maglev.models.common.step_plan import Step
 from kvm_maglev.models.maglev.cache_maglev import TokenStep
 from kvm_maglev.vllm import decode_kvm
-from kvm_maglev.vllm.decode_kvm import EngineDecode, compiled_shift, decode_attention, decode_shift, packed
+from kvm_maglev.vllm.decode_kvm import EngineDecode, decode_attention, decode_shift, packed
 
 LIBRARY = Library("kvm_maglev", "FRAGMENT")  # alive as long as the module: the operators' lifetime
 
@@ -49,7 +49,7 @@ def token_shift(x: torch.Tensor, mix: torch.Tensor, positions: torch.Tensor, out
         carry = served.carry_columns(pages.index, streams)
         if served.runs_compiled(pages.index, streams, rows):
             with torch.compiler.set_stance(decode_kvm.SERVING_STANCE):
-                compiled_shift(x, mix, carry, page, rows.count, output)
+                decode_shift(x, mix, carry, page, rows.count, output, compiled=True)
         else:
             decode_shift(x, mix, carry, page, rows.count, output)
         return

@@ -39,8 +39,8 @@ from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.decode_kvm import (
     MIN_COMPILED_ROWS,
     EngineDecode,
-    compiled_shift,
     decode_attention,
+    decode_shift,
     engine_decode,
     fold_due,
     reach,
@@ -197,8 +197,8 @@ class VllmKVMForCausalLM(PagedStateModel):
             carry = carry_columns(self.scratch_named_pages(device)[index], self.model.layers[index],
                                   streams.split(","))
             tokens = torch.zeros(1, rows, x.shape[-1], dtype=x.dtype, device=device)
-            compiled_shift(tokens, mix.clone(), carry, torch.arange(rows, device=device), rows,
-                           torch.empty_like(tokens))
+            decode_shift(tokens, mix.clone(), carry, torch.arange(rows, device=device), rows,
+                         torch.empty_like(tokens), compiled=True)
         self.warmed.add((index, streams))
 
     def warm_up_attention(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
