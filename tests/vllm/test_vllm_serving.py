@@ -631,7 +631,8 @@ def test_maglev_decoding_steps_run_compiled_at_vllms_default(tmp_path, monkeypat
 @pytest.mark.parametrize("model_name", ["kvm_power_law_gqa", "kvm_saturation_sliding"])
 def test_kvm_compiles_at_start_up_and_never_while_serving(model_name, tmp_path, monkeypatch):
     """At vLLM's default a KVM engine compiles while it starts (vLLM's warm-up run): its forward (the token count
-    a dynamic dimension) and its decoding step's functions (decode_kvm, on scratch pages). Serving prompts of 1-40
+    a dynamic dimension) and, with `COMPILE_DECODE` (off by default: it does not pay yet), its decoding step's
+    functions (decode_kvm, on scratch pages). Serving prompts of 1-40
     tokens, chunked over steps, and decoding batches of 8 down to 1 at positions up to 80 (the window whole, the
     state growing) compiles no graph: dynamo's graph counter is unchanged and, with dynamo told to fail rather than
     compile (`SERVING_STANCE`), no step fails; the steps in which 2 or more requests decode (and no prompt is read)
@@ -640,7 +641,9 @@ def test_kvm_compiles_at_start_up_and_never_while_serving(model_name, tmp_path, 
     from vllm import LLM
 
     from kvm_maglev.vllm import decode_kvm
+    from kvm_maglev.vllm.kvm import VllmKVMForCausalLM
 
+    monkeypatch.setattr(VllmKVMForCausalLM, "COMPILE_DECODE", True)
     monkeypatch.setattr(decode_kvm, "SERVING_STANCE", "fail_on_recompile")
     batches = []
     attend, shift = decode_kvm.compiled_attend, decode_kvm.compiled_shift

@@ -116,7 +116,9 @@ class VllmKVMForCausalLM(PagedStateModel):
     and the vocabulary (`kvm_maglev.vllm.tensor_parallel`)."""
 
     MODEL_NAME = "KVM"
-    COMPILE_DECODE = True  # decode_kvm's functions compiled where vLLM compiles (the benchmark's --eager-decode: off)
+    # decode_kvm's functions compiled at start-up where vLLM compiles: off, since compiled they served fewer output
+    # tokens per CPU second than eager on the serve benchmark's decode-heavy (605 against 773, docs/serving.md)
+    COMPILE_DECODE = False
     PROMPT_EMBEDDINGS_REFUSED = "token shifts and the state are driven by the model's own embeddings of token ids"
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
