@@ -7,7 +7,7 @@ Everything that reads or writes a request's state - token-shift carries, window 
 depends on the step's schedule (which requests, at which positions, which of them cross a chunk boundary), so it
 runs inside these operators, on what the served model builds once per engine step from vLLM's attention metadata:
 when every request decodes, an `EngineDecode` over which each operator launches one function of decode_kvm
-(compiled in vLLM's warm-up run, which these operators run too, unless vLLM runs eagerly; eager for one request);
+(with `COMPILE_DECODE`, compiled in vLLM's warm-up run, which these operators run too; eager for one request);
 else the model's own kind of `Step` for the scheduled tokens (a `PromptStep`)
 and a `KVMCache` over the pages, run eagerly. The traced forward runs on a `PagedStep`, the kind of `Step` whose token shifts and
 attention launch these operators. Between them, projections, norms and feed-forwards are traced once and

@@ -13,7 +13,7 @@ Each engine step runs `KVMModel.forward` once over every scheduled token of ever
 prefill chunks together, whatever their positions. vLLM compiles it (its `support_torch_compile`, unless
 `enforce_eager`): the traced graph holds the projections, norms and feed-forwards, and splits at the operators of
 `engine_ops` (token shifts, attention), which run each layer's per-request work: when every request decodes,
-`decode_kvm`'s functions over the pages (compiled in vLLM's warm-up run: `warm_up_shift`, `warm_up_attention`),
+`decode_kvm`'s functions over the pages (with `COMPILE_DECODE`, compiled in vLLM's warm-up run: `warm_up_shift`),
 else eagerly on a `KVMCache` whose layers are bound to the pages (`page_caches.kvm_cache_over_pages`, built
 once per step): no copy into a cache and back. A request at
 position 0 (new, or preempted and recomputed) starts from an empty state; a chunked prompt continues from its pages.
