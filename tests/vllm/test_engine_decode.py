@@ -2,18 +2,20 @@
 pages (`KVMModel.decoding_step`, `DecodeStep.token_shift` and `.attend` on a `kvm_cache_over_pages` cache): the same
 outputs and the same pages afterwards, eager and compiled, for rows at scattered pages and positions - in their
 first chunk, past it, folding a block at this token - with vLLM's padding after the scheduled tokens; an
-attention's q, k and v streams shifted in one call over their carries' columns, as the operator shifts them."""
+attention's q, k and v streams shifted in one call over their carries' columns, as the operator shifts them. The
+warm-up's scratch pages against vLLM's binding of pages, and `packed` against a copy."""
 
 import pytest
 import torch
 
 from kvm_maglev.vllm.decode_kvm import (
     EngineDecode,
-    compiled_shift,
     decode_attention,
     decode_shift,
     fold_due,
+    packed,
     reach,
+    scratch_pages,
     state_slot_table,
 )
 from kvm_maglev.vllm.kvm import carry_columns, name_pages, page_layout
@@ -101,7 +103,6 @@ def engine_step(model, pages, inputs, compiled: bool) -> list:
     decode = EngineDecode(count, list(SEEN), positions, [page_index] * len(pages), reach(config, table.tolist(), SEEN))
     assert min(SEEN) < config.chunk_size  # the first-chunk writes run
     fold_due(model.model, named, decode)
-    shift = compiled_shift if compiled else decode_shift
     outputs, shifted = [], {}
     for layer, layer_pages, layer_in in zip(model.model.layers, named, inputs):
         streams = layer_in["streams"]
@@ -110,7 +111,7 @@ def engine_step(model, pages, inputs, compiled: bool) -> list:
             x = torch.cat([streams[name][0] for name in names], dim=-1)
             mix = torch.cat([streams[name][1].reshape(-1) for name in names])
             out = torch.full_like(x, float("nan"))
-            shift(x, mix, carry_columns(layer_pages, layer, names), page_index, count, out)
+            decode_shift(x, mix, carry_columns(layer_pages, layer, names), page_index, count, out, compiled)
             assert not out[:, count:].any()
             widths = [streams[name][0].shape[-1] for name in names]
             shifted.update(zip(names, out[:, :count].split(widths, dim=-1)))
@@ -145,3 +146,36 @@ def test_engine_decode_equals_model_decoding_step(variant, compiled):
     for ours, reference in zip(engine_pages, pages):
         for page, reference_page in zip(ours, reference):
             torch.testing.assert_close(page, reference_page, **tolerance)
+
+
+def test_scratch_pages_are_laid_out_as_vllm_binds_pages():
+    """The warm-up's scratch pages have the shapes, dtypes and strides of pages vLLM binds (`MambaBase.bind_kv_cache`
+    over one byte row a page, padded to the largest layer's), and are not inference tensors, even when made in
+    inference mode: the compiled graphs guard on all of these."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    model = random_model(**VARIANTS["saturation_swa_post_tokenshift"])  # sliding and KVM layers: pages of two sizes
+    layout = page_layout(model.config, model.model, MAX_LEN, torch.float32)
+    largest = max(sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in layer) for layer in layout)
+    with torch.inference_mode():
+        scratch = scratch_pages(layout, PAGES, torch.device("cpu"))
+    assert len({len(layer) for layer in layout}) > 1
+    for layer, tensors in zip(layout, scratch):
+        bound = PageLayout(layer)
+        MambaBase.bind_kv_cache(bound, torch.zeros(PAGES, 1, 1, largest, dtype=torch.int8))
+        assert len(tensors) == len(bound.kv_cache)
+        for ours, theirs in zip(tensors, bound.kv_cache):
+            assert (ours.shape, ours.dtype, ours.stride()) == (theirs.shape, theirs.dtype, theirs.stride())
+            assert not ours.is_inference()
+
+
+def test_packed_gives_a_new_tensors_strides():
+    tensor = torch.randn(5, 3, 1)
+    assert packed(tensor) is tensor and packed(None) is None
+    odd = tensor.as_strided((5, 3, 1), (3, 1, 7))  # contiguous to torch (a size-1 dimension's stride is free)
+    assert odd.is_contiguous() and odd.stride() != tensor.stride()
+    assert packed(odd).stride() == tensor.stride()
+    torch.testing.assert_close(packed(odd), odd, rtol=0, atol=0)
+    sliced = torch.randn(5, 6)[:, :3]
+    assert packed(sliced).stride() == (3, 1)
+    torch.testing.assert_close(packed(sliced), sliced, rtol=0, atol=0)

@@ -628,24 +628,41 @@ def test_maglev_decoding_steps_run_compiled_at_vllms_default(tmp_path, monkeypat
     del llm
 
 
-def test_kvm_compiles_at_start_up_and_never_while_serving(tmp_path):
-    """At vLLM's default a KVM engine's forward is compiled while the engine starts (vLLM's warm-up run; the token
-    count a dynamic dimension); serving prompts of 1-40 tokens, chunked over steps, and decoding batches of 8 down
-    to 1 compiles no graph. Tokens = generate()'s."""
+@pytest.mark.parametrize("model_name", ["kvm_power_law_gqa", "kvm_saturation_sliding"])
+def test_kvm_compiles_at_start_up_and_never_while_serving(model_name, tmp_path, monkeypatch):
+    """At vLLM's default a KVM engine compiles while it starts (vLLM's warm-up run): its forward (the token count
+    a dynamic dimension) and, with `COMPILE_DECODE` (off by default: it does not pay yet), its decoding step's
+    functions (decode_kvm, on scratch pages). Serving prompts of 1-40
+    tokens, chunked over steps, and decoding batches of 8 down to 1 at positions up to 80 (the window whole, the
+    state growing) compiles no graph: dynamo's graph counter is unchanged and, with dynamo told to fail rather than
+    compile (`SERVING_STANCE`), no step fails; the steps in which 2 or more requests decode (and no prompt is read)
+    ran the compiled functions.
+    Tokens = generate()'s."""
     from vllm import LLM
 
-    folder = MODELS["kvm_power_law_gqa"](tmp_path)
+    from kvm_maglev.vllm import decode_kvm
+    from kvm_maglev.vllm.kvm import VllmKVMForCausalLM
+
+    monkeypatch.setattr(VllmKVMForCausalLM, "COMPILE_DECODE", True)
+    monkeypatch.setattr(decode_kvm, "SERVING_STANCE", "fail_on_recompile")
+    batches = []
+    attend, shift = decode_kvm.compiled_attend, decode_kvm.compiled_shift
+    monkeypatch.setattr(decode_kvm, "compiled_attend", lambda *args: batches.append(args[4]) or attend(*args))
+    monkeypatch.setattr(decode_kvm, "compiled_shift", lambda *args: batches.append(args[4]) or shift(*args))
+    folder = MODELS[model_name](tmp_path)
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]
     llm = LLM(model=str(folder), **(ENGINE | dict(enforce_eager=False)), **split_prompts(folder, 16))
     started = graphs["unique_graphs"]
-    assert started > before
-    batch, lengths = prompts(), [3, 12, 5, 9, 1, 7, 12, 2]
+    assert started > before + 1  # the forward and decode_kvm's functions
+    batches.clear()  # the warm-up's
+    batch, lengths = prompts(), [3, 40, 5, 9, 1, 7, 12, 2]
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], [greedy(n) for n in lengths])
     model = hf_model(folder)
     for prompt, new_tokens, output in zip(batch, lengths, outputs):
         assert list(output.outputs[0].token_ids) == hf_continuation(model, prompt, new_tokens)
     assert graphs["unique_graphs"] == started
+    assert min(batches) >= 2 and len(set(batches)) >= 2, sorted(set(batches))  # compiled, batches of two sizes
     del llm
 
 

@@ -312,6 +312,10 @@ def run_vllm(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     engine = job["engine"]
+    if job.get("compile_decode"):
+        from kvm_maglev.vllm.kvm import VllmKVMForCausalLM
+
+        VllmKVMForCausalLM.COMPILE_DECODE = True
     llm = LLM(model=job["folder"], skip_tokenizer_init=True, seed=job["seed"], **job["vllm"])
 
     cached = []  # each generate()'s prompt tokens found in the prefix cache
@@ -539,6 +543,10 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--skip-hf-long", action="store_true", help="leave the HF engines out of the long workload")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="every vLLM engine eager (default: vLLM's default, the model compiled)")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="KVM's decoding steps' functions (vllm/decode_kvm.py) compiled at start-up too "
+                             "(VllmKVMForCausalLM.COMPILE_DECODE; default: eager, the forward compiled as vLLM "
+                             "compiles it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each workload (the median is reported)")
     parser.add_argument("--hidden", type=int, default=None, help="default: the shape's")
@@ -607,6 +615,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             job = {"engine": engine, "folder": folders[FOLDER_OF[engine]], "seed": args.seed,
                    "threads": args.threads, "dtype": args.dtype, "repeats": args.repeats,
                    "hf_batch_size": args.hf_batch_size, "vllm": vllm_settings(args, engine),
+                   "compile_decode": args.compile_decode,
                    "warmup": [asdict(r) for r in warmup_requests(args.seed, args.vocab)],
                    "workloads": {n: [asdict(r) for r in requests[n]] for n in names}}
             print(f"--- {engine}", flush=True)
@@ -638,7 +647,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         except Exception:  # noqa: BLE001 - a version is informative only
             versions[package] = None
     settings = {key: getattr(args, key) for key in ("engines", "workloads", "shape", "requests", "kvm_budget",
-                                                    "enforce_eager", "no_prefix_caching", "seed", "repeats",
+                                                    "enforce_eager", "compile_decode", "no_prefix_caching", "seed",
+                                                    "repeats",
                                                     "hidden", "layers", "heads", "kv_heads", "vocab", "window",
                                                     "dtype", "max_model_len", "hf_batch_size", "threads",
                                                     "prefiller_sequence_len")}

@@ -4,10 +4,14 @@ host facts the step needs), and each layer's operator launches one function over
 token shift) or `decode_attention` (the ring write, the first-chunk state entry and the state-and-window attention
 in one softmax). Both read everything that depends on the schedule - ring slots, visible slots, live state slots -
 from the positions tensor, so no operator runs Python over requests and no layer builds geometry. Each function
-also has a compiled form (`torch.compile`, dynamic shapes; a page tensor written one per call, since vLLM's page
-tensors share one buffer, which a graph may not write through two inputs), equal to it and far fewer aten calls,
-which the engine does not use yet: inside a vLLM engine its graphs came out specialised to each batch size
-(`VllmKVMForCausalLM.compile_decode`).
+also has a compiled form (`torch.compile`, dynamic shapes) of its reads and arithmetic, equal to it and far fewer
+aten calls; the writes into the pages stay eager (one `index_put_` each).
+
+The compiled forms compile in vLLM's warm-up run, before any request (`VllmKVMForCausalLM.warm_up_shift`,
+`.warm_up_attention`), on inputs of the kinds a served step gives them: scratch pages laid out as vLLM binds its
+pages (`scratch_pages`), activations packed (`packed`) and made under the serving step's inference mode, at least 2
+requests (dynamo specialises sizes 0 and 1: a step of one request runs eagerly). While serving they run under
+`SERVING_STANCE`, which runs a step eagerly rather than compile a graph should a guard ever fail.
 
 The model's own decoding step (`KVMModel.decoding_step`, `DecodeStep.token_shift`, `KVMAttention.attend_decoding`
 over a `kvm_cache_over_pages` cache) is the reference they equal (tests/vllm/test_engine_decode.py); a step whose
@@ -16,7 +20,10 @@ requests fold a block into their state (once a chunk per request) runs its folds
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from math import prod
 
 import torch
 import torch.fx.experimental._config as shape_config
@@ -27,6 +34,34 @@ from kvm_maglev.models.kvm.decode_step_kvm import rows_folding, visible_ring
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
 
 STATE = ("state_keys", "state_values", "state_norms", "read_keys", "read_values")
+# how the compiled forms run while serving: a step whose inputs no start-up graph fits runs eagerly (the same
+# result) instead of compiling; the test of serving sets "fail_on_recompile", so that such a step fails it
+SERVING_STANCE = "eager_on_recompile"
+MIN_COMPILED_ROWS = 2  # dynamo specialises sizes 0 and 1: a graph for them would not serve the other sizes
+
+
+def inference_dispatch_keys() -> tuple:
+    """The dispatch keys a served step's operators run under: inference mode's, outside any operator."""
+    with torch.inference_mode():
+        return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+
+
+SERVED_KEYS = inference_dispatch_keys()
+
+
+WARM_UP_GRAPHS = 64  # graphs of one function a process may hold: one per kind of step, for every model it serves
+
+
+@contextmanager
+def warming_up() -> Iterator[None]:
+    """How the warm-up compiles: under a served step's dispatch state (vLLM's warm-up run calls the operators from
+    inside its compilation's dispatch, functionalization and others excluded, and the graphs' guards on their
+    inputs' dispatch keys are taken relative to that state, so graphs compiled there would not serve), without
+    autograd, and with room for the graphs of every model a process serves (dynamo's default limit of 8 graphs a
+    function, with fullgraph an error, is reached by a process serving two KVM models)."""
+    with (torch._C._ForceDispatchKeyGuard(*SERVED_KEYS), torch.no_grad(),
+          torch._dynamo.config.patch(recompile_limit=WARM_UP_GRAPHS)):
+        yield
 
 
 def state_slot_table(config: KVMConfig, max_len: int) -> torch.Tensor:
@@ -70,7 +105,9 @@ def engine_decode(config: KVMConfig, table: list[int], first, pages: list[torch.
     if not all(seen):  # a one-token prompt starts its request on pages another request may have used
         return None
     made: dict[int, torch.Tensor] = {}  # layers usually share one index tensor: one copy of it
-    pages = [made.setdefault(id(index), index[:count].long().contiguous()) for index in pages]
+    # a new int64 tensor of this step (as the warm-up's page indices are): vLLM's index tensors are views of its
+    # buffers, not of the step's inference mode
+    pages = [made.setdefault(id(index), index[:count].to(torch.int64, copy=True)) for index in pages]
     return EngineDecode(count, seen, positions, pages, reach(config, table, seen))
 
 
@@ -83,20 +120,27 @@ def fold_due(model, named_pages: list[dict[str, torch.Tensor]], decode: EngineDe
     model.decoding_step(cache, decode.seen, decode.positions.device)
 
 
-def decode_shift(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
+def shift_tokens(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
                  output: torch.Tensor) -> None:
     """Token shift of one stream over a decoding step's tokens x [1, tokens, D] into `output` (zeros past
-    `count`): each token's predecessor is its request's carry [pages, D], which it then replaces (as
-    `DecodeStep.token_shift`); `page` [count] each request's page."""
+    `count`): each token's predecessor is its request's carry [pages, D] (as `DecodeStep.token_shift`); `page`
+    [count] each request's page. The carries are left as they are (`decode_shift` writes them)."""
     new = x[:, :count]
     output[:, :count] = new + mix * (carry[page].to(x.dtype)[None] - new)
     output[:, count:] = 0
-    carry[page] = new[0].to(carry.dtype)
+
+
+def decode_shift(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
+                 output: torch.Tensor, compiled: bool = False) -> None:
+    """`shift_tokens` (compiled or not), then each request's token into its carry. The write stays eager, as do
+    the attention's page writes: a compiled graph writes a view of vLLM's page buffer by copying the whole view
+    (tens of milliseconds a write at the benchmark's pages)."""
+    (compiled_shift if compiled else shift_tokens)(x, mix, carry, page, count, output)
+    carry[page] = x[0, :count].to(carry.dtype)
 
 
 def write_slots(tensor: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, values: torch.Tensor) -> None:
-    """Slot `slot[r]` of page `page[r]` of `tensor` [pages, heads, slots, d] set to `values[r]` [heads, d]. One page
-    tensor a call: a compiled graph cannot write two of them, which share vLLM's buffer."""
+    """Slot `slot[r]` of page `page[r]` of `tensor` [pages, heads, slots, d] set to `values[r]` [heads, d]."""
     tensor[page, :, slot] = values.to(tensor.dtype)
 
 
@@ -159,19 +203,59 @@ def decode_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         k, v, gate = k[:count], v[:count], None if gate is None else gate[:count]
     position = positions if positions.shape[0] == count else positions[:count]
     slot = position % (config.sliding_window_size if sliding else config.window_size)
-    write = compiled_write if compiled else write_slots
     for name, new in (("window_keys", k), ("window_values", v), ("window_gates", gate)):
         if name in pages and new is not None:
-            write(pages[name], page, slot, new)
+            write_slots(pages[name], page, slot, new)
     if not sliding and min(decode.seen) < config.chunk_size:  # some request still in its first chunk
         state = [pages[name] for name in STATE]
         entry_slot, values = (compiled_entries if compiled else first_chunk_entries)(
             attention, k, v, gate, positions, page, count, state)
         for tensor, value in zip(state, values):
-            write(tensor, page, entry_slot, value)
+            write_slots(tensor, page, entry_slot, value)
     state_reach, window_reach, sliding_reach = decode.reach
     (compiled_attend if compiled else attend_pages)(attention, q, positions, page, count, output, pages, table,
                                                     state_reach, sliding_reach if sliding else window_reach)
+
+
+def packed(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """`tensor` with the strides of a new contiguous tensor, copied only when it has others: `contiguous()` keeps
+    any stride of a size-1 dimension, and the compiled graphs guard on strides."""
+    if tensor is None:
+        return None
+    strides, step = [], 1
+    for size in reversed(tensor.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tensor if tensor.stride() == tuple(reversed(strides)) else tensor.clone(memory_format=torch.contiguous_format)
+
+
+def scratch_pages(layout: list[list[tuple]], pages: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's page tensors (`layout`: `kvm.page_layout`) over `pages` zeroed scratch pages, laid out as vLLM
+    binds a state layer's pages (`MambaBase.bind_kv_cache`: one byte row a page, padded to the largest layer's, each
+    tensor a view into it) and made outside inference mode, as vLLM allocates them: a graph compiled over these
+    serves vLLM's pages. The layers share the rows (what the warm-up writes is never read)."""
+    sizes = [sum(prod(shape) * dtype.itemsize for _, shape, dtype in layer) for layer in layout]
+    with torch.inference_mode(False):
+        rows = torch.zeros(pages, max(sizes), dtype=torch.int8, device=device)
+        tensors = []
+        for layer in layout:
+            views, offset = [], 0
+            for _, shape, dtype in layer:
+                end = offset + prod(shape) * dtype.itemsize
+                views.append(rows[:, offset:end].view(dtype).view(-1, *shape))
+                offset = end
+            tensors.append(tuple(views))
+    return tensors
+
+
+def warm_up_positions(config: KVMConfig, max_len: int, rows: int) -> list[list[int]]:
+    """The positions of `rows` requests in each warm-up step of an attention: all at the start (in their first
+    chunk: every reach below its page's size), one just past the window (the window reached whole, the state not)
+    and one at `max_len` (both whole). A graph's slices of the pages are contiguous or not by whether a reach is
+    its page's size, a guard each: these are the cases a served request meets."""
+    first = list(range(1, rows))
+    return [first + [rows]] + [first + [position] for position in (config.window_size + 1, max_len - 1)
+                               if rows < position < max_len]
 
 
 def compiled(function):
@@ -186,7 +270,6 @@ def compiled(function):
     return run
 
 
-compiled_shift = compiled(decode_shift)
-compiled_write = compiled(write_slots)
+compiled_shift = compiled(shift_tokens)
 compiled_entries = compiled(first_chunk_entries)
 compiled_attend = compiled(attend_pages)

@@ -7,7 +7,8 @@ Everything that reads or writes a request's state - token-shift carries, window 
 depends on the step's schedule (which requests, at which positions, which of them cross a chunk boundary), so it
 runs inside these operators, on what the served model builds once per engine step from vLLM's attention metadata:
 when every request decodes, an `EngineDecode` over which each operator launches one function of decode_kvm
-(compiled unless vLLM runs eagerly); else the model's own kind of `Step` for the scheduled tokens (a `PromptStep`)
+(with `COMPILE_DECODE`, compiled in vLLM's warm-up run, which these operators run too; eager for one request);
+else the model's own kind of `Step` for the scheduled tokens (a `PromptStep`)
 and a `KVMCache` over the pages, run eagerly. The traced forward runs on a `PagedStep`, the kind of `Step` whose token shifts and
 attention launch these operators. Between them, projections, norms and feed-forwards are traced once and
 compiled. No `from __future__ import annotations` here: torch.library reads the operators' signatures.
@@ -20,7 +21,8 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from kvm_maglev.models.common.step_plan import Step
 from kvm_maglev.models.maglev.cache_maglev import TokenStep
-from kvm_maglev.vllm.decode_kvm import EngineDecode, compiled_shift, decode_attention, decode_shift
+from kvm_maglev.vllm import decode_kvm
+from kvm_maglev.vllm.decode_kvm import EngineDecode, decode_attention, decode_shift, packed
 
 LIBRARY = Library("kvm_maglev", "FRAGMENT")  # alive as long as the module: the operators' lifetime
 
@@ -41,11 +43,18 @@ def token_shift(x: torch.Tensor, mix: torch.Tensor, positions: torch.Tensor, out
     them: vLLM's padding)."""
     pages, served, rows = scheduled(layer_name, positions)
     if isinstance(rows, EngineDecode):
-        shift = compiled_shift if served.compile_decode else decode_shift
-        # contiguous, as at start-up, where the graphs were compiled (no copy when they are)
-        shift(x.contiguous(), mix.contiguous(), served.carry_columns(pages.index, streams), rows.pages[pages.index],
-              rows.count, output)
+        # packed, as at start-up, where the graphs were compiled (no copy when they are); `mix` a copy: a parameter
+        # where one stream is shifted, of another kind than the streams' concatenated mixes
+        x, mix, page = packed(x), mix.clone(), rows.pages[pages.index]
+        carry = served.carry_columns(pages.index, streams)
+        if served.runs_compiled(pages.index, streams, rows):
+            with torch.compiler.set_stance(decode_kvm.SERVING_STANCE):
+                decode_shift(x, mix, carry, page, rows.count, output, compiled=True)
+        else:
+            decode_shift(x, mix, carry, page, rows.count, output)
         return
+    if rows is None and served.compile_decode and (pages.index, streams) not in served.warmed:
+        served.warm_up_shift(pages.index, streams, x, mix)  # vLLM's warm-up run
     output.zero_()
     if rows is not None:
         step, count, cache = rows
@@ -64,11 +73,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Ten
     pages, served, rows = scheduled(layer_name, positions)
     index = pages.index
     if isinstance(rows, EngineDecode):
-        q, k, v, gate = (None if t is None else t.contiguous() for t in (q, k, v, gate))  # as at start-up
+        q, k, v, gate = (packed(t) for t in (q, k, v, gate))  # as at start-up
         layer = served.model.layers[index]
-        decode_attention(layer.self_attn, q, k, v, gate, rows, rows.pages[index], output, served.named_pages()[index],
-                         None if layer.sliding else served.slot_table, served.compile_decode)
+        arguments = (layer.self_attn, q, k, v, gate, rows, rows.pages[index], output, served.named_pages()[index],
+                     None if layer.sliding else served.slot_table)
+        if served.runs_compiled(index, "attention", rows):
+            with torch.compiler.set_stance(decode_kvm.SERVING_STANCE):
+                decode_attention(*arguments, compiled=True)
+        else:
+            decode_attention(*arguments, compiled=False)
         return
+    if rows is None and served.compile_decode and (index, "attention") not in served.warmed:
+        served.warm_up_attention(index, q, k, v, gate, positions)  # vLLM's warm-up run
     output.zero_()
     if rows is not None:
         step, count, cache = rows

@@ -12,8 +12,10 @@ How much of each is live follows from the request's position, vLLM's token posit
 Each engine step runs `KVMModel.forward` once over every scheduled token of every request - decoding rows and
 prefill chunks together, whatever their positions. vLLM compiles it (its `support_torch_compile`, unless
 `enforce_eager`): the traced graph holds the projections, norms and feed-forwards, and splits at the operators of
-`engine_ops` (token shifts, attention), which run each layer's per-request work eagerly on a `KVMCache` whose layers
-are bound to the pages (`page_caches.kvm_cache_over_pages`, built once per step): no copy into a cache and back. A request at
+`engine_ops` (token shifts, attention), which run each layer's per-request work: when every request decodes,
+`decode_kvm`'s functions over the pages (with `COMPILE_DECODE`, compiled in vLLM's warm-up run: `warm_up_shift`),
+else eagerly on a `KVMCache` whose layers are bound to the pages (`page_caches.kvm_cache_over_pages`, built
+once per step): no copy into a cache and back. A request at
 position 0 (new, or preempted and recomputed) starts from an empty state; a chunked prompt continues from its pages.
 Folds run at the chunk boundary, batched over the requests that cross one in the step.
 """
@@ -24,7 +26,8 @@ from types import SimpleNamespace
 
 import torch
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig
+from vllm.config import CompilationMode, VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 
 from kvm_maglev.models.common.step_plan import Step
@@ -33,7 +36,19 @@ from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_dtype_for
 from kvm_maglev.models.kvm.modeling_kvm import KVMModel
 from kvm_maglev.models.kvm.step_plan_kvm import PromptStep
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
-from kvm_maglev.vllm.decode_kvm import EngineDecode, engine_decode, fold_due, state_slot_table
+from kvm_maglev.vllm.decode_kvm import (
+    MIN_COMPILED_ROWS,
+    EngineDecode,
+    decode_attention,
+    decode_shift,
+    engine_decode,
+    fold_due,
+    reach,
+    scratch_pages,
+    state_slot_table,
+    warm_up_positions,
+    warming_up,
+)
 from kvm_maglev.vllm.engine_ops import PagedStep
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
 from kvm_maglev.vllm.pages import PagedStateModel, page_layers, scheduled_step
@@ -101,6 +116,9 @@ class VllmKVMForCausalLM(PagedStateModel):
     and the vocabulary (`kvm_maglev.vllm.tensor_parallel`)."""
 
     MODEL_NAME = "KVM"
+    # decode_kvm's functions compiled at start-up where vLLM compiles: off, since compiled they served fewer output
+    # tokens per CPU second than eager on the serve benchmark's decode-heavy (605 against 773, docs/serving.md)
+    COMPILE_DECODE = False
     PROMPT_EMBEDDINGS_REFUSED = "token shifts and the state are driven by the model's own embeddings of token ids"
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -128,10 +146,14 @@ class VllmKVMForCausalLM(PagedStateModel):
         # a decoding token's live state slots by block: on the model's device, which every layer's attention reads
         self.slot_table = state_slot_table(self.config, max_len).to(device)
         self.slot_list = self.slot_table.tolist()
-        # decode_kvm's functions compiled: equal to the eager ones (tests/vllm/test_engine_decode.py), but inside a
-        # vLLM engine their graphs came out specialised to each batch size and width, so that serving compiled
-        # again and again up to dynamo's limit: off until they compile once at start-up
-        self.compile_decode = False
+        # decode_kvm's functions compiled where vLLM compiles (not under enforce_eager; one rank: the sharded
+        # layers' steps have not been compiled), in its warm-up run, once per operator site (`warmed`), on scratch
+        # pages (`scratch`); a site not warmed up, or a step of one request, runs eagerly
+        compiles = vllm_config.compilation_config.mode != CompilationMode.NONE
+        self.compile_decode = self.COMPILE_DECODE and compiles and get_tensor_model_parallel_world_size() == 1
+        self.max_len = max_len
+        self.warmed: set[tuple[int, str]] = set()
+        self.scratch: list[dict[str, torch.Tensor]] | None = None
 
     def split_heads(self) -> None:
         """Each attention's head counts as this rank's, read from its sharded projections: its carries, pages and
@@ -153,6 +175,56 @@ class VllmKVMForCausalLM(PagedStateModel):
             self.carry_views[index, streams] = carry_columns(self.named_pages()[index], self.model.layers[index],
                                                              streams.split(","))
         return self.carry_views[index, streams]
+
+    def runs_compiled(self, index: int, site: str, rows: EngineDecode) -> bool:
+        """Whether operator site `site` of layer `index` runs this decoding step's compiled form: compiled at
+        start-up, and the step of at least `MIN_COMPILED_ROWS` requests."""
+        return (index, site) in self.warmed and rows.count >= MIN_COMPILED_ROWS
+
+    def scratch_named_pages(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
+        """`named_pages` over scratch pages (`scratch_pages`), for the warm-up: a page per warm-up request and two
+        more, made once."""
+        if self.scratch is None:
+            tensors = scratch_pages(self.layout, MIN_COMPILED_ROWS + 3, device)
+            self.scratch = name_pages(self.layout, self.model, tensors)
+        return self.scratch
+
+    def warm_up_shift(self, index: int, streams: str, x: torch.Tensor, mix: torch.Tensor) -> None:
+        """Compile layer `index`'s token shift of `streams` in vLLM's warm-up run (inside the operator, so under
+        `warming_up`: a served step's dispatch state): a step of `MIN_COMPILED_ROWS` + 1 requests over scratch pages,
+        on inputs of the kinds the operator gives it while serving (new packed tensors of `x`'s dtype, zeros: what
+        the warm-up writes is never read; `mix` copied)."""
+        rows, device = MIN_COMPILED_ROWS + 1, x.device
+        with warming_up():
+            carry = carry_columns(self.scratch_named_pages(device)[index], self.model.layers[index],
+                                  streams.split(","))
+            tokens = torch.zeros(1, rows, x.shape[-1], dtype=x.dtype, device=device)
+            decode_shift(tokens, mix.clone(), carry, torch.arange(rows, device=device), rows,
+                         torch.empty_like(tokens), compiled=True)
+        self.warmed.add((index, streams))
+
+    def warm_up_attention(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          gate: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """Compile layer `index`'s decoding attention in vLLM's warm-up run (as `warm_up_shift`): steps of
+        `MIN_COMPILED_ROWS` + 1 requests over scratch pages at `warm_up_positions`, its positions of the kind of
+        vLLM's (`positions`)."""
+        rows, device = MIN_COMPILED_ROWS + 1, q.device
+        with warming_up():
+            layer, pages = self.model.layers[index], self.scratch_named_pages(device)[index]
+            page = torch.arange(rows, device=device)
+
+            def new(tensor: torch.Tensor | None) -> torch.Tensor | None:
+                return None if tensor is None else torch.zeros(rows, *tensor.shape[1:], dtype=tensor.dtype,
+                                                               device=device)
+            for seen in warm_up_positions(self.config, self.max_len, rows):
+                with torch.inference_mode(positions.is_inference()):
+                    position = torch.tensor(seen, dtype=positions.dtype, device=positions.device)
+                decode = EngineDecode(rows, seen, position, [page] * len(self.layout),
+                                      reach(self.config, self.slot_list, seen))
+                output = torch.empty(rows, q.shape[1], v.shape[-1], dtype=v.dtype, device=device)
+                decode_attention(layer.self_attn, new(q), new(k), new(v), new(gate), decode, page, output, pages,
+                                 None if layer.sliding else self.slot_table, True)
+        self.warmed.add((index, "attention"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
