@@ -43,13 +43,12 @@ def token_shift(x: torch.Tensor, mix: torch.Tensor, positions: torch.Tensor, out
     them: vLLM's padding)."""
     pages, served, rows = scheduled(layer_name, positions)
     if isinstance(rows, EngineDecode):
-        # packed, as at start-up, where the graphs were compiled (no copy when they are); `mix` a copy: a parameter
-        # where one stream is shifted, of another kind than the streams' concatenated mixes
-        x, mix, page = packed(x), mix.clone(), rows.pages[pages.index]
-        carry = served.carry_columns(pages.index, streams)
+        page, carry = rows.pages[pages.index], served.carry_columns(pages.index, streams)
         if served.runs_compiled(pages.index, streams, rows):
+            # packed, as at start-up, where the graphs were compiled (no copy when they are); `mix` a copy: a
+            # parameter where one stream is shifted, of another kind than the streams' concatenated mixes
             with torch.compiler.set_stance(decode_kvm.SERVING_STANCE):
-                decode_shift(x, mix, carry, page, rows.count, output, compiled=True)
+                decode_shift(packed(x), mix.clone(), carry, page, rows.count, output, compiled=True)
         else:
             decode_shift(x, mix, carry, page, rows.count, output)
         return
