@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.config import get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec
@@ -25,6 +26,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from kvm_maglev.models.common.step_plan import RowTokens
 from kvm_maglev.models.common.tensor_parallel import local_tensor
+from kvm_maglev.vllm.engine_linears import use_engine_linears
 from kvm_maglev.vllm.tensor_parallel import rank_slice
 
 logger = logging.getLogger("vllm.kvm_maglev")  # under vLLM's logger: its handler prints our INFO lines with its own
@@ -258,4 +260,7 @@ class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPr
                 param.copy_(tensor)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
+        vllm_config = get_current_vllm_config()
+        if get_tensor_model_parallel_world_size() == 1 and vllm_config.quant_config is None:
+            use_engine_linears(self.model, vllm_config.model_config.dtype)  # vLLM's product, as its Llama's
         return loaded
