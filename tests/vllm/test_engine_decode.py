@@ -3,11 +3,14 @@ pages (`KVMModel.decoding_step`, `DecodeStep.token_shift` and `.attend` on a `kv
 outputs and the same pages afterwards, eager and compiled, for rows at scattered pages and positions - in their
 first chunk, past it, folding a block at this token - with vLLM's padding after the scheduled tokens; an
 attention's q, k and v streams shifted in one call over their carries' columns, as the operator shifts them. The
-warm-up's scratch pages against vLLM's binding of pages, and `packed` against a copy."""
+warm-up's scratch pages against vLLM's binding of pages, and `packed` against a copy. The attention read request by
+request in place against the gathering reference, alone and inside the engine step."""
 
 import pytest
 import torch
 
+from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
+from kvm_maglev.vllm import decode_kvm
 from kvm_maglev.vllm.decode_kvm import (
     EngineDecode,
     decode_attention,
@@ -17,9 +20,11 @@ from kvm_maglev.vllm.decode_kvm import (
     reach,
     scratch_pages,
     state_slot_table,
+    state_window_attention_by_page,
 )
 from kvm_maglev.vllm.kvm import carry_columns, name_pages, page_layout
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
+from tests.models.kvm.test_decode_attention import decode_inputs
 from tests.models.kvm.test_kvm_cache import VARIANTS, random_model
 
 MAX_LEN = 64
@@ -179,3 +184,48 @@ def test_packed_gives_a_new_tensors_strides():
     sliced = torch.randn(5, 6)[:, :3]
     assert packed(sliced).stride() == (3, 1)
     torch.testing.assert_close(packed(sliced), sliced, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperatures", [False, True])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_attention_read_in_place_equals_the_gathering_reference(groups, temperatures, dtype):
+    inputs = decode_inputs(groups, dtype, temperatures, seed=groups)
+    out = state_window_attention_by_page(**inputs)
+    assert out.dtype == dtype and out.shape == (4, 2 * groups, 8)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, state_window_attention_torch(**inputs), **tolerance)
+    no_state = dict(inputs, state_keys=inputs["state_keys"][:, :, :0], state_values=inputs["state_values"][:, :, :0],
+                    state_slots=inputs["state_slots"] * 0)  # a sliding-window layer reads no state
+    torch.testing.assert_close(state_window_attention_by_page(**no_state), state_window_attention_torch(**no_state),
+                               **tolerance)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_engine_step_reading_pages_in_place_equals_gathering_them(variant, monkeypatch):
+    """The whole eager decoding step with every attention reading its requests' pages in place equals the step
+    that gathers them (the threshold at 0 bytes, then above any request's reads), outputs and pages."""
+    model = random_model(**VARIANTS[variant])
+    generator = torch.Generator().manual_seed(3)
+    inputs = layer_inputs(model, generator)
+    results = []
+    for threshold in (0, 1 << 40):
+        monkeypatch.setattr(decode_kvm, "IN_PLACE_MIN_BYTES", threshold)
+        pages = random_pages(model, torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            results.append((engine_step(model, pages, inputs, compiled=False), pages))
+    (in_place, in_place_pages), (gathered, gathered_pages) = results
+    for ours, reference in zip(in_place + [t for layer in in_place_pages for t in layer],
+                               gathered + [t for layer in gathered_pages for t in layer]):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_attention_benchmark_times_both_ways(tmp_path):
+    from kvm_maglev.benchmarks.engine_attention import main
+
+    payload = main(["--repeats", "1", "--out", str(tmp_path / "attention.json")])
+    assert (tmp_path / "attention.json").exists() and len(payload["cases"]) >= 4
+    for case in payload["cases"]:
+        assert case["gathered_ms"] > 0 and case["in_place_ms"] > 0
+        assert case["chosen"] == ("in place" if case["bytes_read_per_request"] >= payload["in_place_min_bytes"]
+                                  else "gathered")

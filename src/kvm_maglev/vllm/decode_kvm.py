@@ -38,6 +38,10 @@ STATE = ("state_keys", "state_values", "state_norms", "read_keys", "read_values"
 # result) instead of compiling; the test of serving sets "fail_on_recompile", so that such a step fails it
 SERVING_STANCE = "eager_on_recompile"
 MIN_COMPILED_ROWS = 2  # dynamo specialises sizes 0 and 1: a graph for them would not serve the other sizes
+# bytes of keys and values a request's attention reads from its pages, from which reading them in place request by
+# request costs less on CPU than gathering every request's into one batch (`reads_in_place`; the crossing measured
+# by benchmarks/engine_attention.py, docs/serving.md)
+IN_PLACE_MIN_BYTES = 256 * 1024
 
 
 def inference_dispatch_keys() -> tuple:
@@ -158,6 +162,42 @@ def first_chunk_entries(attention, k: torch.Tensor, v: torch.Tensor, gate: torch
     return slot, [torch.where(keep, tensor[page, :, slot], new.to(tensor.dtype)) for tensor, new in zip(state, entries)]
 
 
+def reads_in_place(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+    """Whether `attend_pages` reads each request's pages in place (`state_window_attention_by_page`) rather than
+    gathering them (`state_window_attention_torch`): on CPU, outside compiled graphs, when a request reads at least
+    `IN_PLACE_MIN_BYTES` (a gather copies them all; a request at a time costs a few operator calls each)."""
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    per_request = sum(tensor[0].numel() * tensor.element_size() for tensor in keys + values)
+    return per_request >= IN_PLACE_MIN_BYTES
+
+
+def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_keys: torch.Tensor,
+                                   state_values: torch.Tensor, state_slots: torch.Tensor, window_keys: torch.Tensor,
+                                   window_values: torch.Tensor, window_visible: torch.Tensor,
+                                   state_temperature: torch.Tensor | None, window_temperature: torch.Tensor | None,
+                                   scale: float) -> torch.Tensor:
+    """`state_window_attention_torch` (its arguments, its result) reading each request's page of the page tensors
+    in place, one request at a time, instead of gathering every request's into one batch: the same products and
+    softmax per request, in at least float32."""
+    batch, heads, dim = q.shape
+    kv_heads, capacity = state_keys.shape[1], state_keys.shape[2]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    queries = q.to(wide).view(batch, kv_heads, heads // kv_heads, dim)
+    state_queries, window_queries = (queries if temperature is None else queries * temperature.view(kv_heads, -1, 1).to(wide)
+                                     for temperature in (state_temperature, window_temperature))
+    live = torch.arange(capacity, device=q.device) < state_slots[:, None]
+    hidden = ~torch.cat([live, window_visible], dim=1)[:, None, None]  # [B, 1, 1, S + W]
+    out = torch.empty(batch, kv_heads, heads // kv_heads, window_values.shape[-1], dtype=wide, device=q.device)
+    for row, index in enumerate(page.tolist()):
+        logits = torch.cat([torch.matmul(state_queries[row], state_keys[index].to(wide).transpose(-1, -2)),
+                            torch.matmul(window_queries[row], window_keys[index].to(wide).transpose(-1, -2))], dim=-1)
+        probs = torch.softmax(logits.masked_fill(hidden[row], float("-inf")) * scale, dim=-1)
+        out[row] = (torch.matmul(probs[..., :capacity], state_values[index].to(wide))
+                    + torch.matmul(probs[..., capacity:], window_values[index].to(wide)))
+    return out.to(window_values.dtype).view(batch, heads, -1)
+
+
 def attend_pages(attention, q: torch.Tensor, positions: torch.Tensor, page: torch.Tensor, count: int,
                  output: torch.Tensor, pages: dict[str, torch.Tensor], table: torch.Tensor | None,
                  state_reach: int, window_reach: int) -> None:
@@ -181,9 +221,12 @@ def attend_pages(attention, q: torch.Tensor, positions: torch.Tensor, page: torc
         read_keys = pages["read_keys"][:, :, :state_reach]
         read_values = pages["read_values"][:, :, :state_reach]
         temperatures = (attention.temperature("state_temperature"), attention.temperature("window_temperature"))
-    output[:count] = state_window_attention_torch(
-        q[:count], page, read_keys, read_values, state_slots, pages["window_keys"][:, :, :window_reach],
-        pages["window_values"][:, :, :window_reach], visible[:, :window_reach], *temperatures, q.shape[-1] ** -0.5)
+    window_keys, window_values = pages["window_keys"][:, :, :window_reach], pages["window_values"][:, :, :window_reach]
+    attention_of = state_window_attention_by_page if reads_in_place(q, [read_keys, window_keys],
+                                                                    [read_values, window_values]) \
+        else state_window_attention_torch
+    output[:count] = attention_of(q[:count], page, read_keys, read_values, state_slots, window_keys, window_values,
+                                  visible[:, :window_reach], *temperatures, q.shape[-1] ** -0.5)
     output[count:] = 0
 
 
