@@ -9,7 +9,8 @@ that process: `--requests` requests (the decode-heavy workload's first ones) are
 has read its prompt and decoded `--warm-steps` tokens, then one engine step - every request decoding one token - is
 profiled. Counted under vLLM's "forward" range of that step (the model's forward alone; sampling and scheduling
 are the same code for every engine) and in the whole step: every aten event (nested calls included), the outermost
-aten calls (what the model's code dispatches) and the leaf calls (no aten call below them).
+aten calls (what the model's code dispatches) and the leaf calls (no aten call below them); and, in the forward, the
+self CPU time of each operator name (the largest), to see where the time goes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,24 @@ def aten_counts(events) -> dict:
             "most_frequent_outermost": dict(common)}
 
 
+def self_time_by_name(events, top: int = 15) -> dict[str, float]:
+    """Self CPU milliseconds of `events` summed by name (aten operators, the plugin's custom operators and vLLM's
+    own), the `top` largest: where a step's time goes, beside how many calls it makes."""
+    totals = collections.Counter()
+    for event in events:
+        totals[event.name] += event.self_cpu_time_total / 1000
+    return {name: round(ms, 3) for name, ms in totals.most_common(top)}
+
+
+def outermost_ranges(events) -> dict[str, float]:
+    """Total CPU milliseconds of the step's outermost events (those with no parent) by name: the step's phases."""
+    totals = collections.Counter()
+    for event in events:
+        if event.cpu_parent is None:
+            totals[event.name] += event.cpu_time_total / 1000
+    return {name: round(ms, 3) for name, ms in totals.most_common(12)}
+
+
 def descendants(event) -> list:
     found, stack = [], list(event.cpu_children)
     while stack:
@@ -87,8 +106,12 @@ def profile_engine(job: dict) -> dict:
         raise RuntimeError(f"{job['engine']}: {len(forwards)} '{FORWARD_RANGE}' ranges in the step (is "
                            "VLLM_CUSTOM_SCOPES_FOR_PROFILING set?)")
     forward = forwards[0]
-    return {"forward": {**aten_counts(descendants(forward)), "cpu_ms": round(forward.cpu_time_total / 1000, 3)},
-            "step": aten_counts(events), "requests_decoding": len(decoding),
+    inside = descendants(forward)
+    return {"forward": {**aten_counts(inside), "cpu_ms": round(forward.cpu_time_total / 1000, 3),
+                        "self_cpu_ms_by_name": self_time_by_name(inside)},
+            "step": {**aten_counts(events), "self_cpu_ms_by_name": self_time_by_name(events),
+                     "outermost_ranges_cpu_ms": outermost_ranges(events)},
+            "requests_decoding": len(decoding),
             "enforce_eager": job["vllm"]["enforce_eager"]}
 
 
