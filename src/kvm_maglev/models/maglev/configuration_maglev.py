@@ -13,7 +13,6 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from transformers import PretrainedConfig
 
 from ..common.config_fields import init_signature, store_fields
@@ -26,10 +25,6 @@ TRAINING_FORWARDS = ("lifted", "recurrent")
 WEIGHT_INITS = ("nanochat", "torch")
 POSITIVE_FIELDS = ("vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "sequence_len")
-
-
-def _dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class MaglevConfig(PretrainedConfig):
@@ -365,51 +360,8 @@ class MaglevConfig(PretrainedConfig):
         window pattern, whose windows span the training context; a uniform `sliding_window` ring is whole at once."""
         return self.sliding_window is None
 
-    # ----- cache sizes ----------------------------------------------------------------------
-    def cache_bytes(self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Bytes of a MaglevCache after reading `num_tokens` tokens (equals `MaglevCache.nbytes()`): constant from
-        the first token with a sliding window, and once `num_tokens` reaches the widest window otherwise."""
-        if num_tokens < 0 or batch_size < 1:
-            raise ValueError(f"num_tokens must be >= 0 and batch_size >= 1, got {num_tokens}, {batch_size}")
-        if num_tokens == 0:
-            return 0
-        element = _dtype_bytes(dtype)
-        per_token = 2 * self.kv_dim * element * batch_size
-        slots = growing_capacity(num_tokens)
-        total = sum(per_token * (min(left, slots) if self.windows_grow else left) for left in self.decoder_windows)
-        total += 8 * batch_size  # each row's int64 position (real tokens read)
-        total += batch_size * self.hidden_size * element  # smear's previous embedding
-        if self.use_memory:
-            total += batch_size * self.hidden_size * element  # last memory vector
-        return total
-
-    def full_attention_cache_bytes(
-        self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16
-    ) -> int:
-        """Bytes of a plain full-attention KV cache of the same shape holding `num_tokens` tokens."""
-        if num_tokens < 0 or batch_size < 1:
-            raise ValueError(f"num_tokens must be >= 0 and batch_size >= 1, got {num_tokens}, {batch_size}")
-        return 2 * self.num_hidden_layers * self.kv_dim * num_tokens * batch_size * _dtype_bytes(dtype)
-
 
 MaglevConfig.__init__.__signature__ = init_signature(MaglevConfig)
-# The fields a saved cache depends on (its config fingerprint): what the cache holds and how a model reads it.
-CACHE_CONFIG_FIELDS = (
-    "vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "sequence_len", "window_pattern",
-    "rope_theta", "rms_norm_eps", "qk_norm_scale", "use_value_embeddings", "value_embedding_gate_channels",
-    "value_embedding_gate_scale", "use_smear", "smear_gate_channels", "use_backout", "backout_layer",
-    "use_layer_lambdas", "use_memory", "sliding_window", "memory_gate_channels", "memory_source_layer",
-    "memory_projection", "memory_residual_injection",
-)
-
-
-def growing_capacity(num_tokens: int) -> int:
-    """Capacity of a geometrically grown key/value buffer holding `num_tokens` tokens."""
-    capacity = 16
-    while capacity < num_tokens:
-        capacity *= 2
-    return capacity
 
 
 def is_int(value) -> bool:
