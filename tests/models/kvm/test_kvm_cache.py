@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from kvm_maglev.cache_sizes import cache_bytes, full_attention_cache_bytes
 from kvm_maglev.models.common.transformers_versions import returned_cache
@@ -108,6 +109,10 @@ def test_cache_bytes_by_dtype_and_full_attention_comparison():
     assert cache_bytes(config, long) < full_attention_cache_bytes(config, long)
     fixed = KVMConfig(**{**BASE, "state_budget_mode": "fixed", "state_budget_min": 4, "state_max_chunks": 1})
     assert cache_bytes(fixed, 10_000) == cache_bytes(fixed, 20_000)  # constant once the window is full
+    # sizes are known for our configs only, a loaded config included (they read its model type, not its class)
+    for size in (cache_bytes, full_attention_cache_bytes):
+        with pytest.raises(ValueError, match="KVM and Maglev configs, not model_type='llama'"):
+            size(LlamaConfig(), 16)
 
 
 def test_decode_step_writes_in_place_without_copying_the_window():

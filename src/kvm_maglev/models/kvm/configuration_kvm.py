@@ -1,10 +1,5 @@
-"""KVM (Key-Value Means) model configuration.
-
-`KVMConfig` declares its fields as transformers' configs do: annotated class attributes with their defaults,
-documented in its docstring's `Args:`. Their names in the research code (github recursal/KVM-paper) are the
-converter's (`kvm_maglev.convert.kvm.RESEARCH_NAMES`); the table in docs/conversion.md is written from both
-(`python -m kvm_maglev.convert.config_tables`).
-"""
+"""KVM (Key-Value Means) model configuration, and the one rule of what a layer holds after n tokens. The fields'
+names in the research code (github recursal/KVM-paper) are the converter's (`convert.kvm.RESEARCH_NAMES`)."""
 
 from __future__ import annotations
 
@@ -243,8 +238,7 @@ class KVMConfig(PretrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """The fields above by keyword or, in their order, by position; the other keywords are transformers' own
-        (`PretrainedConfig.__init__` stores them and then runs `__post_init__`)."""
+        """The fields above by keyword or, in their order, by position; other keywords are transformers' own."""
         super().__init__(**store_fields(KVMConfig, self, args, kwargs))
 
     def __post_init__(self, **kwargs) -> None:
@@ -397,7 +391,6 @@ class KVMConfig(PretrainedConfig):
             raise ValueError(f"tensor parallel size {tp_size} does not divide num_key_value_heads={self.kv_heads}: "
                              "each rank must hold whole key/value heads, each with its own state and window, "
                              "and the query heads that read them; use a divisor of num_key_value_heads")
-
 
 
 def is_positive_int(value) -> bool:

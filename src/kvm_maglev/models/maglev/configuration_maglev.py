@@ -1,11 +1,5 @@
-"""Configuration of Maglev (Sliding Recurrent Memory) on a nanochat GPT backbone.
-
-`MaglevConfig` declares its fields as transformers' configs do: annotated class attributes with their defaults,
-documented in its docstring, the architecture's and inference's (`Args:`) first, the training-only ones after them
-(`Training args:`). Where a nanochat checkpoint's meta json gives them is the converter's
-(`kvm_maglev.convert.maglev.META_NAMES`); the tables in docs/conversion.md are written from both
-(`python -m kvm_maglev.convert.config_tables`).
-"""
+"""Configuration of Maglev (Sliding Recurrent Memory) on a nanochat GPT backbone. Where a nanochat checkpoint's
+meta json gives the fields is the converter's (`convert.maglev.META_NAMES`)."""
 
 from __future__ import annotations
 
@@ -172,8 +166,7 @@ class MaglevConfig(PretrainedConfig):
     consistency_weight_after_detach: float | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """The fields above by keyword or, in their order, by position; the other keywords are transformers' own
-        (`PretrainedConfig.__init__` stores them and then runs `__post_init__`)."""
+        """The fields above by keyword or, in their order, by position; other keywords are transformers' own."""
         super().__init__(**store_fields(MaglevConfig, self, args, kwargs))
 
     def __post_init__(self, **kwargs) -> None:
