@@ -242,8 +242,7 @@ class KVMConfig(PretrainedConfig):
         super().__init__(**store_fields(KVMConfig, self, args, kwargs))
 
     def __post_init__(self, **kwargs) -> None:
-        """The switches as bools (research YAML gives 0/1), the defaults that follow from other fields, then
-        validation."""
+        """The switches as bools, the defaults that follow from other fields, then validation."""
         for name in SWITCHES:
             setattr(self, name, bool(getattr(self, name)))
         super().__post_init__(**kwargs)

@@ -171,7 +171,6 @@ class MaglevConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs) -> None:
         """The defaults that follow from other fields, then validation."""
-        # None: a size that follows from the others
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
         if self.num_key_value_heads is None:
