@@ -30,6 +30,7 @@ from transformers import Trainer, TrainingArguments, set_seed
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 from kvm_maglev.capacity import CapacityTask, build_capacity_dataset, evaluate_capacity, plot_capacity, recall_by_length
 from kvm_maglev.demo import save_demo_model
+from kvm_maglev.models.kvm.configuration_kvm import state_slots_after
 from kvm_maglev.recall import (
     RecallTask,
     build_dataset,
@@ -111,7 +112,7 @@ def capacity_state_slots(args: argparse.Namespace) -> int:
     both hold the same state bytes there."""
     sqrt = KVMConfig(chunk_size=CHUNK, window_chunks=WINDOW // CHUNK, state_budget_factor=args.state_factor,
                      **SQRT_BUDGET)
-    return sqrt.state_slots_after(args.task.seq_len)
+    return state_slots_after(sqrt, args.task.seq_len)
 
 
 def _kvm_fixed(args: argparse.Namespace) -> torch.nn.Module:
@@ -317,7 +318,7 @@ def measure_capacity(model, args: argparse.Namespace, seed: int) -> dict:
         "chance": chance_level(args.task),
     }
     if isinstance(model, KVMForCausalLM):
-        row["state_slots"] = {str(n): model.config.state_slots_after(n) for n in lengths}
+        row["state_slots"] = {str(n): state_slots_after(model.config, n) for n in lengths}
     return row
 
 

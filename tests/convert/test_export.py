@@ -8,6 +8,7 @@ from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from kvm_maglev.cache_sizes import cache_bytes, full_attention_cache_bytes
 from kvm_maglev.convert.cards import Provenance, file_sha256, format_bytes, format_count, render_model_card
 from kvm_maglev.convert.export import check_state_dict, expected_shapes, write_model_folder
 from kvm_maglev.tokenization.gpt2 import generation_token_fields, load_research_tokenizer
@@ -193,8 +194,8 @@ def test_maglev_card_from_config(tmp_path):
     assert file_sha256(source) in card_text and "training step: 10" in card_text
     assert "3.46M (3,456,789)" in card_text
     for tokens in (4096, 32768, 131072, 1048576):
-        ours = config.cache_bytes(tokens, batch_size=1, dtype=torch.bfloat16)
-        full = config.full_attention_cache_bytes(tokens, batch_size=1, dtype=torch.bfloat16)
+        ours = cache_bytes(config, tokens, batch_size=1, dtype=torch.bfloat16)
+        full = full_attention_cache_bytes(config, tokens, batch_size=1, dtype=torch.bfloat16)
         assert f"{full / ours:.1f}x smaller" in card_text
     assert "| 1M |" in card_text and "| 4k |" in card_text
 
@@ -206,8 +207,8 @@ def test_kvm_card_from_config():
                        window_chunks=2, sink_slots=1, state_budget_min=16)
     card_text = render_model_card(config, num_parameters=1000, license="apache-2.0")
     for tokens, label in ((4096, "4k"), (32768, "32k"), (131072, "128k"), (1048576, "1M")):
-        ours = format_bytes(config.cache_bytes(tokens, batch_size=1, dtype=torch.bfloat16))
-        full = format_bytes(config.full_attention_cache_bytes(tokens, batch_size=1, dtype=torch.bfloat16))
+        ours = format_bytes(cache_bytes(config, tokens, batch_size=1, dtype=torch.bfloat16))
+        full = format_bytes(full_attention_cache_bytes(config, tokens, batch_size=1, dtype=torch.bfloat16))
         assert f"| {label} | {ours} | {full} |" in card_text
     assert "arXiv:2605.09877" in card_text and "Goldstein" in card_text and "trust_remote_code=True" in card_text
     card = ModelCard(card_text, ignore_metadata_errors=False)

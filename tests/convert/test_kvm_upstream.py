@@ -13,6 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.cli import main
 from kvm_maglev.convert.kvm import (
     CHANGED_DEFAULTS,
@@ -65,7 +66,7 @@ def test_gqa_case_keeps_state_per_key_value_head(converted):
     with torch.no_grad():
         cache = returned_cache(model(torch.arange(70).view(1, -1), use_cache=True))
     layer = cache.layers[0]
-    assert layer.tensors["state_keys"].shape[1] == 2 and cache.nbytes() == config.cache_bytes(70, dtype=torch.float32)
+    assert layer.tensors["state_keys"].shape[1] == 2 and cache.nbytes() == cache_bytes(config, 70, dtype=torch.float32)
 
 
 def test_both_forms_give_the_same_weights(converted):

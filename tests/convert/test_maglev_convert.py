@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.convert import cli as convert_cli
 from kvm_maglev.convert import maglev as converter
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
@@ -81,7 +82,7 @@ def test_cached_decoding_matches_nanochat(fixture_model, reference):
         logits.append(fixture_model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
     error = (torch.cat(logits, 1) - reference["decode_logits"]).abs().max().item()
     assert error <= TOLERANCE, error
-    assert cache.nbytes() == fixture_model.config.cache_bytes(ids.shape[1], batch_size=2, dtype=torch.float32)
+    assert cache.nbytes() == cache_bytes(fixture_model.config, ids.shape[1], batch_size=2, dtype=torch.float32)
 
 
 @torch.no_grad()

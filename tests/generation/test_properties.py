@@ -32,8 +32,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.models.common.transformers_versions import CACHE_NAME
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
+from kvm_maglev.models.kvm.configuration_kvm import state_budget, state_slots_after
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
@@ -220,7 +222,7 @@ def check_maglev_padded_equals_unbatched(case: Case) -> None:
         assert_close(batched[row:row + 1, columns], alone, f"row {row} of the padded batch vs alone")
     if case.padding != "right":
         assert cache.positions.tolist() == [row.count("1") for row in case.mask]
-    assert cache.nbytes() == model.config.cache_bytes(case.width, case.batch, dtype=torch.float32)
+    assert cache.nbytes() == cache_bytes(model.config, case.width, case.batch, dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -254,7 +256,7 @@ def check_maglev_cache_size(case: Case) -> None:
 
     def after_each(columns: int) -> None:
         sizes.append(cache.nbytes())
-        assert sizes[-1] == config.cache_bytes(columns, case.batch, dtype=torch.float32), columns
+        assert sizes[-1] == cache_bytes(config, columns, case.batch, dtype=torch.float32), columns
         if flat:
             assert cache.layer_lengths() == [w for w in config.decoder_windows]
 
@@ -361,14 +363,14 @@ def check_kvm_state(cache: KVMCache, config: KVMConfig) -> None:
     """Every row's state length is the closed form for its own length, within the budget; bytes match too."""
     lengths = cache.row_lengths()
     for row, (seen, slots) in enumerate(zip(lengths, cache.row_state_lengths(), strict=True)):
-        budget = max(min(seen, config.chunk_size), min(config.state_budget(seen), config.max_state_slots))
+        budget = max(min(seen, config.chunk_size), min(state_budget(config, seen), config.max_state_slots))
         for layer_idx, length in enumerate(slots):
             if config.is_sliding_window_layer(layer_idx):
                 assert length == -1
                 continue
-            assert length == config.state_slots_after(seen), (row, layer_idx, seen, length)
+            assert length == state_slots_after(config, seen), (row, layer_idx, seen, length)
             assert length <= budget, (row, layer_idx, seen, length, budget)
-    expected = sum(config.cache_bytes(seen, 1, dtype=torch.float32) for seen in lengths)
+    expected = sum(cache_bytes(config, seen, 1, dtype=torch.float32) for seen in lengths)
     assert cache.nbytes() == expected, (cache.nbytes(), expected, lengths)
 
 

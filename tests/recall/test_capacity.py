@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.capacity import (
     CapacityTask,
     answer_queries,
@@ -16,6 +17,7 @@ from kvm_maglev.capacity import (
     make_capacity_example,
     recall_by_length,
 )
+from kvm_maglev.models.kvm.configuration_kvm import state_slots_after
 from kvm_maglev.recall import BOS_ID, QUERY_ID
 from tests.ecosystem.ecosystem_support import load_example
 
@@ -81,12 +83,12 @@ def test_fixed_state_holds_the_power_law_states_bytes_at_the_training_length(tmp
     fixed, sqrt = train_recall.MODELS["kvm_fixed"](args), train_recall.MODELS["kvm_sqrt"](args)
     assert fixed.config.state_budget_mode == "fixed" and sqrt.config.state_budget_mode == "power_law"
     length = args.task.seq_len
-    assert fixed.config.state_slots_after(length) == sqrt.config.state_slots_after(length) > 32
-    assert fixed.config.cache_bytes(length) == sqrt.config.cache_bytes(length)
+    assert state_slots_after(fixed.config, length) == state_slots_after(sqrt.config, length) > 32
+    assert cache_bytes(fixed.config, length) == cache_bytes(sqrt.config, length)
     # past the training length the fixed state stays, the power-law one grows about as the square root
     longest = 32 * length
-    assert fixed.config.state_slots_after(longest) == fixed.config.state_slots_after(length)
-    assert 4.5 < sqrt.config.state_slots_after(longest) / sqrt.config.state_slots_after(length) < 6
+    assert state_slots_after(fixed.config, longest) == state_slots_after(fixed.config, length)
+    assert 4.5 < state_slots_after(sqrt.config, longest) / state_slots_after(sqrt.config, length) < 6
     assert fixed.config.window_size == sqrt.config.window_size == train_recall.WINDOW
     # full attention's window covers the longest evaluation; the sliding window keeps the others' window
     full, window = train_recall.MODELS["full_attention"](args), train_recall.MODELS["swa_baseline"](args)
@@ -117,7 +119,7 @@ def test_answers_on_the_continued_cache_are_the_uncached_forwards(tmp_path, name
         logits = model(input_ids=rows).logits
     expected = logits[:, [p - 1 for p in cell.answer_positions]].argmax(-1)
     assert torch.equal(answers, expected)
-    assert nbytes == model.config.cache_bytes(cell.answer_positions[-1], dtype=torch.float32)
+    assert nbytes == cache_bytes(model.config, cell.answer_positions[-1], dtype=torch.float32)
 
 
 class _Oracle(torch.nn.Module):

@@ -19,6 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import kvm_maglev
+from kvm_maglev.cache_sizes import cache_bytes
+from kvm_maglev.models.kvm.configuration_kvm import state_slots_after
 from tests.vllm.folders import VOCAB, make_kvm_folder, make_maglev_folder
 
 # Maglev: window 8 keys, so rings wrap and the memory carries; the prefiller folder has a Q of its own whose long
@@ -290,7 +292,7 @@ def served_model(llm):
 
 
 def test_kvm_state_pages_hold_what_cache_bytes_counts(folder):
-    """A KVM request's pages, summed over layers, are `config.cache_bytes(max_model_len)` - windows at their widest,
+    """A KVM request's pages, summed over layers, are `cache_bytes(config, max_model_len)` - windows at their widest,
     states at the length `max_model_len` tokens reach, the token-shift carries - and the state's read form (keys and
     values as attention reads them, per KVM layer)."""
     from math import prod
@@ -306,9 +308,9 @@ def test_kvm_state_pages_hold_what_cache_bytes_counts(folder):
     config = model.config
     max_len = ENGINE["max_model_len"]
     kvm_layers = sum(not config.is_sliding_window_layer(i) for i in range(config.num_hidden_layers))
-    read_form = (kvm_layers * config.kv_heads * config.state_slots_after(max_len)
+    read_form = (kvm_layers * config.kv_heads * state_slots_after(config, max_len)
                  * (config.qk_head_dim + config.v_head_dim) * 4)
-    assert pages == config.cache_bytes(max_len, dtype=torch.float32) + read_form
+    assert pages == cache_bytes(config, max_len, dtype=torch.float32) + read_form
     del llm
 
 

@@ -3,7 +3,7 @@
 For each model and dtype: a short prompt, then `--tokens` tokens sampled one step at a time on the cache,
 checking that
 - every module's output and the logits stay finite (the first non-finite module and step are reported),
-- the cache holds exactly what the config predicts (`config.cache_bytes`) at checkpoints and at the end,
+- the cache holds exactly what the config predicts (`cache_sizes.cache_bytes`) at checkpoints and at the end,
 - the low-precision logits over the first `--compare-tokens` tokens match float32 teacher-forced logits of
   the same weights on the same tokens within TOLERANCES (documented in the README's "Reliability").
 
@@ -26,6 +26,8 @@ from collections import deque
 from pathlib import Path
 
 import torch
+
+from kvm_maglev.cache_sizes import cache_bytes
 
 from ..models.common.transformers_versions import returned_cache
 from .models import MODEL_BUILDERS, SHAPES
@@ -150,7 +152,7 @@ def long_run(reference: torch.nn.Module, dtype_name: str, tokens: int, prompt_to
             kept.append(logits)
         recent.append(logits[0])
         if read % checkpoint_every == 0 or read == tokens:
-            expected = config.cache_bytes(read, batch_size=1, dtype=dtype)
+            expected = cache_bytes(config, read, batch_size=1, dtype=dtype)
             checkpoints.append({"tokens": read, "nbytes": cache.nbytes(), "expected": expected})
             if cache.nbytes() != expected:
                 size_errors.append(checkpoints[-1])
@@ -169,7 +171,7 @@ def long_run(reference: torch.nn.Module, dtype_name: str, tokens: int, prompt_to
     return {
         "dtype": dtype_name, "tokens": read, "finite": finite, "first_non_finite": watch.first,
         "logit_max_abs": logit_max_abs, "cache_max_abs": cache_max_abs(cache),
-        "cache_nbytes": cache.nbytes(), "cache_bytes_expected": config.cache_bytes(read, 1, dtype=dtype),
+        "cache_nbytes": cache.nbytes(), "cache_bytes_expected": cache_bytes(config, read, 1, dtype=dtype),
         "size_errors": size_errors, "checkpoints": checkpoints, "tolerance": tolerance,
         "first_tokens_vs_float32": first_span, "last_tokens_vs_float32": last_span,
         "tokens_per_second": (read - prompt_tokens) / seconds,

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+from kvm_maglev import cache_sizes
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -154,8 +156,8 @@ def closed_form_cache_bytes(model: torch.nn.Module, row_tokens: list[int]) -> in
     """
     config = model.config
     dtype = next(model.parameters()).dtype
-    if hasattr(config, "cache_bytes"):
-        return sum(int(config.cache_bytes(tokens, batch_size=1, dtype=dtype)) for tokens in row_tokens)
+    if config.model_type in ("kvm", "maglev"):
+        return sum(int(cache_sizes.cache_bytes(config, tokens, batch_size=1, dtype=dtype)) for tokens in row_tokens)
     kept = max(row_tokens)
     if getattr(config, "sliding_window", None):
         kept = min(kept, config.sliding_window - 1)  # the next query brings its own key: window - 1 are kept

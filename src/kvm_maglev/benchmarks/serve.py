@@ -353,11 +353,13 @@ def run_vllm(job: dict) -> dict:
         config = llm.llm_engine.model_config.hf_config
         import torch
 
+        from kvm_maglev.cache_sizes import cache_bytes
+
         report["pages"] = {"declared_per_layer": layers, "declared": sum(layers),
                            "padded_to_largest": padded_page_bytes(layers),
                            "allocated": allocated_page_bytes(llm),
-                           "config_cache_bytes": config.cache_bytes(job["vllm"]["max_model_len"],
-                                                                    dtype=getattr(torch, job["dtype"]))}
+                           "config_cache_bytes": cache_bytes(config, job["vllm"]["max_model_len"],
+                                                             dtype=getattr(torch, job["dtype"]))}
     return report
 
 

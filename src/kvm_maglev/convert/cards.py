@@ -1,6 +1,6 @@
 """Model cards (README.md) for converted folders, filled from the config into per-architecture templates.
 
-The cache table comes from the config's own `cache_bytes` / `full_attention_cache_bytes`, so the
+The cache table comes from `cache_sizes.cache_bytes` / `full_attention_cache_bytes` of the config, so the
 card states what the shipped cache code actually allocates.
 """
 
@@ -14,6 +14,8 @@ from string import Template
 
 import torch
 from huggingface_hub import ModelCard, ModelCardData
+
+from kvm_maglev.cache_sizes import cache_bytes, full_attention_cache_bytes
 
 CACHE_TABLE_TOKENS = (4096, 32768, 131072, 1048576)
 ARCHITECTURES = ("kvm", "maglev")
@@ -65,8 +67,8 @@ def cache_table_rows(config, dtype: torch.dtype = torch.bfloat16, token_counts=C
     """Markdown rows: tokens | model cache | full-attention cache | ratio, for batch size 1."""
     rows = []
     for num_tokens in token_counts:
-        ours = config.cache_bytes(num_tokens, batch_size=1, dtype=dtype)
-        full = config.full_attention_cache_bytes(num_tokens, batch_size=1, dtype=dtype)
+        ours = cache_bytes(config, num_tokens, batch_size=1, dtype=dtype)
+        full = full_attention_cache_bytes(config, num_tokens, batch_size=1, dtype=dtype)
         ratio = f"{full / ours:.1f}x smaller" if ours else "-"
         rows.append(f"| {_format_tokens(num_tokens)} | {format_bytes(ours)} | {format_bytes(full)} | {ratio} |")
     return "\n".join(rows)

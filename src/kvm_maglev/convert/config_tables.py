@@ -11,6 +11,7 @@ the text around them is left alone. `--check` writes nothing and exits 1 when a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import re
 import sys
@@ -65,10 +66,25 @@ def docstring_entries(cls: type, section: str) -> dict[str, tuple[str, str]]:
     return entries
 
 
+def declared_fields(cls: type) -> dict[str, dataclasses.Field]:
+    """name -> field of each of `cls`'s own fields, in order. One without a default, or one that redeclares a field
+    of a base config (whose `__init__` would overwrite it), is refused (ValueError)."""
+    inherited = {field.name: base.__name__ for base in reversed(cls.__mro__[1:]) if dataclasses.is_dataclass(base)
+                 for field in dataclasses.fields(base)}  # the nearest base that declares it wins
+    fields = {field.name: field for field in own_fields(cls)}
+    for name, field in fields.items():
+        if name in inherited:
+            raise ValueError(f"{cls.__name__}.{name} redeclares a field of {inherited[name]}")
+        if field.default is dataclasses.MISSING:
+            raise ValueError(f"{cls.__name__}.{name} has no default: every config field needs one")
+    return fields
+
+
 def field_rows(cls: type, sections: tuple[str, ...] = ("Args",)) -> dict[str, tuple[FieldRow, ...]]:
     """Each docstring section -> the rows of `cls`'s own fields it documents, in declaration order. Every field is
-    documented in one section with its annotation as its type, and every entry names a field; else ValueError."""
-    fields = {field.name: field for field in own_fields(cls)}
+    declared with a default (`declared_fields`) and documented in one section with its annotation as its type, and
+    every entry names a field; else ValueError."""
+    fields = declared_fields(cls)
     documented = {section: docstring_entries(cls, section) for section in sections}
     names = [name for entries in documented.values() for name in entries]
     undocumented = [name for name in fields if name not in names]

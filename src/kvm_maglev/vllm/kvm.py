@@ -4,7 +4,7 @@ Per decoder layer and request one page (a `MambaBase` layer, so vLLM's cache man
 and frees it with it) holds what a `KVMCache` layer holds for one row, under the same names:
 - a KVM layer: its window ring (keys, values and merge gates of the last `window_chunks` chunks), its state (key
   sums, value sums, value norms or counts) and the state's attention-ready form, sized for `max_model_len` - exact
-  for a fixed budget, the most a request reaches for a growing one (`config.state_slots_after`);
+  for a fixed budget, the most a request reaches for a growing one (`state_slots_after`);
 - a sliding-window layer: its ring of the last `sliding_window` keys and values;
 - the layer's token-shift carries (the last token of each shifted stream), one vector.
 How much of each is live follows from the request's position, vLLM's token position (state_kvm's one rule).
@@ -32,8 +32,9 @@ from vllm.forward_context import get_forward_context
 
 from kvm_maglev.models.common.step_plan import Step
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
-from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_dtype_for
+from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_slots_after
 from kvm_maglev.models.kvm.modeling_kvm import KVMModel
+from kvm_maglev.models.kvm.state_kvm import state_dtype_for
 from kvm_maglev.models.kvm.step_plan_kvm import PromptStep
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.decode_kvm import (
@@ -61,7 +62,7 @@ def page_layout(config: KVMConfig, model: KVMModel, max_len: int, dtype: torch.d
     one vector, its streams side by side. Heads and carries are the layer's own: under tensor parallelism a rank's
     pages hold only its key/value heads and its channels of the shifted streams."""
     dk, dv = config.qk_head_dim, config.v_head_dim
-    slots, state_dtype = config.state_slots_after(max_len), state_dtype_for(dtype)
+    slots, state_dtype = state_slots_after(config, max_len), state_dtype_for(dtype)
     layout = []
     for layer in model.layers:
         heads = layer.self_attn.kv_heads

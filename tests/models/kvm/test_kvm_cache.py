@@ -8,9 +8,12 @@ import itertools
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
+from kvm_maglev.cache_sizes import cache_bytes, full_attention_cache_bytes
 from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
+from kvm_maglev.models.kvm.configuration_kvm import state_budget, state_slots_after
 from tests.generation.testers import kvm_row_tensors
 
 BASE = dict(
@@ -84,28 +87,32 @@ def test_state_within_budget_and_sizes_match_closed_form(variant):
         for pos in range(LENGTH):
             model(ids[:, pos : pos + 1], cache=cache)
             seen = pos + 1
-            budget = max(min(seen, config.chunk_size), min(config.state_budget(seen), config.max_state_slots))
+            budget = max(min(seen, config.chunk_size), min(state_budget(config, seen), config.max_state_slots))
             for layer_idx, slots in enumerate(cache.state_lengths()):
                 if config.is_sliding_window_layer(layer_idx):
                     assert slots == -1
                     continue
-                assert slots == config.state_slots_after(seen)
+                assert slots == state_slots_after(config, seen)
                 assert slots <= budget
                 assert slots <= config.max_state_slots or slots <= config.chunk_size
-            assert cache.nbytes() == config.cache_bytes(seen, batch_size=3, dtype=torch.float32)
+            assert cache.nbytes() == cache_bytes(config, seen, batch_size=3, dtype=torch.float32)
 
 
 def test_cache_bytes_by_dtype_and_full_attention_comparison():
     config = random_model().config
     long = 4096
-    assert config.cache_bytes(0) == 0
-    assert config.cache_bytes(long, dtype=torch.float32) > config.cache_bytes(long, dtype=torch.bfloat16)
+    assert cache_bytes(config, 0) == 0
+    assert cache_bytes(config, long, dtype=torch.float32) > cache_bytes(config, long, dtype=torch.bfloat16)
     # both 16-bit dtypes keep the state sums in float32 (float16 overflows, bfloat16 loses small additions)
-    assert config.cache_bytes(long, dtype=torch.float16) == config.cache_bytes(long, dtype=torch.bfloat16)
-    assert config.full_attention_cache_bytes(long) == 2 * long * 2 * (16 + 16) * 2
-    assert config.cache_bytes(long) < config.full_attention_cache_bytes(long)
+    assert cache_bytes(config, long, dtype=torch.float16) == cache_bytes(config, long, dtype=torch.bfloat16)
+    assert full_attention_cache_bytes(config, long) == 2 * long * 2 * (16 + 16) * 2
+    assert cache_bytes(config, long) < full_attention_cache_bytes(config, long)
     fixed = KVMConfig(**{**BASE, "state_budget_mode": "fixed", "state_budget_min": 4, "state_max_chunks": 1})
-    assert fixed.cache_bytes(10_000) == fixed.cache_bytes(20_000)  # constant once the window is full
+    assert cache_bytes(fixed, 10_000) == cache_bytes(fixed, 20_000)  # constant once the window is full
+    # sizes are known for our configs only, a loaded config included (they read its model type, not its class)
+    for size in (cache_bytes, full_attention_cache_bytes):
+        with pytest.raises(ValueError, match="KVM and Maglev configs, not model_type='llama'"):
+            size(LlamaConfig(), 16)
 
 
 def test_decode_step_writes_in_place_without_copying_the_window():

@@ -10,7 +10,7 @@ import yaml
 from kvm_maglev.convert.kvm import convert, convert_state_dict, kvm_config_from_research
 from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
-from kvm_maglev.models.kvm.configuration_kvm import BUDGET_FIELDS
+from kvm_maglev.models.kvm.configuration_kvm import BUDGET_FIELDS, state_budget, state_slots_after
 
 TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, rotary_dim=8, chunk_size=4,
             state_budget_min=4)
@@ -50,15 +50,15 @@ def test_mode_specific_parameters_are_checked():
 
 def test_state_budget_modes():
     fixed = KVMConfig(**TINY)
-    assert [fixed.state_budget(n) for n in (1, 100, 10_000)] == [4, 4, 4]
+    assert [state_budget(fixed, n) for n in (1, 100, 10_000)] == [4, 4, 4]
     power = KVMConfig(**{**TINY, "state_budget_mode": "power_law", "state_budget_factor": 4.0,
                          "state_budget_min": 16, "state_max_chunks": 10_000, "state_budget_round_to": 8})
-    assert power.state_budget(100) == 40 and power.state_budget(4) == 16 and power.state_budget(10_000) == 400
+    assert state_budget(power, 100) == 40 and state_budget(power, 4) == 16 and state_budget(power, 10_000) == 400
     capped = KVMConfig(**{**TINY, "state_budget_mode": "power_law", "state_budget_factor": 4.0, "state_max_chunks": 3})
-    assert capped.state_budget(10_000) == 12
+    assert state_budget(capped, 10_000) == 12
     saturating = KVMConfig(**{**TINY, "state_budget_mode": "kvm_saturation", "state_budget_saturation": 64,
                               "state_budget_min": 1, "state_max_chunks": 10_000})
-    assert saturating.state_budget(64) == 32 and saturating.state_budget(10**9) == 63
+    assert state_budget(saturating, 64) == 32 and state_budget(saturating, 10**9) == 63
 
 
 def test_budget_fields_can_be_overridden_when_loading(tmp_path):
@@ -74,7 +74,7 @@ def test_budget_fields_can_be_overridden_when_loading(tmp_path):
     with torch.no_grad():
         out = loaded(ids)
     cache = returned_cache(out)
-    assert cache.state_lengths()[0] == loaded.config.state_slots_after(60) > 4
+    assert cache.state_lengths()[0] == state_slots_after(loaded.config, 60) > 4
     with pytest.raises(ValueError, match="state_budget_mode"):
         KVMForCausalLM.from_pretrained(tmp_path, state_budget_mode="unbounded")
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from kvm_maglev.cache_monitor import CacheMonitor, describe_cache
+from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.models.common.transformers_versions import GENERATE_CACHE_KWARG, returned_cache
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
+from kvm_maglev.models.kvm.configuration_kvm import state_slots_after
 from tests.generation.testers import KVM, PAD, left_padded
 
 # layers 0 and 2 are sliding-window layers (sliding_window_every=2): generate() runs both kinds of KVM layer
@@ -142,8 +144,8 @@ def test_cache_monitor_traces_state_lengths_and_bytes():
     config = model.config
     for step in monitor.trace:
         assert step["type"] == "KVMCache" and step["batch_size"] == 2
-        assert step["layer_lengths"] == [config.state_slots_after(step["seq_length"])] * config.num_hidden_layers
-        assert step["nbytes"] == config.cache_bytes(step["seq_length"], batch_size=2, dtype=torch.float32)
+        assert step["layer_lengths"] == [state_slots_after(config, step["seq_length"])] * config.num_hidden_layers
+        assert step["nbytes"] == cache_bytes(config, step["seq_length"], batch_size=2, dtype=torch.float32)
     assert describe_cache(KVMCache(config))["layer_lengths"] == [0, 0]
 
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
 from kvm_maglev.package_only.saved_cache import load_cache, save_cache
@@ -95,9 +96,9 @@ def test_gqa_cache_holds_key_value_heads(kv_heads):
         cache = returned_cache(model(torch.randint(0, 61, (3, 41)), use_cache=True))
     layer = cache.layers[1]
     assert layer.tensors["state_keys"].shape[1] == kv_heads and layer.tensors["window_keys"].shape[1] == kv_heads
-    assert cache.nbytes() == model.config.cache_bytes(41, batch_size=3, dtype=torch.float32)
+    assert cache.nbytes() == cache_bytes(model.config, 41, batch_size=3, dtype=torch.float32)
     plain = random_model(**BUDGETS["power_law"]).config
-    assert model.config.cache_bytes(41) < plain.cache_bytes(41)
+    assert cache_bytes(model.config, 41) < cache_bytes(plain, 41)
 
 
 def test_gqa_trains():

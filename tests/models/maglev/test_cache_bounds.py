@@ -5,6 +5,7 @@ the uncached forward, which applies the same bound."""
 import pytest
 import torch
 
+from kvm_maglev.cache_sizes import cache_bytes, full_attention_cache_bytes
 from kvm_maglev.convert.cards import cache_table_rows
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from tests.models.maglev.test_maglev_model import random_ids, tiny_model
@@ -50,13 +51,13 @@ def test_cached_decoding_past_sequence_len_equals_uncached_and_stops_growing(pro
     for t in range(prompt_len, ids.shape[1]):
         steps.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
         sizes.append(cache.nbytes())
-        assert sizes[-1] == config.cache_bytes(t + 1, batch_size=2, dtype=torch.float32)
+        assert sizes[-1] == cache_bytes(config, t + 1, batch_size=2, dtype=torch.float32)
     assert torch.allclose(torch.cat(steps, dim=1), uncached, atol=1e-4)
     # the rings grew up to their windows, then stayed: the L layers hold sequence_len keys, not every token
     assert cache.layer_lengths() == config.decoder_windows
     assert sizes == sorted(sizes) and len(set(sizes[widest:])) == 1
-    bound = config.cache_bytes(widest, batch_size=2, dtype=torch.float32)
-    assert sizes[-1] == bound == config.cache_bytes(10**7, batch_size=2, dtype=torch.float32)
+    bound = cache_bytes(config, widest, batch_size=2, dtype=torch.float32)
+    assert sizes[-1] == bound == cache_bytes(config, 10**7, batch_size=2, dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -75,4 +76,4 @@ def test_model_card_table_is_bounded_like_cache_bytes():
     config = nanochat_model().config
     rows = cache_table_rows(config).splitlines()
     assert len({row.split("|")[2] for row in rows}) == 1
-    assert config.cache_bytes(4096) == config.cache_bytes(1048576) < config.full_attention_cache_bytes(4096)
+    assert cache_bytes(config, 4096) == cache_bytes(config, 1048576) < full_attention_cache_bytes(config, 4096)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvm_maglev.cache_monitor import CacheMonitor, describe_cache
+from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from tests.generation.testers import MAGLEV, left_padded
 from tests.models.maglev.test_maglev_model import random_ids, tiny_model
@@ -98,7 +99,7 @@ def test_cache_monitor_traces_generate_without_stopping_it():
     assert len(monitor.trace) == 12
     assert [step["seq_length"] for step in monitor.trace] == list(range(5, 17))
     sizes = {step["nbytes"] for step in monitor.trace}
-    assert sizes == {model.config.cache_bytes(20, batch_size=2, dtype=torch.float32)}  # flat
+    assert sizes == {cache_bytes(model.config, 20, batch_size=2, dtype=torch.float32)}  # flat
     assert monitor.trace[-1]["layer_lengths"] == [WINDOW - 1] * model.config.num_hidden_layers
     assert not model._forward_hooks  # removed on exit
     with pytest.raises(TypeError, match="nbytes"):

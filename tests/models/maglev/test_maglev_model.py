@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvm_maglev import MaglevConfig, MaglevForCausalLM  # the package's classes: the row-block loss is theirs
+from kvm_maglev.cache_sizes import cache_bytes, full_attention_cache_bytes
 from kvm_maglev.models.common.activation_checkpointing import enable_activation_checkpointing
 from kvm_maglev.models.common.transformers_versions import CACHE_NAME, returned_cache
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
@@ -92,7 +93,7 @@ def test_sliding_ring_chunks_equal_full_forward_memory_off(prompt_len, chunk):
     stepped, cache = cached_logits(model, ids, prompt_len, chunk)
     error = (stepped - model(ids, use_cache=False).logits).abs().max().item()
     assert error < 1e-5, error
-    assert cache.nbytes() == model.config.cache_bytes(50, batch_size=3, dtype=torch.float32)
+    assert cache.nbytes() == cache_bytes(model.config, 50, batch_size=3, dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -119,8 +120,8 @@ def test_invariant5_cache_bytes_flat_after_window():
         sizes[start + 50] = cache.nbytes()
     assert sizes[100] == sizes[1000] > 0
     assert len(set(sizes.values())) == 1
-    assert sizes[1000] == model.config.cache_bytes(1000, batch_size=1, dtype=torch.float32)
-    assert model.config.full_attention_cache_bytes(1000, dtype=torch.float32) > sizes[1000]
+    assert sizes[1000] == cache_bytes(model.config, 1000, batch_size=1, dtype=torch.float32)
+    assert full_attention_cache_bytes(model.config, 1000, dtype=torch.float32) > sizes[1000]
 
 
 # ----- cache --------------------------------------------------------------------------------------------
@@ -354,10 +355,10 @@ def test_config_cache_bytes_closed_form():
     cache = MaglevCache(config)
     with torch.no_grad():
         model(random_ids(2, 40), past_key_values=cache, use_cache=True)
-    assert cache.nbytes() == config.cache_bytes(40, batch_size=2, dtype=torch.float32)
-    assert config.cache_bytes(0) == 0
+    assert cache.nbytes() == cache_bytes(config, 40, batch_size=2, dtype=torch.float32)
+    assert cache_bytes(config, 0) == 0
     with pytest.raises(ValueError, match="num_tokens"):
-        config.cache_bytes(-1)
+        cache_bytes(config, -1)
 
 
 @torch.no_grad()

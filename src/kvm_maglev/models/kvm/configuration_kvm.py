@@ -1,10 +1,5 @@
-"""KVM (Key-Value Means) model configuration.
-
-`KVMConfig` declares its fields as transformers' configs do: annotated class attributes with their defaults,
-documented in its docstring's `Args:`. Their names in the research code (github recursal/KVM-paper) are the
-converter's (`kvm_maglev.convert.kvm.RESEARCH_NAMES`); the table in docs/conversion.md is written from both
-(`python -m kvm_maglev.convert.config_tables`).
-"""
+"""KVM (Key-Value Means) model configuration, and the one rule of what a layer holds after n tokens. The fields'
+names in the research code (github recursal/KVM-paper) are the converter's (`convert.kvm.RESEARCH_NAMES`)."""
 
 from __future__ import annotations
 
@@ -12,7 +7,6 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
@@ -244,13 +238,11 @@ class KVMConfig(PretrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """The fields above by keyword or, in their order, by position; the other keywords are transformers' own
-        (`PretrainedConfig.__init__` stores them and then runs `__post_init__`)."""
+        """The fields above by keyword or, in their order, by position; other keywords are transformers' own."""
         super().__init__(**store_fields(KVMConfig, self, args, kwargs))
 
     def __post_init__(self, **kwargs) -> None:
-        """The switches as bools (research YAML gives 0/1), the defaults that follow from other fields, then
-        validation."""
+        """The switches as bools, the defaults that follow from other fields, then validation."""
         for name in SWITCHES:
             setattr(self, name, bool(getattr(self, name)))
         super().__post_init__(**kwargs)
@@ -399,58 +391,6 @@ class KVMConfig(PretrainedConfig):
                              "each rank must hold whole key/value heads, each with its own state and window, "
                              "and the query heads that read them; use a divisor of num_key_value_heads")
 
-    # ---- state budget ---------------------------------------------------------------------
-    def state_budget(self, context_len: int) -> int:
-        """Budget target of the state after `context_len` tokens, before the coverage cap (`state_budget`)."""
-        return state_budget(self, context_len)
-
-    def state_slots_after(self, num_tokens: int) -> int:
-        """State length of a KVM layer after `num_tokens` tokens (one row): state_kvm's one rule."""
-        return state_slots_after(self, num_tokens)
-
-    def window_tokens_after(self, num_tokens: int) -> int:
-        """Tokens held in a KVM layer's block window after `num_tokens` tokens: state_kvm's one rule."""
-        return max(num_tokens, 0) - window_start(self, False, max(num_tokens, 0))
-
-    def cache_bytes(self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Bytes a KVMCache holds after `num_tokens` tokens (what `KVMCache.nbytes()` reports)."""
-        item = torch.empty((), dtype=dtype).element_size()
-        state_item = torch.empty((), dtype=state_dtype_for(dtype)).element_size()
-        heads, dk, dv = self.kv_heads, self.qk_head_dim, self.v_head_dim
-        q, k, vv, hidden = self.num_attention_heads * dk, heads * dk, heads * dv, self.hidden_size
-        total = 0
-        for layer_idx in range(self.num_hidden_layers):
-            shift = 0
-            if self.ffn_token_shift:
-                shift += hidden * item
-            sliding = self.is_sliding_window_layer(layer_idx)
-            if self.sliding_window_token_shift if sliding else self.kvm_token_shift:
-                shift += (q + k + vv) * item
-            mode = self.sliding_window_value_residual_mode if sliding else self.kvm_value_residual_mode
-            if self.value_residual and mode == "rwkv_post_tokenshift":
-                shift += hidden * item
-            if num_tokens <= 0:
-                continue
-            total += shift * batch_size
-            if sliding:
-                total += batch_size * heads * (num_tokens - window_start(self, True, num_tokens)) * (dk + dv) * item
-                continue
-            window = self.window_tokens_after(num_tokens)
-            gate = 1 if self.merge_gate_keys or self.merge_gate_values else 0
-            total += batch_size * heads * window * (dk + dv + gate) * item
-            slots = self.state_slots_after(num_tokens)
-            total += batch_size * heads * slots * ((dk + dv) * state_item + 4)
-        return total
-
-    def full_attention_cache_bytes(
-        self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16
-    ) -> int:
-        """Bytes of a plain full-attention key/value cache of the same shape after `num_tokens`."""
-        item = torch.empty((), dtype=dtype).element_size()
-        per_token = self.kv_heads * (self.qk_head_dim + self.v_head_dim) * item
-        return self.num_hidden_layers * batch_size * max(num_tokens, 0) * per_token
-
-
 
 def is_positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -466,9 +406,3 @@ KVMConfig.__init__.__signature__ = init_signature(KVMConfig)
 NOT_IN_CACHE = ("max_position_embeddings", "tie_word_embeddings", "use_cache", "pad_token_id", "bos_token_id",
                 "eos_token_id")
 CACHE_CONFIG_FIELDS = tuple(field.name for field in own_fields(KVMConfig) if field.name not in NOT_IN_CACHE)
-
-
-def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """State sums accumulate many tokens: float16 would overflow and bfloat16's 8-bit mantissa drops
-    each new token once a sum is large, so both keep the state in float32."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

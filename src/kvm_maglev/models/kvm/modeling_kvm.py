@@ -52,10 +52,10 @@ from ..common.step_plan import (
 from ..common.tensor_parallel import full_tensor, local_tensor
 from ..common.transformers_versions import CACHE_NAME, GENERATE_CACHE_KWARG
 from .cache_kvm import READ, STATE, WINDOW, KVMCache, fit_slots
-from .configuration_kvm import KVMConfig, state_dtype_for
+from .configuration_kvm import KVMConfig
 from .decode_attention_kvm import at_least_float32, decoding_attention
 from .decode_step_kvm import DecodeStep, decode_step, rows_folding
-from .state_kvm import block_fold, readable_state, run_fold, slot_norms, state_keys
+from .state_kvm import block_fold, readable_state, run_fold, slot_norms, state_dtype_for, state_keys
 from .step_plan_kvm import (
     Pieces,
     PromptStep,

@@ -234,6 +234,12 @@ def merge_score_dtype(routing: str, model_dtype: torch.dtype, state_dtype: torch
     return torch.promote_types(state_dtype, torch.float32)
 
 
+def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """State sums accumulate many tokens: float16 would overflow and bfloat16's 8-bit mantissa drops
+    each new token once a sum is large, so both keep the state in float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def block_fold(config, normalize: Callable[[torch.Tensor], torch.Tensor], state: State, slots: torch.Tensor,
                block: list[torch.Tensor], appends: list[int], state_dtype: torch.dtype) -> Fold:
     """The fold of window blocks (keys, values and, when the layer has them, merge gates: [B, H, chunk, d]) into

@@ -12,7 +12,7 @@ import torch
 
 from ..common.row_storage import LayerRecord, RowCache, RowCacheLayer, StepRecord
 from ..common.step_plan import Step, StepPlan, gather_columns
-from .configuration_maglev import CACHE_CONFIG_FIELDS, MaglevConfig, growing_capacity
+from .configuration_maglev import MaglevConfig
 
 
 def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, left: int) -> torch.Tensor:
@@ -20,6 +20,14 @@ def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, lef
     q = query_positions[:, :, None]
     k = key_positions[:, None, :]
     return ((k >= 0) & (k <= q) & (k >= q - left))[:, None]
+
+
+def growing_capacity(num_tokens: int) -> int:
+    """Capacity of a geometrically grown key/value buffer holding `num_tokens` tokens."""
+    capacity = 16
+    while capacity < num_tokens:
+        capacity *= 2
+    return capacity
 
 
 @dataclass(frozen=True)
@@ -269,7 +277,15 @@ class MaglevCache(RowCache):
     """
 
     MODEL_NAME = "Maglev"
-    CACHE_CONFIG_FIELDS = CACHE_CONFIG_FIELDS
+    # the config fields what the cache holds depends on (`check_compatible`; a saved cache's fingerprint)
+    CACHE_CONFIG_FIELDS = (
+        "vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "sequence_len", "window_pattern",
+        "rope_theta", "rms_norm_eps", "qk_norm_scale", "use_value_embeddings", "value_embedding_gate_channels",
+        "value_embedding_gate_scale", "use_smear", "smear_gate_channels", "use_backout", "backout_layer",
+        "use_layer_lambdas", "use_memory", "sliding_window", "memory_gate_channels", "memory_source_layer",
+        "memory_projection", "memory_residual_injection",
+    )
     ROW_START = "each row's memory starts at the model's learned memory_init, which the cache does not hold"
 
     def __init__(self, config: MaglevConfig, max_rollback: int = 256):

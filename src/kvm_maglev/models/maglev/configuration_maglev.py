@@ -1,11 +1,5 @@
-"""Configuration of Maglev (Sliding Recurrent Memory) on a nanochat GPT backbone.
-
-`MaglevConfig` declares its fields as transformers' configs do: annotated class attributes with their defaults,
-documented in its docstring, the architecture's and inference's (`Args:`) first, the training-only ones after them
-(`Training args:`). Where a nanochat checkpoint's meta json gives them is the converter's
-(`kvm_maglev.convert.maglev.META_NAMES`); the tables in docs/conversion.md are written from both
-(`python -m kvm_maglev.convert.config_tables`).
-"""
+"""Configuration of Maglev (Sliding Recurrent Memory) on a nanochat GPT backbone. Where a nanochat checkpoint's
+meta json gives the fields is the converter's (`convert.maglev.META_NAMES`)."""
 
 from __future__ import annotations
 
@@ -13,7 +7,6 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from transformers import PretrainedConfig
 
 from ..common.config_fields import init_signature, store_fields
@@ -26,10 +19,6 @@ TRAINING_FORWARDS = ("lifted", "recurrent")
 WEIGHT_INITS = ("nanochat", "torch")
 POSITIVE_FIELDS = ("vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "sequence_len")
-
-
-def _dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class MaglevConfig(PretrainedConfig):
@@ -177,13 +166,11 @@ class MaglevConfig(PretrainedConfig):
     consistency_weight_after_detach: float | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """The fields above by keyword or, in their order, by position; the other keywords are transformers' own
-        (`PretrainedConfig.__init__` stores them and then runs `__post_init__`)."""
+        """The fields above by keyword or, in their order, by position; other keywords are transformers' own."""
         super().__init__(**store_fields(MaglevConfig, self, args, kwargs))
 
     def __post_init__(self, **kwargs) -> None:
         """The defaults that follow from other fields, then validation."""
-        # None: a size that follows from the others
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
         if self.num_key_value_heads is None:
@@ -365,51 +352,8 @@ class MaglevConfig(PretrainedConfig):
         window pattern, whose windows span the training context; a uniform `sliding_window` ring is whole at once."""
         return self.sliding_window is None
 
-    # ----- cache sizes ----------------------------------------------------------------------
-    def cache_bytes(self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Bytes of a MaglevCache after reading `num_tokens` tokens (equals `MaglevCache.nbytes()`): constant from
-        the first token with a sliding window, and once `num_tokens` reaches the widest window otherwise."""
-        if num_tokens < 0 or batch_size < 1:
-            raise ValueError(f"num_tokens must be >= 0 and batch_size >= 1, got {num_tokens}, {batch_size}")
-        if num_tokens == 0:
-            return 0
-        element = _dtype_bytes(dtype)
-        per_token = 2 * self.kv_dim * element * batch_size
-        slots = growing_capacity(num_tokens)
-        total = sum(per_token * (min(left, slots) if self.windows_grow else left) for left in self.decoder_windows)
-        total += 8 * batch_size  # each row's int64 position (real tokens read)
-        total += batch_size * self.hidden_size * element  # smear's previous embedding
-        if self.use_memory:
-            total += batch_size * self.hidden_size * element  # last memory vector
-        return total
-
-    def full_attention_cache_bytes(
-        self, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16
-    ) -> int:
-        """Bytes of a plain full-attention KV cache of the same shape holding `num_tokens` tokens."""
-        if num_tokens < 0 or batch_size < 1:
-            raise ValueError(f"num_tokens must be >= 0 and batch_size >= 1, got {num_tokens}, {batch_size}")
-        return 2 * self.num_hidden_layers * self.kv_dim * num_tokens * batch_size * _dtype_bytes(dtype)
-
 
 MaglevConfig.__init__.__signature__ = init_signature(MaglevConfig)
-# The fields a saved cache depends on (its config fingerprint): what the cache holds and how a model reads it.
-CACHE_CONFIG_FIELDS = (
-    "vocab_size", "pad_vocab_size_to", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "sequence_len", "window_pattern",
-    "rope_theta", "rms_norm_eps", "qk_norm_scale", "use_value_embeddings", "value_embedding_gate_channels",
-    "value_embedding_gate_scale", "use_smear", "smear_gate_channels", "use_backout", "backout_layer",
-    "use_layer_lambdas", "use_memory", "sliding_window", "memory_gate_channels", "memory_source_layer",
-    "memory_projection", "memory_residual_injection",
-)
-
-
-def growing_capacity(num_tokens: int) -> int:
-    """Capacity of a geometrically grown key/value buffer holding `num_tokens` tokens."""
-    capacity = 16
-    while capacity < num_tokens:
-        capacity *= 2
-    return capacity
 
 
 def is_int(value) -> bool:
