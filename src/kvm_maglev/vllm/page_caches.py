@@ -23,6 +23,22 @@ def bind_pages(storage: RowStorage, tensors: dict[str, torch.Tensor], index: tor
     storage.run = slice(pages[0], pages[0] + len(pages)) if consecutive else None
 
 
+def layer_carries(layer) -> list[tuple[str, int]]:
+    """The token-shifted streams a KVM decoder layer carries between forwards (a cache layer's `carry.<name>`), with
+    their widths, in the order a page's carry vector holds them: the attention's q, k and v side by side (shifted in
+    one call), its value-gate input, the feed-forward's. Widths are the layer's own: under tensor parallelism its
+    rank's share of the heads."""
+    attention, streams = layer.self_attn, []
+    if attention.token_shift_on:
+        streams += [("q", attention.num_heads * attention.head_dim), ("k", attention.kv_heads * attention.head_dim),
+                    ("v", attention.kv_heads * attention.value_head_dim)]
+    if attention.value_residual_mode == "rwkv_post_tokenshift":
+        streams.append(("x", attention.config.hidden_size))
+    if layer.mlp.token_shift_on:
+        streams.append(("ffn", layer.mlp.shift.shape[-1]))
+    return streams
+
+
 def kvm_cache_over_pages(config: KVMConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
                          seen: list[int]) -> KVMCache:
     """A KVMCache whose layers read and write the pages in place: `pages[i]` are layer i's page tensors (named as

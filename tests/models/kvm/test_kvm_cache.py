@@ -11,6 +11,7 @@ import torch
 
 from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
+from kvm_maglev.vllm.page_caches import layer_carries
 from tests.generation.testers import kvm_row_tensors
 
 BASE = dict(
@@ -72,6 +73,23 @@ def test_cached_decoding_equals_uncached_forward(variant):
                     assert cache.get_seq_length() == pos
                 error = (torch.cat(logits, dim=1) - full).abs().max().item()
                 assert error < 1e-4, (prompt, steps, error)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_page_layouts_carries_are_the_cache_layers(variant):
+    """The carries the vLLM plugin lays out in a layer's page (`page_caches.layer_carries`) are the token-shift
+    carries a cache layer holds after a forward: the same streams at the same widths."""
+    model = random_model(**VARIANTS[variant])
+    cache = KVMCache(model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3)), cache=cache)
+    carried = 0
+    for layer, cache_layer in zip(model.model.layers, cache.layers):
+        held = {name.removeprefix("carry."): tensor.shape[-1] for name, tensor in cache_layer.tensors.items()
+                if name.startswith("carry.")}
+        assert dict(layer_carries(layer)) == held
+        carried += len(held)
+    assert carried  # every variant shifts some stream
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
