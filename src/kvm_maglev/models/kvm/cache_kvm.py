@@ -266,17 +266,11 @@ class KVMCache(RowCache):
         return list(self.seen)
 
     def prepare(self, tokens: RowTokens) -> None:
-        """Before a forward over `tokens`: start rows on the first forward, check the batch after; empty the
-        storage of rows that start over on used pages; open the layers' records while recording."""
+        """Before a forward over `tokens`: start rows on the first forward, check the batch after; open the layers'
+        records while recording."""
         self.row_starts(tokens.batch)
         if not self.rows:
             self.rows, self.seen = tokens.batch, [0] * tokens.batch
-        if self.paged:
-            fresh = [row for row, (start, count) in enumerate(zip(tokens.starts, tokens.counts)) if not start and count]
-            if fresh:
-                index = torch.tensor(fresh, device=tokens.device)
-                for layer in self.layers:
-                    layer.zero_rows(index)
         if self.records_steps_of(tokens.width if tokens.width else max(tokens.counts, default=0)):
             self.remember(StepRecord(self.columns, tokens.width, {"seen": list(self.seen)},
                                      [layer.open_record() for layer in self.layers], tokens))
