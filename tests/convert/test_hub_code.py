@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import kvm_maglev
-from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
+from kvm_maglev import KVMCache, KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 from kvm_maglev.convert.export import build_hub_folder
 from kvm_maglev.models import hub_code, hub_layout, speedups
 
-from .without_package import expected_outputs, resave_without_package, run_without_package
+from .without_package import expected_outputs, resave_without_package, run_script, run_without_package
 
 # what a folder may import: the standard library, torch, and transformers with what transformers itself installs
 ALLOWED = set(sys.stdlib_module_names) | {"torch", "transformers", "huggingface_hub", "safetensors"}
@@ -55,14 +55,14 @@ def test_two_files_importing_only_torch_transformers_and_each_other(kind):
                 continue
             assert roots <= ALLOWED, (name, roots)
     modeling = files[f"modeling_{kind}.py"]
-    # top-down: the causal-LM class, the model, the decoder layer, attention, the cache, the state math; then, for
-    # KVM, what paces its work at run time in its own section at the end
+    # top-down: the causal-LM class, the model, the decoder layer, attention, the cache, the state math; no section
+    # of run-time pacing after it (KVM's paced fold is a speed-up, picked at its seam)
     prefix = "KVM" if kind == "kvm" else "Maglev"
     layer, math = ("KVMDecoderLayer", "class Fold:") if kind == "kvm" else ("MaglevBlock", "class StepPlan:")
-    run_time = ["# At run time", "class PacedFold:"] if kind == "kvm" else []
     order = [f"class {prefix}ForCausalLM(", f"class {prefix}Model(", f"class {layer}(", f"class {prefix}Attention(",
-             f"class {prefix}CacheLayer(", math, *run_time]
+             f"class {prefix}CacheLayer(", math]
     assert [modeling.index(text) for text in order] == sorted(modeling.index(text) for text in order)
+    assert "# At run time" not in modeling and "class PacedFold" not in modeling
     # the model comes first: the cache's storage base is placed where the cache section needs it
     assert modeling.index(f"class {prefix}PreTrainedModel(") < modeling.index("class RowStorage:")
 
@@ -303,6 +303,59 @@ def test_remote_code_takes_the_installed_speedups_only_when_asked_and_at_its_ver
         other = generated_package(kind, tmp_path, "0.0.0+elsewhere")
     assert "not the 0.0.0+elsewhere this model's code was written with" in caplog.text
     assert_plain(other)
+
+
+# A folder's code where the package is installed (its PYTHONPATH given): a decode stepped on the code's own cache,
+# its logits and greedy tokens saved, and the module of each fold found under way (computed ahead) reported
+STEPPED_SCRIPT = """
+import sys, json, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+ids = torch.load(sys.argv[2])
+cache = sys.modules[type(model).__module__].KVMCache(model.config)
+with torch.no_grad():
+    logits, paced_by = [model(ids[:, :3], cache=cache).logits], set()
+    for pos in range(3, ids.shape[1]):
+        logits.append(model(ids[:, pos:pos + 1], cache=cache).logits)
+        paced_by |= {type(layer.pending).__module__ for layer in cache.layers if layer.pending is not None}
+    tokens = model.generate(ids[:, :9], max_new_tokens=12, do_sample=False)
+torch.save({"logits": torch.cat(logits, dim=1), "tokens": tokens}, sys.argv[3])
+print(json.dumps({"module": type(model).__module__, "paced_by": sorted(paced_by)}))
+"""
+
+
+def stepped(model, ids: torch.Tensor) -> tuple[torch.Tensor, set[str]]:
+    """`STEPPED_SCRIPT`'s decode in this process: the logits and the modules of the folds found under way."""
+    cache = KVMCache(model.config)
+    with torch.no_grad():
+        logits, paced_by = [model(ids[:, :3], cache=cache).logits], set()
+        for pos in range(3, ids.shape[1]):
+            logits.append(model(ids[:, pos:pos + 1], cache=cache).logits)
+            paced_by |= {type(layer.pending).__module__ for layer in cache.layers if layer.pending is not None}
+    return torch.cat(logits, dim=1), paced_by
+
+
+def test_remote_code_paces_folds_only_when_asked_for_the_speedups(tmp_path):
+    """KVM's paced fold is a speed-up (speedups/paced_fold_kvm). Where kvm_maglev is installed, a folder's code run
+    without KVM_MAGLEV_SPEEDUPS folds every block at its boundary (no fold is ever under way) and still gives the
+    package model's logits and greedy tokens exactly (the package paces its folds: the same tensors); asked for the
+    speed-ups, it paces its folds with the package's module, to the same logits and tokens."""
+    folder = build_hub_folder(tiny("kvm"), tmp_path / "kvm", progress=False)
+    package = KVMForCausalLM.from_pretrained(folder).eval()
+    ids = torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(2))
+    torch.save(ids, tmp_path / "ids.pt")
+    logits, paced_by = stepped(package, ids)
+    assert paced_by == {"kvm_maglev.models.speedups.paced_fold_kvm"}  # the package paces: the check can fail
+    with torch.no_grad():
+        tokens = package.generate(ids[:, :9], max_new_tokens=12, do_sample=False)
+    package_path = {"PYTHONPATH": str(Path(kvm_maglev.__file__).parents[1])}
+    for asked, expected in (("", []), ("1", ["kvm_maglev.models.speedups.paced_fold_kvm"])):
+        out = tmp_path / f"stepped{asked}.pt"
+        report = run_script(STEPPED_SCRIPT, [folder, tmp_path / "ids.pt", out], tmp_path,
+                            {**package_path, "KVM_MAGLEV_SPEEDUPS": asked})
+        assert report["module"].startswith("transformers_modules.") and report["paced_by"] == expected, report
+        remote = torch.load(out)
+        assert torch.equal(remote["logits"], logits) and torch.equal(remote["tokens"], tokens), asked
 
 
 def test_a_generated_file_carries_only_what_its_model_uses():

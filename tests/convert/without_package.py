@@ -59,10 +59,11 @@ def resave_without_package(folder: Path, out: Path, home: Path) -> dict:
     return run_script(RESAVE_SCRIPT, [folder, out], home)
 
 
-def run_script(script: str, args: list[Path], home: Path) -> dict:
-    """`script` run on `args` in a fresh interpreter where the package cannot be imported; its last line, as JSON."""
+def run_script(script: str, args: list[Path], home: Path, env: dict[str, str] | None = None) -> dict:
+    """`script` run on `args` in a fresh interpreter where the package cannot be imported (unless `env`, added to
+    the interpreter's environment, puts it on PYTHONPATH); its last line, as JSON."""
     env = {"PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(home),
-           "HF_HOME": str(home / "hf"), "OMP_NUM_THREADS": "1"}
+           "HF_HOME": str(home / "hf"), "OMP_NUM_THREADS": "1", **(env or {})}
     result = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True,
                             text=True, env=env, timeout=300, cwd=sysconfig.get_paths()["stdlib"])
     assert result.returncode == 0, result.stderr[-3000:]

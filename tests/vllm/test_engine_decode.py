@@ -23,7 +23,7 @@ from kvm_maglev.vllm.decode_kvm import (
     state_window_attention_by_page,
 )
 from kvm_maglev.vllm.kvm import carry_columns, name_pages, page_layout
-from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
+from kvm_maglev.vllm.page_caches import kvm_cache_over_pages, layer_carries
 from tests.models.kvm.test_decode_attention import decode_inputs
 from tests.models.kvm.test_kvm_cache import VARIANTS, random_model
 
@@ -71,7 +71,7 @@ def layer_inputs(model, generator: torch.Generator) -> list[dict]:
     for layer in model.model.layers:
         attention = layer.self_attn
         streams = {name: (torch.randn(1, tokens, width, generator=generator), torch.rand(width, generator=generator))
-                   for name, width in layer.carries()}
+                   for name, width in layer_carries(layer)}
         q = torch.randn(tokens, attention.num_heads, attention.head_dim, generator=generator)
         k = torch.randn(tokens, attention.kv_heads, attention.head_dim, generator=generator)
         v = torch.randn(tokens, attention.kv_heads, attention.value_head_dim, generator=generator)

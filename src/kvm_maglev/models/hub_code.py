@@ -5,15 +5,15 @@ Each is the package module of that name with every package module it imports inl
 user who trusts remote code reads two files and the folder runs exactly the package's code. The models package is
 the bottom layer: its modules import nothing from above it (the package's classes, `kvm_maglev/package_only`,
 subclass the models' classes), and an import that reaches above is refused. Nor do the files carry the optional
-speed-ups (`models/speedups`: oneDNN linears, the Triton decoding kernel, Maglev's one-query attention), which no
-model module imports: each is picked at its seam (`common/seams`), which the file carries with the speed-ups' version
-it was written with (`CODE_VERSION`), so that it takes an installed kvm_maglev's speed-ups only when its user asks
-(`KVM_MAGLEV_SPEEDUPS=1`) and only at that version, and is the plain torch model otherwise. The modeling file
-imports its configuration, and what the configuration file carries, from the sibling file; everything else it
-needs is in it, top-down (`hub_layout`): the model, the decoder layer, attention, cache, the state math last; then,
-in a marked section at the end, what only paces work at run time (`RUNTIME`: KVM's paced folds). Top-level
-definitions the files do not use are left out (`without_unused`), and so are the section rules left empty.
-Nothing is copied by hand and no generated file is checked in: `build_hub_folder` writes them.
+speed-ups (`models/speedups`: oneDNN linears, the Triton decoding kernel, KVM's paced fold, Maglev's one-query
+attention), which no model module imports: each is picked at its seam (`common/seams`), which the file carries
+with the speed-ups' version it was written with (`CODE_VERSION`), so that it takes an installed kvm_maglev's
+speed-ups only when its user asks (`KVM_MAGLEV_SPEEDUPS=1`) and only at that version, and is the plain torch model
+otherwise. The modeling file imports its configuration, and what the configuration file carries, from the sibling
+file; everything else it needs is in it, top-down (`hub_layout`): the model, the decoder layer, attention, cache,
+the state math last. Top-level definitions the files do not use are left out (`without_unused`), and so are the
+section rules left empty. Nothing is copied by hand and no generated file is checked in: `build_hub_folder`
+writes them.
 
     python -m kvm_maglev.models.hub_code kvm OUT_DIR   # write the two files of a model type, to read them
 """
@@ -36,8 +36,6 @@ from .speedups import VERSION
 MODELS_DIR = Path(__file__).resolve().parent
 # model_type -> the prefix of its classes (KVMConfig, KVMForCausalLM, ...)
 CLASS_PREFIXES = {"kvm": "KVM", "maglev": "Maglev"}
-# what only paces the model's work at run time (computing what the model computes): it closes the file
-RUNTIME = ("kvm.runtime_kvm",)
 # the package whose modules a generated file never inlines: the optional speed-ups, picked at the seams
 SPEEDUPS = "speedups"
 # the seams' record of the speed-ups' version in the package (None: its own), made the generating one in a file
@@ -197,9 +195,9 @@ def section(module: Module) -> str:
 
 
 def generate(root: str, keep: dict[str, str], told_top_down: bool = False) -> str:
-    """The text of the file `root` becomes: its closure inlined (`RUNTIME` last), imports merged; in the
-    package's order (dependencies first) or `told_top_down` (`hub_layout`: the model first, the math last). The
-    modules in `keep` are not inlined: their names are imported from the sibling file `keep` names for each."""
+    """The text of the file `root` becomes: its closure inlined, imports merged; in the package's order
+    (dependencies first) or `told_top_down` (`hub_layout`: the model first, the math last). The modules in `keep`
+    are not inlined: their names are imported from the sibling file `keep` names for each."""
     modules = with_one_logger(closure(root, keep), root)
     owners: dict[str, str] = {}
     for module in modules:
@@ -214,18 +212,13 @@ def generate(root: str, keep: dict[str, str], told_top_down: bool = False) -> st
             if target in keep:
                 siblings.setdefault(keep[target], []).extend(names)
     top = modules[-1]
-    inlined = [m for m in modules[:-1] if m.name not in RUNTIME] + [Module(top.name, body=top.body)]
-    runtime = [m for m in modules[:-1] if m.name in RUNTIME]
+    inlined = modules[:-1] + [Module(top.name, body=top.body)]
     parts = [HEADER + (f'"""{top.docstring}"""' if top.docstring else ""), "\n".join(import_lines(modules, siblings))]
     if told_top_down:
         parts += hub_layout.render(hub_layout.top_down([(section(Module(m.name, m.docstring)), m.body)
                                                         for m in inlined]))
     else:
         parts += [section(m) for m in inlined]
-    if runtime:
-        parts.append("# " + "=" * 116 + "\n# At run time: what paces the model's work while it decodes, computing what "
-                     "the code above\n# computes.\n" + "# " + "=" * 116)
-        parts += [section(m) for m in runtime]
     parts.append(top.exports)
     return "\n\n\n".join(part for part in parts if part) + "\n"
 
@@ -244,7 +237,7 @@ def with_one_logger(modules: list[Module], root: str) -> list[Module]:
 def without_empty_sections(text: str) -> str:
     """`text` without the section rules (and their comments) that no code follows: what the layout or
     `without_unused` left empty. A module's rule stays while one of its own rules follows it."""
-    blocks = re.split(r"(?m)^(?=# (?:----|====))", text)
+    blocks = re.split(r"(?m)^(?=# ----)", text)
     while True:  # a module's rule whose parts all went is empty in the next round
         kept = [block for index, block in enumerate(blocks) if not is_empty_section(blocks, index)]
         if len(kept) == len(blocks):
@@ -289,7 +282,7 @@ def without_unused(text: str, read_elsewhere: str = "") -> str:
             return re.sub(r"\n{4,}", "\n\n\n", text)
         for node in reversed(unused):  # from the bottom up, so that earlier line numbers still hold
             start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
-            while start and lines[start - 1].startswith("# ") and not lines[start - 1].startswith(("# ----", "# ====")):
+            while start and lines[start - 1].startswith("# ") and not lines[start - 1].startswith("# ----"):
                 start -= 1
             del lines[start:node.end_lineno]
         text = "".join(lines)

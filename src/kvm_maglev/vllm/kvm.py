@@ -51,7 +51,7 @@ from kvm_maglev.vllm.decode_kvm import (
     warming_up,
 )
 from kvm_maglev.vllm.engine_ops import PagedStep
-from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
+from kvm_maglev.vllm.page_caches import kvm_cache_over_pages, layer_carries
 from kvm_maglev.vllm.pages import PagedStateModel, page_layers, scheduled_step
 from kvm_maglev.vllm.tensor_parallel import shard_by_plan
 
@@ -77,7 +77,7 @@ def page_layout(config: KVMConfig, model: KVMModel, max_len: int, dtype: torch.d
                      ("state_norms", (heads, slots, 1), torch.float32)]
             read = [("read_keys", (heads, slots, dk), dtype), ("read_values", (heads, slots, dv), dtype)]
             tensors = window[:3 if layer.self_attn.gated else 2] + state + read
-        widths = sum(width for _, width in layer.carries())
+        widths = sum(width for _, width in layer_carries(layer))
         if widths:
             tensors.append(("carries", (widths,), dtype))
         layout.append(tensors)
@@ -92,7 +92,7 @@ def name_pages(layout: list[list[tuple]], model: KVMModel,
     for layer_layout, layer, layer_tensors in zip(layout, model.layers, tensors):
         pages = dict(zip((name for name, _, _ in layer_layout), layer_tensors))
         carries, begin = pages.pop("carries", None), 0
-        for stream, width in layer.carries():
+        for stream, width in layer_carries(layer):
             pages[f"carry.{stream}"] = carries[:, begin:begin + width]
             begin += width
         named.append(pages)
@@ -100,9 +100,9 @@ def name_pages(layout: list[list[tuple]], model: KVMModel,
 
 
 def carry_columns(pages: dict[str, torch.Tensor], layer, streams: list[str]) -> torch.Tensor:
-    """The carry columns of a layer's `streams`, consecutive in its carries (`layer.carries()`), as one view of its
+    """The carry columns of a layer's `streams`, consecutive in its carries (`layer_carries`), as one view of its
     named pages (`name_pages`)."""
-    order = [stream for stream, _ in layer.carries()]
+    order = [stream for stream, _ in layer_carries(layer)]
     if streams[0] not in order or order[order.index(streams[0]):order.index(streams[0]) + len(streams)] != streams:
         raise ValueError(f"streams {streams} are not consecutive in the layer's carries {order}")
     first, width = pages[f"carry.{streams[0]}"], sum(pages[f"carry.{name}"].shape[1] for name in streams)

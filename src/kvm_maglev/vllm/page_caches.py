@@ -23,13 +23,40 @@ def bind_pages(storage: RowStorage, tensors: dict[str, torch.Tensor], index: tor
     storage.run = slice(pages[0], pages[0] + len(pages)) if consecutive else None
 
 
+def zero_rows(storage: RowStorage, rows: torch.Tensor) -> None:
+    """Empty the pages of the forward's rows `rows`: requests starting at position 0 on pages another request used
+    (a model's own storage starts empty)."""
+    for name in storage.tensors:
+        storage.write(name, rows, torch.zeros((), dtype=storage.tensors[name].dtype, device=rows.device))
+
+
+def layer_carries(layer) -> list[tuple[str, int]]:
+    """The token-shifted streams a KVM decoder layer carries between forwards (a cache layer's `carry.<name>`), with
+    their widths, in the order a page's carry vector holds them: the attention's q, k and v side by side (shifted in
+    one call), its value-gate input, the feed-forward's. Widths are the layer's own: under tensor parallelism its
+    rank's share of the heads."""
+    attention, streams = layer.self_attn, []
+    if attention.token_shift_on:
+        streams += [("q", attention.num_heads * attention.head_dim), ("k", attention.kv_heads * attention.head_dim),
+                    ("v", attention.kv_heads * attention.value_head_dim)]
+    if attention.value_residual_mode == "rwkv_post_tokenshift":
+        streams.append(("x", attention.config.hidden_size))
+    if layer.mlp.token_shift_on:
+        streams.append(("ffn", layer.mlp.shift.shape[-1]))
+    return streams
+
+
 def kvm_cache_over_pages(config: KVMConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
                          seen: list[int]) -> KVMCache:
     """A KVMCache whose layers read and write the pages in place: `pages[i]` are layer i's page tensors (named as
-    the layers name them, [pages, ...]), `index[i]` the page of each row in them, `seen` each row's position."""
+    the layers name them, [pages, ...]), `index[i]` the page of each row in them, `seen` each row's position. Rows
+    at position 0 start fresh whatever their pages hold."""
     cache = KVMCache(config)
+    fresh = [row for row, position in enumerate(seen) if not position]
     for layer, tensors, pages_of_rows in zip(cache.layers, pages, index):
         bind_pages(layer, tensors, pages_of_rows)
+        if fresh:
+            zero_rows(layer, torch.tensor(fresh, device=pages_of_rows.device))
     cache.seen, cache.rows, cache.paged = list(seen), len(seen), True
     return cache
 
@@ -49,7 +76,7 @@ def maglev_cache_over_pages(config: MaglevConfig, pages: list[dict[str, torch.Te
         layer.batch, layer.grows = len(positions), False
         layer.capacity = tensors["keys"].shape[2]
         if bool(fresh.any()):
-            layer.zero_rows(fresh.nonzero().squeeze(1))
+            zero_rows(layer, fresh.nonzero().squeeze(1))
     cache.positions = torch.tensor(positions, dtype=torch.long, device=device)
     cache.previous_embedding = torch.where(fresh[:, None], 0, embedding)[:, None]
     if memory_init is not None:

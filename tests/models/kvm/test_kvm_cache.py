@@ -14,6 +14,7 @@ from kvm_maglev.cache_sizes import cache_bytes, full_attention_cache_bytes
 from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
 from kvm_maglev.models.kvm.configuration_kvm import state_budget, state_slots_after
+from kvm_maglev.vllm.page_caches import kvm_cache_over_pages, layer_carries
 from tests.generation.testers import kvm_row_tensors
 
 BASE = dict(
@@ -75,6 +76,45 @@ def test_cached_decoding_equals_uncached_forward(variant):
                     assert cache.get_seq_length() == pos
                 error = (torch.cat(logits, dim=1) - full).abs().max().item()
                 assert error < 1e-4, (prompt, steps, error)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_page_layouts_carries_are_the_cache_layers(variant):
+    """The carries the vLLM plugin lays out in a layer's page (`page_caches.layer_carries`) are the token-shift
+    carries a cache layer holds after a forward: the same streams at the same widths."""
+    model = random_model(**VARIANTS[variant])
+    cache = KVMCache(model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3)), cache=cache)
+    carried = 0
+    for layer, cache_layer in zip(model.model.layers, cache.layers):
+        held = {name.removeprefix("carry."): tensor.shape[-1] for name, tensor in cache_layer.tensors.items()
+                if name.startswith("carry.")}
+        assert dict(layer_carries(layer)) == held
+        carried += len(held)
+    assert carried  # every variant shifts some stream
+
+
+@torch.no_grad()
+def test_rows_starting_on_used_pages_read_nothing_of_them():
+    """A cache over an engine's pages (`page_caches.kvm_cache_over_pages`) empties the pages of rows at position 0,
+    which another request used: rows started on pages full of NaN give the uncached forward's logits, prompt and
+    next token, and a row further on keeps its pages as they were."""
+    model = random_model()
+    used = KVMCache(model.config)
+    model(torch.randint(0, 97, (3, 30), generator=torch.Generator().manual_seed(4)), cache=used)
+    pages = [{name: torch.full_like(tensor, float("nan")) for name, tensor in layer.tensors.items()}
+             for layer in used.layers]
+    cache = kvm_cache_over_pages(model.config, pages, [torch.tensor([2, 0, 1])] * len(pages), [0, 0, 5])
+    for layer in pages:
+        assert all(not bool(tensor[[0, 2]].any()) and bool(tensor[1].isnan().all()) for tensor in layer.values())
+    cache.seen, cache.rows = [0, 0], 2  # the two fresh rows alone: pages 2 and 0
+    for layer in cache.layers:
+        layer.index = layer.index[:2]
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(5))
+    full = model(ids, use_cache=False).logits
+    torch.testing.assert_close(model(ids[:, :10], cache=cache).logits, full[:, :10], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(ids[:, 10:], cache=cache).logits, full[:, 10:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

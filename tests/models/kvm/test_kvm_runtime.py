@@ -1,6 +1,6 @@
-"""runtime_kvm's speed-ups against the plain path they replace, and the switch that turns them on.
-(The oneDNN linears' own equality tests are in test_linear.py; the fold computed ahead in test_kvm_state.py
-and test_kvm_cache.py.)"""
+"""KVM's speed-ups inside `runtime_speedups()` against the plain path they replace, and the switch that turns them
+on. (The oneDNN linears' own equality tests are in test_linear.py; the fold computed ahead, speedups/paced_fold_kvm,
+in test_kvm_state.py and test_kvm_cache.py.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """state_kvm's pure functions against small re-implementations of the research code's state functions
 (recursal/KVM-paper, model/kvm_mixer.py), on random tensors; rows folding together as each alone; and the fold
-computed ahead (runtime_kvm) against the plain fold, bit for bit."""
+computed ahead (speedups/paced_fold_kvm) against the plain fold, bit for bit."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvm_maglev.models.kvm import KVMConfig, runtime_kvm, state_kvm
+from kvm_maglev.models.kvm import KVMConfig, state_kvm
 from kvm_maglev.models.kvm.cache_kvm import STATE, WINDOW, KVMCacheLayer
 from kvm_maglev.models.kvm.modeling_kvm import KVMAttention
 from kvm_maglev.models.kvm.state_kvm import Overflow
+from kvm_maglev.models.speedups import paced_fold_kvm
 
 B, H, D, DV = 2, 3, 16, 12
 
@@ -293,8 +294,8 @@ def test_fold_computed_ahead_equals_the_plain_fold_bit_for_bit(slots, budget, va
     def ring_fold():  # block 1 of every row
         return layer.ring_fold(None, [1] * B, [slots] * B, [appends] * B, capacity, attention.state_key_norm)
 
-    fold = runtime_kvm.PacedFold(ring_fold(), partial(layer.read_form, normalize=attention.state_key_norm,
-                                                      dtype=torch.float32), 1, 16)
+    fold = paced_fold_kvm.PacedFold(ring_fold(), partial(layer.read_form, normalize=attention.state_key_norm,
+                                                         dtype=torch.float32), 1, 16)
     assert fold.stride == max(1, 14 // (len(fold.stages) + 1))
     steps = 0
     while not fold.done:

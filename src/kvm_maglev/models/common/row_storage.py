@@ -100,11 +100,6 @@ class RowStorage:
             grown[:, :, :tensor.shape[2]] = tensor
             self.tensors[name] = grown
 
-    def zero_rows(self, rows: torch.Tensor) -> None:
-        """Empty rows `rows` (a request starting at position 0 on pages another request used)."""
-        for name in self.tensors:
-            self.write(name, rows, torch.zeros((), dtype=self.tensors[name].dtype, device=rows.device))
-
     def map_rows(self, fn) -> None:
         self.tensors = {name: fn(tensor) for name, tensor in self.tensors.items()}
 

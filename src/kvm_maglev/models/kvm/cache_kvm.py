@@ -11,26 +11,28 @@ of configuration_kvm). While recording (assisted decoding) each layer also keeps
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
 from ..common.row_storage import LayerRecord, RowCache, RowCacheLayer, StepRecord
+from ..common.seams import package_speedups
 from ..common.step_plan import RowTokens
 from .configuration_kvm import (
     CACHE_CONFIG_FIELDS,
     KVMConfig,
-    folded_blocks,
     slots_after_folds,
     state_slots_after,
     window_start,
 )
-from .runtime_kvm import PacedFold, paces_folds
 from .state_kvm import Fold, block_fold, readable_state, run_fold
 
 WINDOW = ("window_keys", "window_values", "window_gates")
 STATE = ("state_keys", "state_values", "state_norms")
 READ = ("read_keys", "read_values")
+
+# the seam of the paced fold (speedups/paced_fold_kvm): decoding forwards compute the next fold ahead and its
+# boundary swaps it in; None, and every fold runs at its boundary (the same tensors)
+paced_fold_kvm = package_speedups("paced_fold_kvm")
 
 
 @dataclass
@@ -122,14 +124,14 @@ class RingLayer(RowCacheLayer):
 class KVMCacheLayer(RingLayer):
     """One KVM layer's storage: window ring (WINDOW), state (STATE, padded), its read form (READ), carries; and the
     state's updates a decoding step makes before its forward: folding the blocks that leave the window
-    (`fold_due`), computing the next fold ahead (`fold_ahead`, runtime_kvm's paced fold)."""
+    (`fold_due`), computing the next fold ahead where the seam found the paced fold (`fold_ahead`)."""
 
     def __init__(self, config: KVMConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx, config.window_size)
-        self.pending = None  # the next fold, computed ahead by decoding forwards (runtime_kvm.PacedFold)
+        self.pending = None  # the next fold, computed ahead by decoding forwards (paced_fold_kvm.PacedFold)
 
-    # A forward on dense storage computes the next fold ahead (runtime_kvm.paces_folds says when); False folds at the
-    # chunk boundary instead (the same tensors).
+    # With the paced fold, a forward on dense storage computes the next fold ahead (paced_fold_kvm.paces_folds says
+    # when); False folds at the chunk boundary instead (the same tensors).
     paced_folds = True
 
     def live_slots(self, seen: int) -> int:
@@ -188,39 +190,16 @@ class KVMCacheLayer(RingLayer):
             self.write(name, rows, tensor.detach())
 
     def fold_ahead(self, starts: list[int], counts: list[int], normalize, dtype: torch.dtype) -> None:
-        """When folds are paced (runtime_kvm.paces_folds), after a forward of rows that stood at `starts` and read
-        `counts` tokens (or before a decoding step), all at one position: start or advance the fold of the block
-        that leaves the window at the next chunk boundary, one stage every `stride` decoding steps, or all of it
-        after a multi-token forward (a prefill). With two or more window chunks the block and the state it folds
-        into are final a chunk ahead."""
-        config, seen = self.config, starts[0] + counts[0]
-        if (not paces_folds(self) or config.window_chunks < 2 or not seen or len(set(starts)) > 1
-                or len(set(counts)) > 1):
-            return
-        block = (seen - 1) // config.chunk_size + 1 - config.window_chunks
-        if block < 1 or folded_blocks(config, seen) != block - 1:
-            return
-        if self.pending is None or self.pending.block != block:
-            table, rows = slots_after_folds(config, block), len(starts)
-            whole = self.ring_fold(None, [block] * rows, [table[-2]] * rows, [table[-1] - table[-2]] * rows,
-                                   table[-1], normalize)
-            self.pending = PacedFold(whole, partial(self.read_form, normalize=normalize, dtype=dtype), block,
-                                     config.chunk_size)
-        if counts[0] > 1:
-            self.pending.finish()
-        elif not self.pending.done and seen % self.pending.stride == 0:
-            self.pending.run_next_stage()
+        """After a forward of rows that stood at `starts` and read `counts` tokens (or before a decoding step): where
+        the seam found the paced fold, start or advance the next fold ahead (`paced_fold_kvm.fold_ahead`); without
+        it nothing, and each fold runs at its boundary."""
+        if paced_fold_kvm is not None:
+            paced_fold_kvm.fold_ahead(self, starts, counts, normalize, dtype)
 
     def take_fold_ahead(self, blocks: list[int], rows: list[int], capacity: int) -> tuple | None:
-        """The state and read form of the fold computed ahead when it is the one due (`rows` folding `blocks`:
-        every row its block, at this capacity), else None (the caller folds now). It is used once."""
-        pending = self.pending
-        if pending is None or pending.capacity != capacity or set(blocks) != {pending.block} \
-                or rows != list(range(self.tensors["window_keys"].shape[0])):
-            return None
-        pending.finish()
-        self.pending = None
-        return tuple(pending.state), tuple(pending.read)
+        """The fold computed ahead when it is the one due (`rows` folding `blocks` at this capacity), used once;
+        else None and the caller folds now."""
+        return None if self.pending is None else paced_fold_kvm.take_fold_ahead(self, blocks, rows, capacity)
 
     def make_room_for_first_chunk(self, seen: list[int]) -> None:
         """Dense storage: state room for the first-chunk slot a row at `seen` enters with its next token (an
@@ -287,17 +266,11 @@ class KVMCache(RowCache):
         return list(self.seen)
 
     def prepare(self, tokens: RowTokens) -> None:
-        """Before a forward over `tokens`: start rows on the first forward, check the batch after; empty the
-        storage of rows that start over on used pages; open the layers' records while recording."""
+        """Before a forward over `tokens`: start rows on the first forward, check the batch after; open the layers'
+        records while recording."""
         self.row_starts(tokens.batch)
         if not self.rows:
             self.rows, self.seen = tokens.batch, [0] * tokens.batch
-        if self.paged:
-            fresh = [row for row, (start, count) in enumerate(zip(tokens.starts, tokens.counts)) if not start and count]
-            if fresh:
-                index = torch.tensor(fresh, device=tokens.device)
-                for layer in self.layers:
-                    layer.zero_rows(index)
         if self.records_steps_of(tokens.width if tokens.width else max(tokens.counts, default=0)):
             self.remember(StepRecord(self.columns, tokens.width, {"seen": list(self.seen)},
                                      [layer.open_record() for layer in self.layers], tokens))

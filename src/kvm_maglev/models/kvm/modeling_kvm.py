@@ -297,16 +297,6 @@ class KVMAttentionBase(nn.Module):
             self.value_gate_down = zero_initialised(nn.Linear(config.hidden_size, rank, bias=False))
             self.value_gate_up = FullPrecisionLinear(rank, vv, bias=False)
 
-    def carries(self) -> list[tuple[str, int]]:
-        """The token-shifted streams this attention carries between forwards, with their widths."""
-        streams = []
-        if self.token_shift_on:
-            streams += [("q", self.num_heads * self.head_dim), ("k", self.kv_heads * self.head_dim),
-                        ("v", self.kv_heads * self.value_head_dim)]
-        if self.value_residual_mode == "rwkv_post_tokenshift":
-            streams.append(("x", self.config.hidden_size))
-        return streams
-
     def project(self, x: torch.Tensor, v_first: torch.Tensor | None, step: Step,
                 cache_layer) -> tuple[torch.Tensor, ...]:
         """q, k [N, H, Dqk] (normed, not rotated) and v [N, H, Dv] of the flat tokens x [1, N, hidden]; the
@@ -634,10 +624,6 @@ class KVMMLP(nn.Module):
         if self.token_shift_on:
             self.shift = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
 
-    def carries(self) -> list[tuple[str, int]]:
-        """The token-shifted stream this feed-forward carries between forwards, with its width."""
-        return [("ffn", self.shift.shape[-1])] if self.token_shift_on else []
-
     def forward(self, x: torch.Tensor, step: Step, cache_layer) -> torch.Tensor:
         if self.token_shift_on:
             x = step.token_shift(x, self.shift, cache_layer, "ffn", "zero")
@@ -658,10 +644,6 @@ class KVMDecoderLayer(GradientCheckpointingLayer):
         self.anchors = value_anchor_layers(config).get(layer_idx, ())
         if config.block_lambdas:
             self.block_lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
-
-    def carries(self) -> list[tuple[str, int]]:
-        """The token-shifted streams this layer carries between forwards (a cache layer's `carry.<name>`)."""
-        return self.self_attn.carries() + self.mlp.carries()
 
     def forward(
         self, hidden_states, x0, v_first, rotary, step: Step, cache_layer=None

@@ -6,8 +6,8 @@ A state is three tensors per layer: key sums [B, H, slots, D] (layer-normed, rot
 live. A block leaving the window enters in stages (`Fold`): score its tokens against the slots (`score_overflow`),
 choose the most novel to append while the state is below its budget (`choose_appends`), append them (`append`),
 route the rest to their most similar slot (`route_merges`, sink slots protected) and add them to it (`merge`).
-`run_fold` runs the stages at once; runtime_kvm one every few decoding steps. Attention reads the state
-renormalised (`readable_state`).
+`run_fold` runs the stages at once; the paced fold (speedups/paced_fold_kvm) one every few decoding steps.
+Attention reads the state renormalised (`readable_state`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # key sums, value sums, value norms (or counts)
 
 # Block tokens x state slots per similarity product. The products run in row blocks of this size so that a fold
-# spread over decoding steps (runtime_kvm) computes exactly the products of one computed at once: a product's
-# rounding can depend on how many rows it has, and a near tie would then pick another slot.
+# spread over decoding steps (speedups/paced_fold_kvm) computes exactly the products of one computed at once: a
+# product's rounding can depend on how many rows it has, and a near tie would then pick another slot.
 SIMILARITY_BLOCK = 64 * 1024
 
 
@@ -89,10 +89,6 @@ class Overflow:
     merge_keys: torch.Tensor
     merge_values: torch.Tensor
 
-    def heads(self, heads: slice) -> Overflow:
-        return Overflow(*(t[:, heads] for t in (self.keys, self.append_keys, self.append_values,
-                                                 self.merge_keys, self.merge_values)))
-
 
 # ---- a block entering the state, in stages ----------------------------------------------------------------
 @dataclass
@@ -142,12 +138,6 @@ class Fold:
         if self.reference is None:
             self.reference = self.normalize(self.state[0])
         return self.reference
-
-    def heads(self, heads: slice) -> Fold:
-        """The fold of key/value heads `heads` alone (before any stage has run)."""
-        return Fold(tuple(t[:, heads] for t in self.state), self.slots,
-                    None if self.reference is None else self.reference[:, heads], self.block.heads(heads),
-                    self.appends, self.sink_slots, self.normalize, self.value_norms, self.score_dtype)
 
 
 def score_overflow(fold: Fold, rows: slice) -> None:
