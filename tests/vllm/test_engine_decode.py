@@ -229,3 +229,46 @@ def test_engine_attention_benchmark_times_both_ways(tmp_path):
         assert case["gathered_ms"] > 0 and case["in_place_ms"] > 0
         assert case["chosen"] == ("in place" if case["bytes_read_per_request"] >= payload["in_place_min_bytes"]
                                   else "gathered")
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads):
+    """Maglev's ring attention of a decoding step over an engine's pages, each request's ring read in place
+    (`attend_ring_in_place`), against the model's own (`TokenStep.attend`: the ring gathered): the same outputs and
+    the same pages afterwards, for requests on scattered pages before, at and past their window's width."""
+    from kvm_maglev import MaglevConfig, MaglevForCausalLM
+    from kvm_maglev.vllm.engine_ops import attend_ring_in_place
+    from kvm_maglev.vllm.maglev import ring_slots
+    from kvm_maglev.vllm.page_caches import maglev_cache_over_pages
+    from tests.models.maglev.test_maglev_model import randomize
+
+    config = MaglevConfig(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=kv_heads, window_pattern="SL", sliding_window=8,
+                          prefiller_window_pattern="SL", memory_gate_channels=12, has_prefiller=False)
+    model = randomize(MaglevForCausalLM(config), 0).eval().model
+    positions, page_of_row = [3, 20, 8, 1, 9], [5, 0, 3, 6, 2]
+    carry = torch.randn(len(positions), config.hidden_size, generator=torch.Generator().manual_seed(1))
+
+    def cache_over_random_pages():
+        generator = torch.Generator().manual_seed(2)
+        rings = [{name: torch.randn(8, kv_heads, slots, config.head_dim, generator=generator)
+                  for name in ("keys", "values")} for slots in ring_slots(config, 64)]
+        index = [torch.tensor(page_of_row)] * len(rings)
+        cache = maglev_cache_over_pages(config, rings, index, positions, carry, carry, model.memory_init)
+        step = model.prepare_step(cache, torch.zeros(len(positions), 1, dtype=torch.long))
+        return rings, cache, step
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(len(positions), 4, 1, config.head_dim, generator=generator)
+    k, v = (torch.randn(len(positions), kv_heads, 1, config.head_dim, generator=generator) for _ in range(2))
+    with torch.no_grad():
+        rings, cache, step = cache_over_random_pages()
+        expected = [step.attend(layer.self_attn, ring, q, k, v, window)
+                    for layer, ring, window in zip(model.layers, cache.layers, config.decoder_windows)]
+        engine_rings, engine_cache, _ = cache_over_random_pages()
+        got = [attend_ring_in_place(q, k, v, ring) for ring in engine_cache.layers]
+    for ours, reference in zip(got, expected):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    for ours, reference in zip(engine_rings, rings):
+        for name in ("keys", "values"):
+            torch.testing.assert_close(ours[name], reference[name], rtol=0, atol=0)

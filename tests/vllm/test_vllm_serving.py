@@ -104,6 +104,34 @@ def test_llm_generate_equals_hf_generate(folder, reference):
     del llm
 
 
+def test_attention_reading_every_request_in_place_gives_the_same_tokens(folder, reference, monkeypatch):
+    """The decoding attention over every request's pages read in place, request by request (KVM's state and window,
+    Maglev's rings in its compiled decoding step, so at vLLM's default of compiling: `decode_kvm.reads_in_place` at
+    0 bytes), gives generate()'s tokens as the gathered reads do."""
+    from vllm import LLM
+
+    from kvm_maglev.vllm import decode_kvm, engine_ops
+
+    monkeypatch.setattr(decode_kvm, "IN_PLACE_MIN_BYTES", 0)
+    calls = []
+
+    def counted(function):
+        def run(*args):
+            calls.append(function.__name__)
+            return function(*args)
+        return run
+    monkeypatch.setattr(decode_kvm, "state_window_attention_by_page", counted(decode_kvm.state_window_attention_by_page))
+    monkeypatch.setattr(engine_ops, "attend_ring_in_place", counted(engine_ops.attend_ring_in_place))
+    maglev = "maglev" in folder.name
+    llm = LLM(model=str(folder), **{**ENGINE, "enforce_eager": not maglev})
+    batch = prompts()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy())
+    for prompt, output in zip(batch, outputs):
+        assert list(output.outputs[0].token_ids) == reference(prompt), f"prompt of {len(prompt)} tokens"
+    assert calls, "no decoding step read its pages in place"
+    del llm
+
+
 def test_chunked_prefill_and_requests_joining_a_running_batch(folder, reference):
     """16 tokens per step: long prompts are read over several steps, while earlier requests decode; requests are
     added between engine steps (a prefiller folder: prompts whole, joining decoding requests)."""

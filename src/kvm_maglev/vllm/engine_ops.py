@@ -93,12 +93,41 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Ten
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
     """Maglev layer `layer_name`'s attention of one token per request over its ring pages, the token written into
-    them (the model's decoding `TokenStep` over the step's rings: `MaglevAttention.attend_token`), into `output`."""
+    them (the model's decoding `TokenStep` over the step's rings: `MaglevAttention.attend_token`), into `output`;
+    large rings read in place, request by request (`attend_ring_in_place`)."""
     pages = get_forward_context().no_compile_layers[layer_name]
     served, index = pages.served, pages.index
     rings, step = served.step_rings
+    ring = rings[index]
+    if decode_kvm.reads_in_place(q, [ring.tensors["keys"]], [ring.tensors["values"]]):
+        output.copy_(attend_ring_in_place(q, k, v, ring))
+        return
     attention = served.model.layers[index].self_attn
-    output.copy_(step.attend(attention, rings[index], q, k, v, served.config.decoder_windows[index]))
+    output.copy_(step.attend(attention, ring, q, k, v, served.config.decoder_windows[index]))
+
+
+def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring) -> torch.Tensor:
+    """`MaglevAttention.attend_token` (its inputs, its result) over a ring whose rows are an engine's pages (`ring`:
+    a MaglevCacheLayer over them, its `RingStep` made), the token written as it writes it and then each request's
+    ring read in place instead of gathering every request's: the ring's logits and the set-aside key's, the ring
+    step's mask, one softmax, in at least float32."""
+    step = ring.step
+    aside_keys, aside_values = ring.write_slots(k[:, :, 0], v[:, :, 0], step)  # [B, Hkv, D]
+    keys, values = ring.tensors["keys"], ring.tensors["values"]
+    pages = ring.index if step.rows is None else ring.index[step.rows]
+    batch, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    queries = q.to(wide).view(batch, kv_heads, heads // kv_heads, dim)
+    aside_logits = torch.matmul(queries, aside_keys.to(wide)[..., None])  # [B, Hkv, groups, 1]
+    hidden = ~step.mask  # [B, 1, 1, capacity + 1]
+    out = torch.empty(batch, kv_heads, heads // kv_heads, values.shape[-1], dtype=wide, device=q.device)
+    for row, page in enumerate(pages.tolist()):
+        logits = torch.cat([torch.matmul(queries[row], keys[page].to(wide).transpose(-1, -2)), aside_logits[row]], -1)
+        probs = torch.softmax(logits.masked_fill(hidden[row], float("-inf")) * dim ** -0.5, dim=-1)
+        out[row] = (torch.matmul(probs[..., :-1], values[page].to(wide))
+                    + probs[..., -1:] * aside_values[row, :, None].to(wide))
+    return out.to(q.dtype).view(batch, heads, 1, -1)
 
 
 def token_shift_fake(x, mix, positions, output, layer_name, streams, first) -> None:
