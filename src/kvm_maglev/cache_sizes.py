@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .models.kvm.configuration_kvm import state_slots_after, window_start
-from .models.kvm.state_kvm import state_dtype_for
+from .models.kvm.state_kvm import state_dtype_for, state_slots_after, window_start
 from .models.maglev.cache_maglev import growing_capacity
 
 

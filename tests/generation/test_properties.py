@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.models.common.transformers_versions import CACHE_NAME
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
-from kvm_maglev.models.kvm.configuration_kvm import state_budget, state_slots_after
+from kvm_maglev.models.kvm.state_kvm import state_budget, state_slots_after
 from kvm_maglev.models.maglev.cache_maglev import MaglevCache
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
