@@ -1,5 +1,5 @@
-"""KVM (Key-Value Means) model configuration. The fields'
-names in the research code (github recursal/KVM-paper) are the converter's (`convert.kvm.RESEARCH_NAMES`)."""
+"""KVM (Key-Value Means) model configuration. The fields' names in the research code (github recursal/KVM-paper)
+are the converter's (`convert.kvm.RESEARCH_NAMES`)."""
 
 from __future__ import annotations
 
@@ -102,12 +102,8 @@ class KVMConfig(PretrainedConfig):
 
     model_type = "kvm"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
-    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun): attention split by head, so
-    # that each rank keeps its own heads' window and key-value state, and the MLP by hidden unit. The per-head
-    # parameters outside the linear layers are sharded with them (1-D ones like a colwise bias, the [1, 1, n]
-    # gate bias on its last dim); the layers read their part with `tensor_parallel.local_tensor`. With grouped-query
-    # attention the same splits give each rank whole key/value heads (state, window, merge gate) with the query
-    # heads that read them, when the size divides num_key_value_heads (`check_tensor_parallel`, else refused).
+    # Tensor parallelism (`tp_plan="auto"`): attention split by key/value head, each rank keeping its heads' window
+    # and state with the query heads that read them, the per-head parameters with them; the MLP by hidden unit.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -321,13 +317,6 @@ class KVMConfig(PretrainedConfig):
                f"hidden_size // num_attention_heads with value residual mode '{post_shift}'")
         yield "residual_scale", bool(self.residual_scale) and not self.residual_scale <= 0, "a number > 0"
         yield "logit_softcap", not self.logit_softcap < 0, "a number >= 0 (0 disables it)"
-
-    def check_tensor_parallel(self, tp_size: int) -> None:
-        """Raise ValueError when a tensor-parallel size would split a key/value head from its query heads."""
-        if tp_size < 1 or self.kv_heads % tp_size:
-            raise ValueError(f"tensor parallel size {tp_size} does not divide num_key_value_heads={self.kv_heads}: "
-                             "each rank must hold whole key/value heads, each with its own state and window, "
-                             "and the query heads that read them; use a divisor of num_key_value_heads")
 
 
 def is_positive_int(value) -> bool:
