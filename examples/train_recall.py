@@ -30,7 +30,7 @@ from transformers import Trainer, TrainingArguments, set_seed
 from kvm_maglev import KVMConfig, KVMForCausalLM, MaglevConfig, MaglevForCausalLM
 from kvm_maglev.capacity import CapacityTask, build_capacity_dataset, evaluate_capacity, plot_capacity, recall_by_length
 from kvm_maglev.demo import save_demo_model
-from kvm_maglev.models.kvm.configuration_kvm import state_slots_after
+from kvm_maglev.models.kvm.state_kvm import state_slots_after
 from kvm_maglev.recall import (
     RecallTask,
     build_dataset,

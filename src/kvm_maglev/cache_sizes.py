@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .models.kvm.configuration_kvm import state_slots_after, window_start
-from .models.kvm.state_kvm import state_dtype_for
-from .models.maglev.cache_maglev import growing_capacity
+from .models.kvm.state_kvm import state_dtype_for, state_slots_after, window_start
+from .models.maglev.cache_maglev import growing_capacity, windows_grow
 
 
 def cache_bytes(config, num_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -68,7 +67,7 @@ def maglev_cache_bytes(config, num_tokens: int, batch_size: int, dtype: torch.dt
     element = element_size(dtype)
     per_token = 2 * config.kv_dim * element * batch_size
     slots = growing_capacity(num_tokens)
-    total = sum(per_token * (min(left, slots) if config.windows_grow else left) for left in config.decoder_windows)
+    total = sum(per_token * (min(left, slots) if windows_grow(config) else left) for left in config.decoder_windows)
     total += 8 * batch_size  # each row's int64 position (real tokens read)
     total += batch_size * config.hidden_size * element  # smear's previous embedding
     if config.use_memory:

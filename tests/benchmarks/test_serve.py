@@ -4,7 +4,7 @@ ratio table and the command line's defaults."""
 import statistics
 
 from kvm_maglev.benchmarks import serve
-from kvm_maglev.models.kvm.configuration_kvm import state_slots_after
+from kvm_maglev.models.kvm.state_kvm import state_slots_after
 
 
 def test_workloads_are_seeded_and_within_bounds():

@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.models.common.transformers_versions import CACHE_NAME
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
-from kvm_maglev.models.kvm.configuration_kvm import state_budget, state_slots_after
-from kvm_maglev.models.maglev.cache_maglev import MaglevCache
+from kvm_maglev.models.kvm.state_kvm import state_budget, state_slots_after
+from kvm_maglev.models.maglev.cache_maglev import MaglevCache, windows_grow
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
 from kvm_maglev.models.maglev.modeling_maglev import MaglevForCausalLM
 from kvm_maglev.package_only.saved_cache import load_cache, save_cache
@@ -251,7 +251,7 @@ def check_maglev_cache_size(case: Case) -> None:
     model = maglev_model(case)
     config = model.config
     cache = MaglevCache(config)
-    flat = not config.windows_grow
+    flat = not windows_grow(config)
     sizes = []
 
     def after_each(columns: int) -> None:

@@ -17,7 +17,7 @@ from kvm_maglev.capacity import (
     make_capacity_example,
     recall_by_length,
 )
-from kvm_maglev.models.kvm.configuration_kvm import state_slots_after
+from kvm_maglev.models.kvm.state_kvm import state_slots_after
 from kvm_maglev.recall import BOS_ID, QUERY_ID
 from tests.ecosystem.ecosystem_support import load_example
 

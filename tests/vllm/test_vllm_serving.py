@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import kvm_maglev
 from kvm_maglev.cache_sizes import cache_bytes
-from kvm_maglev.models.kvm.configuration_kvm import state_slots_after
+from kvm_maglev.models.kvm.state_kvm import state_slots_after
 from tests.vllm.folders import VOCAB, make_kvm_folder, make_maglev_folder
 
 # Maglev: window 8 keys, so rings wrap and the memory carries; the prefiller folder has a Q of its own whose long

@@ -28,9 +28,10 @@ from math import prod
 import torch
 import torch.fx.experimental._config as shape_config
 
-from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, slots_after_folds
+from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
 from kvm_maglev.models.kvm.decode_step_kvm import rows_folding, visible_ring
+from kvm_maglev.models.kvm.state_kvm import slots_after_folds
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
 
 STATE = ("state_keys", "state_values", "state_norms", "read_keys", "read_values")

@@ -32,9 +32,9 @@ from vllm.forward_context import get_forward_context
 
 from kvm_maglev.models.common.step_plan import Step
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
-from kvm_maglev.models.kvm.configuration_kvm import KVMConfig, state_slots_after
+from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
 from kvm_maglev.models.kvm.modeling_kvm import KVMModel
-from kvm_maglev.models.kvm.state_kvm import state_dtype_for
+from kvm_maglev.models.kvm.state_kvm import state_dtype_for, state_slots_after
 from kvm_maglev.models.kvm.step_plan_kvm import PromptStep
 from kvm_maglev.models.speedups.onednn_linear import OneDNNLinear
 from kvm_maglev.vllm.decode_kvm import (

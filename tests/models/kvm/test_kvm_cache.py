@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 from kvm_maglev.cache_sizes import cache_bytes, full_attention_cache_bytes
 from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
-from kvm_maglev.models.kvm.configuration_kvm import state_budget, state_slots_after
+from kvm_maglev.models.kvm.state_kvm import state_budget, state_slots_after
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages, layer_carries
 from tests.generation.testers import kvm_row_tensors
 

@@ -10,7 +10,8 @@ import yaml
 from kvm_maglev.convert.kvm import convert, convert_state_dict, kvm_config_from_research
 from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
-from kvm_maglev.models.kvm.configuration_kvm import BUDGET_FIELDS, state_budget, state_slots_after
+from kvm_maglev.models.kvm.configuration_kvm import BUDGET_FIELDS
+from kvm_maglev.models.kvm.state_kvm import state_budget, state_slots_after
 
 TINY = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, rotary_dim=8, chunk_size=4,
             state_budget_min=4)

@@ -13,7 +13,7 @@ from kvm_maglev.cache_monitor import CacheMonitor, describe_cache
 from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.models.common.transformers_versions import GENERATE_CACHE_KWARG, returned_cache
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM
-from kvm_maglev.models.kvm.configuration_kvm import state_slots_after
+from kvm_maglev.models.kvm.state_kvm import state_slots_after
 from tests.generation.testers import KVM, PAD, left_padded
 
 # layers 0 and 2 are sliding-window layers (sliding_window_every=2): generate() runs both kinds of KVM layer

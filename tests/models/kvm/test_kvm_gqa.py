@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.models.common.transformers_versions import returned_cache
 from kvm_maglev.models.kvm import KVMConfig, KVMForCausalLM
+from kvm_maglev.models.kvm.modeling_kvm import check_tensor_parallel_size
 from kvm_maglev.package_only.saved_cache import load_cache, save_cache
 
 BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, rotary_dim=4, chunk_size=4,
@@ -121,10 +122,10 @@ def test_invalid_key_value_heads(overrides, allowed):
 
 def test_tensor_parallel_size_must_keep_key_value_heads_whole():
     config = KVMConfig(**BASE, num_key_value_heads=2)
-    config.check_tensor_parallel(2)
+    check_tensor_parallel_size(config, 2)
     with pytest.raises(ValueError, match="tensor parallel size 4 does not divide num_key_value_heads=2"):
-        config.check_tensor_parallel(4)
-    KVMConfig(**BASE).check_tensor_parallel(4)
+        check_tensor_parallel_size(config, 4)
+    check_tensor_parallel_size(KVMConfig(**BASE), 4)
 
 
 def test_no_gqa_is_one_key_value_head_per_query_head():

@@ -4,7 +4,7 @@ Each row stands at its own position (the real tokens it has read; padding enters
 holds its block window as a ring (position p in slot p % window_size), its state padded to a capacity, the state's
 attention-ready form (recomputed only when the state changes, once per chunk) and the token-shift carries; a
 sliding-window layer its ring and carries. How much of each is live follows from the row's position (the one rule
-of configuration_kvm). While recording (assisted decoding) each layer also keeps what a forward computed
+of state_kvm). While recording (assisted decoding) each layer also keeps what a forward computed
 (`KVMLayerRecord`), so that `crop` can redo the kept columns of a forward it falls inside.
 """
 
@@ -14,21 +14,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..common.config_fields import own_fields
 from ..common.row_storage import LayerRecord, RowCache, RowCacheLayer, StepRecord
 from ..common.seams import package_speedups
 from ..common.step_plan import RowTokens
-from .configuration_kvm import (
-    CACHE_CONFIG_FIELDS,
-    KVMConfig,
-    slots_after_folds,
-    state_slots_after,
-    window_start,
-)
-from .state_kvm import Fold, block_fold, readable_state, run_fold
+from .configuration_kvm import KVMConfig
+from .state_kvm import Fold, block_fold, readable_state, run_fold, slots_after_folds, state_slots_after, window_start
 
 WINDOW = ("window_keys", "window_values", "window_gates")
 STATE = ("state_keys", "state_values", "state_norms")
 READ = ("read_keys", "read_values")
+# the config fields a saved cache does not depend on: every other field decides what the cache holds or how a
+# model reads it (`KVMCache.CACHE_CONFIG_FIELDS`)
+NOT_IN_CACHE = ("max_position_embeddings", "tie_word_embeddings", "use_cache", "pad_token_id", "bos_token_id",
+                "eos_token_id")
 
 # the seam of the paced fold (speedups/paced_fold_kvm): decoding forwards compute the next fold ahead and its
 # boundary swaps it in; None, and every fold runs at its boundary (the same tensors)
@@ -243,7 +242,9 @@ class KVMCache(RowCache):
     """
 
     MODEL_NAME = "KVM"
-    CACHE_CONFIG_FIELDS = CACHE_CONFIG_FIELDS
+    # the config fields what the cache holds depends on (`check_compatible`; a saved cache's fingerprint)
+    CACHE_CONFIG_FIELDS = tuple(declared.name for declared in own_fields(KVMConfig)
+                                if declared.name not in NOT_IN_CACHE)
     ROW_START = "each row's ring, state and carries follow its own real tokens"
 
     def __init__(self, config: KVMConfig, max_rollback: int = 256, **kwargs) -> None:

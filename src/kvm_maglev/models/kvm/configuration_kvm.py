@@ -1,80 +1,18 @@
-"""KVM (Key-Value Means) model configuration, and the one rule of what a layer holds after n tokens. The fields'
-names in the research code (github recursal/KVM-paper) are the converter's (`convert.kvm.RESEARCH_NAMES`)."""
+"""KVM (Key-Value Means) model configuration. The fields' names in the research code (github recursal/KVM-paper)
+are the converter's (`convert.kvm.RESEARCH_NAMES`)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
-from ..common.config_fields import init_signature, own_fields, store_fields
+from ..common.config_fields import init_signature, store_fields
 from ..common.transformers_versions import MIN_TRANSFORMERS  # noqa: F401  (first: stops a too-old transformers)
 
 logger = logging.get_logger(__name__)
-
-
-# ---- what a layer holds after n tokens (the one rule) ----------------------------------------------------
-def window_start(config, sliding: bool, seen: int) -> int:
-    """First position a layer's window holds after `seen` tokens: a sliding-window layer's last `sliding_window`
-    tokens; a KVM layer's chunk-aligned blocks, the newest (possibly partial) one and `window_chunks - 1` before."""
-    if sliding:
-        return max(0, seen - config.sliding_window_size)
-    chunk = config.chunk_size
-    return max(0, (seen - 1) // chunk + 1 - config.window_chunks) * chunk
-
-
-def folded_blocks(config, seen: int) -> int:
-    """Blocks j >= 1 folded into a KVM layer's state after `seen` tokens: block j leaves the window when the
-    first token of chunk j + window_chunks arrives (block 0, the first chunk, enters token by token)."""
-    return max(0, (seen - 1) // config.chunk_size - config.window_chunks)
-
-
-def state_slots_after(config, seen: int) -> int:
-    """Slots of a KVM layer's state after `seen` tokens: the first chunk's tokens, one slot each, then what
-    `append_count` appends of each folded block."""
-    if seen <= config.chunk_size:
-        return max(seen, 0)
-    return slots_after_folds(config, folded_blocks(config, seen))[-1]
-
-
-def slots_after_folds(config, blocks: int) -> list[int]:
-    """Slots of a KVM layer's state once its first chunk and then 0, 1, ..., `blocks` blocks have entered it."""
-    slots = [config.chunk_size]
-    for block in range(1, blocks + 1):
-        slots.append(slots[-1] + append_count(config, block, slots[-1]))
-    return slots
-
-
-# ---- the budget rule -------------------------------------------------------------------------------------
-def round_down(value: int, multiple: int) -> int:
-    """`value` (at least 0) rounded down to a multiple of `multiple`."""
-    return (max(value, 0) // max(multiple, 1)) * max(multiple, 1)
-
-
-def state_budget(config, context_len: int) -> int:
-    """Budget target of the state after `context_len` tokens (the config's `state_budget_*` fields), at most
-    `max_state_slots`, before the coverage cap of `append_count`."""
-    if config.state_budget_mode == "fixed":
-        target = config.state_budget_min
-    elif config.state_budget_mode == "power_law":
-        target = int(math.floor(config.state_budget_factor * float(max(context_len, 0)) ** config.state_budget_exponent))
-        target = max(round_down(target, config.state_budget_round_to), config.state_budget_min)
-    else:
-        n, t = float(config.state_budget_saturation), float(max(context_len, 0))
-        target = int(math.floor(n * t / (n + t)))
-        target = max(round_down(target, config.state_budget_round_to), config.state_budget_min)
-    return min(target, config.max_state_slots)
-
-
-def append_count(config, block: int, slots: int) -> int:
-    """Tokens of window block `block` (>= 1) appended to a `slots`-slot state: up to the budget of the context
-    the state then covers, at most what that context holds, at most the block; the rest are merged."""
-    chunk = config.chunk_size
-    budget = state_budget(config, (block + config.window_chunks) * chunk)
-    return min(max(min(budget, (block + 1) * chunk), slots) - slots, chunk)
 
 
 STATE_BUDGET_MODES = ("fixed", "power_law", "kvm_saturation")
@@ -164,12 +102,8 @@ class KVMConfig(PretrainedConfig):
 
     model_type = "kvm"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
-    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun): attention split by head, so
-    # that each rank keeps its own heads' window and key-value state, and the MLP by hidden unit. The per-head
-    # parameters outside the linear layers are sharded with them (1-D ones like a colwise bias, the [1, 1, n]
-    # gate bias on its last dim); the layers read their part with `tensor_parallel.local_tensor`. With grouped-query
-    # attention the same splits give each rank whole key/value heads (state, window, merge gate) with the query
-    # heads that read them, when the size divides num_key_value_heads (`check_tensor_parallel`, else refused).
+    # Tensor parallelism (`tp_plan="auto"`): attention split by key/value head, each rank keeping its heads' window
+    # and state with the query heads that read them, the per-head parameters with them; the MLP by hidden unit.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -384,13 +318,6 @@ class KVMConfig(PretrainedConfig):
         yield "residual_scale", bool(self.residual_scale) and not self.residual_scale <= 0, "a number > 0"
         yield "logit_softcap", not self.logit_softcap < 0, "a number >= 0 (0 disables it)"
 
-    def check_tensor_parallel(self, tp_size: int) -> None:
-        """Raise ValueError when a tensor-parallel size would split a key/value head from its query heads."""
-        if tp_size < 1 or self.kv_heads % tp_size:
-            raise ValueError(f"tensor parallel size {tp_size} does not divide num_key_value_heads={self.kv_heads}: "
-                             "each rank must hold whole key/value heads, each with its own state and window, "
-                             "and the query heads that read them; use a divisor of num_key_value_heads")
-
 
 def is_positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -401,8 +328,3 @@ def is_even_int(value, low: int, high: int) -> bool:
 
 
 KVMConfig.__init__.__signature__ = init_signature(KVMConfig)
-# The fields a saved cache depends on (its config fingerprint): what the cache holds and how a model reads it, every
-# field but these
-NOT_IN_CACHE = ("max_position_embeddings", "tie_word_embeddings", "use_cache", "pad_token_id", "bos_token_id",
-                "eos_token_id")
-CACHE_CONFIG_FIELDS = tuple(field.name for field in own_fields(KVMConfig) if field.name not in NOT_IN_CACHE)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common.step_plan import Step
-from .configuration_kvm import folded_blocks, slots_after_folds
+from .state_kvm import folded_blocks, slots_after_folds
 from .step_plan_kvm import ring_positions
 
 

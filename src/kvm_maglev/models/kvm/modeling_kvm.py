@@ -253,6 +253,15 @@ def window_key_sets(k, v, tokens: RowTokens, pieces: Pieces, cache_layer, names,
 
 
 # ---- attention -----------------------------------------------------------------------------
+def check_tensor_parallel_size(config: KVMConfig, tp_size: int) -> None:
+    """Raise ValueError when a tensor-parallel size would split a key/value head from its query heads (the plan,
+    `KVMConfig.base_model_tp_plan`, splits attention by head; the layers read their part with `local_tensor`)."""
+    if tp_size < 1 or config.kv_heads % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} does not divide num_key_value_heads={config.kv_heads}: "
+                         "each rank must hold whole key/value heads, each with its own state and window, "
+                         "and the query heads that read them; use a divisor of num_key_value_heads")
+
+
 def zero_initialised(linear: nn.Linear) -> nn.Linear:
     """Tag an output projection that starts at zero. `_init_weights` reads the tag on the layer itself:
     transformers skips remote-code containers that own no parameters directly, never a layer that does."""
@@ -303,7 +312,7 @@ class KVMAttentionBase(nn.Module):
         token shifts follow each row's tokens (the step's `token_shift`)."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if q.shape[-1] != self.num_heads * self.head_dim:  # a tensor-parallel rank's share of the heads
-            self.config.check_tensor_parallel(self.num_heads * self.head_dim // q.shape[-1])
+            check_tensor_parallel_size(self.config, self.num_heads * self.head_dim // q.shape[-1])
         if self.value_residual_mode in ("rwkv", "rwkv_post_tokenshift"):
             # the gate reads the input, or its token shift with all of v_shift (also where tensor parallelism
             # shards v_shift by head); its own carry, so computing it first changes no other stream

@@ -1,5 +1,10 @@
-"""The key-value-means state: how a block enters it and how attention reads it, as small pure functions (no
-cache, no module, no device tuning).
+"""The key-value-means state: how much a layer holds after n tokens, how a block enters the state and how attention
+reads it, as small pure functions (no cache, no module, no device tuning).
+
+How much: the one rule, read by the step plans, the cache layers, the vLLM page layout and the cache sizes. A
+KVM layer's window starts at `window_start`; `folded_blocks` blocks have left it for the state, which then holds
+`state_slots_after` slots: the first chunk, then what `append_count` appends of each folded block, up to the
+config's budget (`state_budget`).
 
 A state is three tensors per layer: key sums [B, H, slots, D] (layer-normed, rotary channels zeroed), value sums
 [B, H, slots, Dv] and float32 value norms or merge counts [B, H, slots, 1], padded; `slots` [B] says how many are
@@ -12,6 +17,7 @@ Attention reads the state renormalised (`readable_state`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,6 +31,67 @@ State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # key sums, value sums,
 # spread over decoding steps (speedups/paced_fold_kvm) computes exactly the products of one computed at once: a
 # product's rounding can depend on how many rows it has, and a near tie would then pick another slot.
 SIMILARITY_BLOCK = 64 * 1024
+
+
+# ---- what a layer holds after n tokens (the one rule) ----------------------------------------------------
+def window_start(config, sliding: bool, seen: int) -> int:
+    """First position a layer's window holds after `seen` tokens: a sliding-window layer's last `sliding_window`
+    tokens; a KVM layer's chunk-aligned blocks, the newest (possibly partial) one and `window_chunks - 1` before."""
+    if sliding:
+        return max(0, seen - config.sliding_window_size)
+    chunk = config.chunk_size
+    return max(0, (seen - 1) // chunk + 1 - config.window_chunks) * chunk
+
+
+def folded_blocks(config, seen: int) -> int:
+    """Blocks j >= 1 folded into a KVM layer's state after `seen` tokens: block j leaves the window when the
+    first token of chunk j + window_chunks arrives (block 0, the first chunk, enters token by token)."""
+    return max(0, (seen - 1) // config.chunk_size - config.window_chunks)
+
+
+def state_slots_after(config, seen: int) -> int:
+    """Slots of a KVM layer's state after `seen` tokens: the first chunk's tokens, one slot each, then what
+    `append_count` appends of each folded block."""
+    if seen <= config.chunk_size:
+        return max(seen, 0)
+    return slots_after_folds(config, folded_blocks(config, seen))[-1]
+
+
+def slots_after_folds(config, blocks: int) -> list[int]:
+    """Slots of a KVM layer's state once its first chunk and then 0, 1, ..., `blocks` blocks have entered it."""
+    slots = [config.chunk_size]
+    for block in range(1, blocks + 1):
+        slots.append(slots[-1] + append_count(config, block, slots[-1]))
+    return slots
+
+
+# ---- the budget rule -------------------------------------------------------------------------------------
+def round_down(value: int, multiple: int) -> int:
+    """`value` (at least 0) rounded down to a multiple of `multiple`."""
+    return (max(value, 0) // max(multiple, 1)) * max(multiple, 1)
+
+
+def state_budget(config, context_len: int) -> int:
+    """Budget target of the state after `context_len` tokens (the config's `state_budget_*` fields), at most
+    `max_state_slots`, before the coverage cap of `append_count`."""
+    if config.state_budget_mode == "fixed":
+        target = config.state_budget_min
+    elif config.state_budget_mode == "power_law":
+        target = int(math.floor(config.state_budget_factor * float(max(context_len, 0)) ** config.state_budget_exponent))
+        target = max(round_down(target, config.state_budget_round_to), config.state_budget_min)
+    else:
+        n, t = float(config.state_budget_saturation), float(max(context_len, 0))
+        target = int(math.floor(n * t / (n + t)))
+        target = max(round_down(target, config.state_budget_round_to), config.state_budget_min)
+    return min(target, config.max_state_slots)
+
+
+def append_count(config, block: int, slots: int) -> int:
+    """Tokens of window block `block` (>= 1) appended to a `slots`-slot state: up to the budget of the context
+    the state then covers, at most what that context holds, at most the block; the rest are merged."""
+    chunk = config.chunk_size
+    budget = state_budget(config, (block + config.window_chunks) * chunk)
+    return min(max(min(budget, (block + 1) * chunk), slots) - slots, chunk)
 
 
 # ---- small pieces of the state math ----------------------------------------------------------------------

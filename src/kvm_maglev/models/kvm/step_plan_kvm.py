@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common.step_plan import RowTokens, Step
-from .configuration_kvm import folded_blocks, slots_after_folds
+from .state_kvm import folded_blocks, slots_after_folds
 
 
 @dataclass

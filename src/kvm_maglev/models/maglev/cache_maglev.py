@@ -22,6 +22,12 @@ def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, lef
     return ((k >= 0) & (k <= q) & (k >= q - left))[:, None]
 
 
+def windows_grow(config: MaglevConfig) -> bool:
+    """Whether the cache's per-layer rings grow with the tokens read up to their windows: with nanochat's window
+    pattern, whose windows span the training context; a uniform `sliding_window` ring is whole at once."""
+    return config.sliding_window is None
+
+
 def growing_capacity(num_tokens: int) -> int:
     """Capacity of a geometrically grown key/value buffer holding `num_tokens` tokens."""
     capacity = 16
@@ -289,7 +295,7 @@ class MaglevCache(RowCache):
     ROW_START = "each row's memory starts at the model's learned memory_init, which the cache does not hold"
 
     def __init__(self, config: MaglevConfig, max_rollback: int = 256):
-        super().__init__(config, [MaglevCacheLayer(window, grows=config.windows_grow)
+        super().__init__(config, [MaglevCacheLayer(window, grows=windows_grow(config))
                                   for window in config.decoder_windows], max_rollback)
         self.positions: torch.Tensor | None = None
         self.last_memory: torch.Tensor | None = None

@@ -24,10 +24,8 @@ POSITIVE_FIELDS = ("vocab_size", "pad_vocab_size_to", "hidden_size", "intermedia
 class MaglevConfig(PretrainedConfig):
     """Every nanochat GPT feature as a switch, plus the Maglev memory and prefiller fields.
 
-    With `use_memory=False` and `sliding_window=None` the model is exactly nanochat's GPT,
-    its per-layer windows taken from `window_pattern`. `sequence_len` is nanochat's training
-    sequence length (its L window; default `max_position_embeddings`, as in configs saved before
-    the field); `max_position_embeddings` is the usable context, which lm-eval and generate() read.
+    With `use_memory=False` and `sliding_window=None` the model is exactly nanochat's GPT, its per-layer windows
+    taken from `window_pattern`.
 
     Args:
         vocab_size (`int`): tokenizer size; logits are sliced to it
@@ -255,12 +253,6 @@ class MaglevConfig(PretrainedConfig):
                                        or self.memory_self_feed_steps),
                "memory_projection, memory_residual_injection and memory_self_feed_steps need use_memory=true")
 
-    @property
-    def step_dependent_training(self) -> bool:
-        """Whether a training switch changes with the optimizer step (then the model must be told the step)."""
-        return bool(self.memory_self_feed_mix_ramp_steps or self.consistency_weight_ramp_steps
-                    or self.consistency_detach_target_after is not None)
-
     # ----- derived sizes ------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
@@ -322,11 +314,8 @@ class MaglevConfig(PretrainedConfig):
         return self.use_value_embeddings and layer_idx % 2 == (self.num_hidden_layers - 1) % 2
 
     def pattern_windows(self, pattern: str) -> list[int]:
-        """Per-layer `left` context (keys before the current one) for a nanochat window pattern.
-
-        L = sequence_len tokens back, S = a quarter of that rounded up to a multiple
-        of 128; the last layer is always L.
-        """
+        """Per-layer `left` context (keys before the current one) for a nanochat window pattern (`sequence_len`
+        describes L and S); the last layer is always L."""
         long_window = self.sequence_len
         short_window = -(-long_window // 4 // 128) * 128
         letters = pattern.upper()
@@ -345,12 +334,6 @@ class MaglevConfig(PretrainedConfig):
     @property
     def prefiller_windows(self) -> list[int]:
         return self.pattern_windows(self.prefiller_window_pattern)
-
-    @property
-    def windows_grow(self) -> bool:
-        """Whether the cache's per-layer rings grow with the tokens read up to their windows: with nanochat's
-        window pattern, whose windows span the training context; a uniform `sliding_window` ring is whole at once."""
-        return self.sliding_window is None
 
 
 MaglevConfig.__init__.__signature__ = init_signature(MaglevConfig)

@@ -47,12 +47,18 @@ def schedule_at(config, step: int) -> Schedule:
     return Schedule(mix, weight, frozen)
 
 
+def step_dependent(config) -> bool:
+    """Whether a training switch changes with the optimizer step (then the model must be told the step)."""
+    return bool(config.memory_self_feed_mix_ramp_steps or config.consistency_weight_ramp_steps
+                or config.consistency_detach_target_after is not None)
+
+
 def current_schedule(model) -> Schedule:
     """The schedule the training loop set on `model` (a MaglevModel); step 0's when none was set, which
     training with step-dependent switches refuses (it would train on step 0's schedule throughout)."""
     if model.schedule is not None:
         return model.schedule
-    if model.training and model.config.step_dependent_training:
+    if model.training and step_dependent(model.config):
         raise ValueError("this Maglev config changes its training with the step (memory_self_feed_mix_ramp_steps, "
                          "consistency_weight_ramp_steps or consistency_detach_target_after): pass "
                          "kvm_maglev.training.MaglevStepCallback() to Trainer, or call "

@@ -16,8 +16,7 @@ from functools import partial
 
 import torch
 
-from ..kvm.configuration_kvm import folded_blocks, slots_after_folds
-from ..kvm.state_kvm import Fold, fold_stages
+from ..kvm.state_kvm import Fold, fold_stages, folded_blocks, slots_after_folds
 
 
 class PacedFold:
