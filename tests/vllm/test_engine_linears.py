@@ -1,6 +1,6 @@
 """The served models' linear layers on vLLM's product for unquantized linears (kvm_maglev.vllm.engine_linears)
 against nn.Linear: the same products up to float rounding, for decoding and prompt shapes, with and without bias;
-the same parameters and state dict; the layers it must leave alone (another dtype, vLLM's own layers) left."""
+inputs of any layout; the same parameters and state dict; the layers it must leave alone (another dtype, vLLM's own layers) left."""
 
 import pytest
 import torch
@@ -18,12 +18,17 @@ def reference_and_engine(dtype: torch.dtype, bias: bool) -> tuple[nn.Linear, nn.
 
 
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "columns strided", "transposed"])
 @pytest.mark.parametrize("shape", [(1, 96), (8, 96), (3, 5, 96)])
-def test_engine_linears_compute_what_nn_linear_computes(shape, bias):
+def test_engine_linears_compute_what_nn_linear_computes(shape, layout, bias):
     reference, model = reference_and_engine(torch.float32, bias)
     assert use_engine_linears(model, torch.float32) == 1
     assert type(model[0]) is EngineLinear
     x = torch.randn(shape)
+    if layout == "columns strided":  # rows of a wider tensor
+        x = torch.randn(*shape[:-1], 2 * shape[-1])[..., ::2]
+    elif layout == "transposed":  # the last dimension not of unit stride
+        x = torch.randn(*reversed(shape)).permute(*reversed(range(len(shape))))
     torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
     assert model(x).shape == reference(x).shape
     assert set(model.state_dict()) == {f"0.{name}" for name in reference.state_dict()}

@@ -163,13 +163,14 @@ def first_chunk_entries(attention, k: torch.Tensor, v: torch.Tensor, gate: torch
     return slot, [torch.where(keep, tensor[page, :, slot], new.to(tensor.dtype)) for tensor, new in zip(state, entries)]
 
 
-def reads_in_place(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+def reads_in_place(q: torch.Tensor, *pages: torch.Tensor) -> bool:
     """Whether `attend_pages` reads each request's pages in place (`state_window_attention_by_page`) rather than
     gathering them (`state_window_attention_torch`): on CPU, outside compiled graphs, when a request reads at least
-    `IN_PLACE_MIN_BYTES` (a gather copies them all; a request at a time costs a few operator calls each)."""
+    `IN_PLACE_MIN_BYTES` of `pages` (the key and value tensors it reads, [pages, ...]; a gather copies them all, a
+    request at a time costs a few operator calls each)."""
     if q.device.type != "cpu" or torch.compiler.is_compiling():
         return False
-    per_request = sum(tensor[0].numel() * tensor.element_size() for tensor in keys + values)
+    per_request = sum(tensor[0].numel() * tensor.element_size() for tensor in pages)
     return per_request >= IN_PLACE_MIN_BYTES
 
 
@@ -223,9 +224,8 @@ def attend_pages(attention, q: torch.Tensor, positions: torch.Tensor, page: torc
         read_values = pages["read_values"][:, :, :state_reach]
         temperatures = (attention.temperature("state_temperature"), attention.temperature("window_temperature"))
     window_keys, window_values = pages["window_keys"][:, :, :window_reach], pages["window_values"][:, :, :window_reach]
-    attention_of = state_window_attention_by_page if reads_in_place(q, [read_keys, window_keys],
-                                                                    [read_values, window_values]) \
-        else state_window_attention_torch
+    attention_of = state_window_attention_by_page if reads_in_place(q, read_keys, read_values, window_keys,
+                                                                    window_values) else state_window_attention_torch
     output[:count] = attention_of(q[:count], page, read_keys, read_values, state_slots, window_keys, window_values,
                                   visible[:, :window_reach], *temperatures, q.shape[-1] ** -0.5)
     output[count:] = 0

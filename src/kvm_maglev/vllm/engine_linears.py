@@ -25,6 +25,8 @@ class EngineLinear(nn.Linear):
     weight when it was loaded."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:  # vLLM's kernels read rows of unit stride (nn.Linear takes any layout)
+            x = x.contiguous()
         return self.cpu_linear(x, self.weight, self.bias)
 
 

@@ -99,7 +99,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: to
     served, index = pages.served, pages.index
     rings, step = served.step_rings
     ring = rings[index]
-    if decode_kvm.reads_in_place(q, [ring.tensors["keys"]], [ring.tensors["values"]]):
+    if decode_kvm.reads_in_place(q, ring.tensors["keys"], ring.tensors["values"]):
         output.copy_(attend_ring_in_place(q, k, v, ring))
         return
     attention = served.model.layers[index].self_attn

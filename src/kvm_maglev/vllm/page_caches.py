@@ -53,10 +53,11 @@ def kvm_cache_over_pages(config: KVMConfig, pages: list[dict[str, torch.Tensor]]
     at position 0 start fresh whatever their pages hold."""
     cache = KVMCache(config)
     fresh = [row for row, position in enumerate(seen) if not position]
+    fresh_rows = torch.tensor(fresh, device=index[0].device) if fresh else None
     for layer, tensors, pages_of_rows in zip(cache.layers, pages, index):
         bind_pages(layer, tensors, pages_of_rows)
-        if fresh:
-            zero_rows(layer, torch.tensor(fresh, device=pages_of_rows.device))
+        if fresh_rows is not None:
+            zero_rows(layer, fresh_rows)
     cache.seen, cache.rows, cache.paged = list(seen), len(seen), True
     return cache
 
