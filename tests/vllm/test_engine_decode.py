@@ -13,6 +13,7 @@ from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_to
 from kvm_maglev.vllm import decode_kvm
 from kvm_maglev.vllm.decode_kvm import (
     EngineDecode,
+    compiled,
     decode_attention,
     decode_shift,
     fold_due,
@@ -20,6 +21,7 @@ from kvm_maglev.vllm.decode_kvm import (
     reach,
     scratch_pages,
     state_slot_table,
+    state_window_attention_as_sums,
     state_window_attention_by_page,
 )
 from kvm_maglev.vllm.kvm import carry_columns, name_pages, page_layout
@@ -186,19 +188,37 @@ def test_packed_gives_a_new_tensors_strides():
     torch.testing.assert_close(packed(sliced), sliced, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+SUMS_COMPILED = compiled(state_window_attention_as_sums)
+
+
+def sums_compiled(**inputs) -> torch.Tensor:
+    """The sums form compiled, room made for a graph for each of the test's input kinds (temperatures, head groups,
+    an empty state)."""
+    with torch._dynamo.config.patch(recompile_limit=32):
+        return SUMS_COMPILED(**inputs)
+
+
+READING_IN_PLACE = {"by page": state_window_attention_by_page, "as sums": state_window_attention_as_sums,
+                    "as sums, compiled": sums_compiled}
+
+
+@pytest.mark.parametrize(("form", "dtype"), [(form, dtype) for form in sorted(READING_IN_PLACE)
+                                             for dtype in (torch.float32, torch.bfloat16)
+                                             if dtype == torch.float32 or "compiled" not in form])
 @pytest.mark.parametrize("temperatures", [False, True])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_attention_read_in_place_equals_the_gathering_reference(groups, temperatures, dtype):
+def test_attention_read_in_place_equals_the_gathering_reference(groups, temperatures, dtype, form):
+    """Both forms that read the pages where they lie (a request at a time, up to its last visible ring slot and live
+    state slot; sums of products, as compiled graphs run it) equal the reference, which gathers them."""
+    attention = READING_IN_PLACE[form]
     inputs = decode_inputs(groups, dtype, temperatures, seed=groups)
-    out = state_window_attention_by_page(**inputs)
+    out = attention(**inputs)
     assert out.dtype == dtype and out.shape == (4, 2 * groups, 8)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
     torch.testing.assert_close(out, state_window_attention_torch(**inputs), **tolerance)
     no_state = dict(inputs, state_keys=inputs["state_keys"][:, :, :0], state_values=inputs["state_values"][:, :, :0],
                     state_slots=inputs["state_slots"] * 0)  # a sliding-window layer reads no state
-    torch.testing.assert_close(state_window_attention_by_page(**no_state), state_window_attention_torch(**no_state),
-                               **tolerance)
+    torch.testing.assert_close(attention(**no_state), state_window_attention_torch(**no_state), **tolerance)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

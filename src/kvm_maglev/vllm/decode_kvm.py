@@ -163,6 +163,18 @@ def first_chunk_entries(attention, k: torch.Tensor, v: torch.Tensor, gate: torch
     return slot, [torch.where(keep, tensor[page, :, slot], new.to(tensor.dtype)) for tensor, new in zip(state, entries)]
 
 
+def entering_requests(attention, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, decode: EngineDecode,
+                      page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`first_chunk_entries` as eager code runs it: only the requests still in their first chunk (known on the host,
+    `decode.seen`), with their pages and slots, so that nothing is read back to be written again."""
+    rows = [row for row, seen in enumerate(decode.seen) if seen < attention.config.chunk_size]
+    slot = decode.positions[:decode.count]
+    if len(rows) < decode.count:
+        index = torch.tensor(rows, device=k.device)
+        k, v, gate, page, slot = (None if t is None else t[index] for t in (k, v, gate, page, slot))
+    return page, slot, attention.first_chunk_entries(k, v, gate, slice(None))
+
+
 def reads_in_place(q: torch.Tensor, *pages: torch.Tensor) -> bool:
     """Whether `attend_pages` reads each request's pages in place (`state_window_attention_by_page`) rather than
     gathering them (`state_window_attention_torch`): on CPU, outside compiled graphs, when a request reads at least
@@ -180,23 +192,63 @@ def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_ke
                                    state_temperature: torch.Tensor | None, window_temperature: torch.Tensor | None,
                                    scale: float) -> torch.Tensor:
     """`state_window_attention_torch` (its arguments, its result) reading each request's page of the page tensors
-    in place, one request at a time, instead of gathering every request's into one batch: the same products and
-    softmax per request, in at least float32."""
+    in place, one request at a time, instead of gathering every request's into one batch, and only as far as the
+    request reads: its live state slots and its ring up to the last visible slot (the batch's reach is its longest
+    request's). The same products and softmax per request, in at least float32."""
     batch, heads, dim = q.shape
-    kv_heads, capacity = state_keys.shape[1], state_keys.shape[2]
+    kv_heads = state_keys.shape[1]
     wide = torch.promote_types(q.dtype, torch.float32)
     queries = q.to(wide).view(batch, kv_heads, heads // kv_heads, dim)
     state_queries, window_queries = (queries if temperature is None else queries * temperature.view(kv_heads, -1, 1).to(wide)
                                      for temperature in (state_temperature, window_temperature))
-    live = torch.arange(capacity, device=q.device) < state_slots[:, None]
-    hidden = ~torch.cat([live, window_visible], dim=1)[:, None, None]  # [B, 1, 1, S + W]
+    ring_slot = torch.arange(1, window_visible.shape[1] + 1, device=q.device)
+    ring_reads = (ring_slot * window_visible).amax(1).tolist()  # [B]: up to its last visible ring slot
+    state_reads = state_slots.clamp(max=state_keys.shape[2]).tolist()
+    hidden = ~window_visible[:, None, None]  # [B, 1, 1, W]
     out = torch.empty(batch, kv_heads, heads // kv_heads, window_values.shape[-1], dtype=wide, device=q.device)
-    for row, index in enumerate(page.tolist()):
-        logits = torch.cat([torch.matmul(state_queries[row], state_keys[index].to(wide).transpose(-1, -2)),
-                            torch.matmul(window_queries[row], window_keys[index].to(wide).transpose(-1, -2))], dim=-1)
-        probs = torch.softmax(logits.masked_fill(hidden[row], float("-inf")) * scale, dim=-1)
-        out[row] = (torch.matmul(probs[..., :capacity], state_values[index].to(wide))
-                    + torch.matmul(probs[..., capacity:], window_values[index].to(wide)))
+    for row, (index, live, seen) in enumerate(zip(page.tolist(), state_reads, ring_reads)):
+        logits = torch.matmul(window_queries[row], window_keys[index, :, :seen].to(wide).transpose(-1, -2))
+        logits.masked_fill_(hidden[row, ..., :seen], float("-inf"))
+        values = window_values[index, :, :seen].to(wide)
+        if not live:
+            torch.matmul(torch.softmax(logits * scale, dim=-1), values, out=out[row])
+            continue
+        state = torch.matmul(state_queries[row], state_keys[index, :, :live].to(wide).transpose(-1, -2))
+        probs = torch.softmax(torch.cat([state, logits], dim=-1) * scale, dim=-1)
+        out[row] = (torch.matmul(probs[..., :live], state_values[index, :, :live].to(wide))
+                    + torch.matmul(probs[..., live:], values))
+    return out.to(window_values.dtype).view(batch, heads, -1)
+
+
+def state_window_attention_as_sums(q: torch.Tensor, page: torch.Tensor, state_keys: torch.Tensor,
+                                   state_values: torch.Tensor, state_slots: torch.Tensor, window_keys: torch.Tensor,
+                                   window_values: torch.Tensor, window_visible: torch.Tensor,
+                                   state_temperature: torch.Tensor | None, window_temperature: torch.Tensor | None,
+                                   scale: float) -> torch.Tensor:
+    """`state_window_attention_torch` (its arguments, its result) written as sums of products over each request's
+    page rather than as batched matrix products: compiled (inductor), the page indexing becomes indirect loads
+    inside the reduction loops, so no request's keys or values are copied and the layer's attention is one compiled
+    call. The softmax over both segments is taken by hand (one maximum, one denominator), in at least float32."""
+    batch, heads, dim = q.shape
+    kv_heads, capacity = state_keys.shape[1], state_keys.shape[2]
+    groups = heads // kv_heads
+    wide = torch.promote_types(q.dtype, torch.float32)
+    queries = q.to(wide).view(batch, kv_heads, groups, 1, dim)
+    live = torch.arange(capacity, device=q.device) < state_slots[:, None]
+    segments = [segment for segment in ((state_keys, state_values, live, state_temperature),
+                                        (window_keys, window_values, window_visible, window_temperature))
+                if segment[0].shape[2]]  # a sliding-window layer reads no state
+    logits = []
+    for keys, _, visible, temperature in segments:
+        scores = (queries * keys[page].to(wide)[:, :, None]).sum(-1)  # [B, Hkv, groups, slots]
+        if temperature is not None:
+            scores = scores * temperature.view(kv_heads, groups, 1).to(wide)
+        logits.append((scores * scale).masked_fill(~visible[:, None, None], float("-inf")))
+    top = torch.stack([segment.amax(-1) for segment in logits]).amax(0)[..., None]
+    weights = [(segment - top).exp() for segment in logits]
+    total = sum(weight.sum(-1, keepdim=True) for weight in weights)
+    out = sum((weight[..., None] * segment[1][page].to(wide)[:, :, None]).sum(-2)
+              for weight, segment in zip(weights, segments)) / total
     return out.to(window_values.dtype).view(batch, heads, -1)
 
 
@@ -224,8 +276,12 @@ def attend_pages(attention, q: torch.Tensor, positions: torch.Tensor, page: torc
         read_values = pages["read_values"][:, :, :state_reach]
         temperatures = (attention.temperature("state_temperature"), attention.temperature("window_temperature"))
     window_keys, window_values = pages["window_keys"][:, :, :window_reach], pages["window_values"][:, :, :window_reach]
-    attention_of = state_window_attention_by_page if reads_in_place(q, read_keys, read_values, window_keys,
-                                                                    window_values) else state_window_attention_torch
+    if torch.compiler.is_compiling():
+        attention_of = state_window_attention_as_sums
+    elif reads_in_place(q, read_keys, read_values, window_keys, window_values):
+        attention_of = state_window_attention_by_page
+    else:
+        attention_of = state_window_attention_torch
     output[:count] = attention_of(q[:count], page, read_keys, read_values, state_slots, window_keys, window_values,
                                   visible[:, :window_reach], *temperatures, q.shape[-1] ** -0.5)
     output[count:] = 0
@@ -252,10 +308,13 @@ def decode_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             write_slots(pages[name], page, slot, new)
     if not sliding and min(decode.seen) < config.chunk_size:  # some request still in its first chunk
         state = [pages[name] for name in STATE]
-        entry_slot, values = (compiled_entries if compiled else first_chunk_entries)(
-            attention, k, v, gate, positions, page, count, state)
+        if compiled:
+            entry_page, (entry_slot, values) = page, compiled_entries(attention, k, v, gate, positions, page, count,
+                                                                      state)
+        else:
+            entry_page, entry_slot, values = entering_requests(attention, k, v, gate, decode, page)
         for tensor, value in zip(state, values):
-            write_slots(tensor, page, entry_slot, value)
+            write_slots(tensor, entry_page, entry_slot, value)
     state_reach, window_reach, sliding_reach = decode.reach
     (compiled_attend if compiled else attend_pages)(attention, q, positions, page, count, output, pages, table,
                                                     state_reach, sliding_reach if sliding else window_reach)
@@ -308,9 +367,9 @@ def compiled(function):
     that a later step fails, compiling again while serving."""
     graph = torch.compile(function, dynamic=True, fullgraph=True)
 
-    def run(*args):
+    def run(*args, **kwargs):
         with shape_config.patch(use_duck_shape=False):
-            return graph(*args)
+            return graph(*args, **kwargs)
     return run
 
 

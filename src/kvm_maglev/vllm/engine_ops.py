@@ -109,23 +109,28 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: to
 def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring) -> torch.Tensor:
     """`MaglevAttention.attend_token` (its inputs, its result) over a ring whose rows are an engine's pages (`ring`:
     a MaglevCacheLayer over them, its `RingStep` made), the token written as it writes it and then each request's
-    ring read in place instead of gathering every request's: the ring's logits and the set-aside key's, the ring
-    step's mask, one softmax, in at least float32."""
+    ring read in place, up to its last visible slot, instead of gathering every request's whole ring: the ring's
+    logits and the set-aside key's, the ring step's mask, one softmax, in at least float32."""
     step = ring.step
     aside_keys, aside_values = ring.write_slots(k[:, :, 0], v[:, :, 0], step)  # [B, Hkv, D]
     keys, values = ring.tensors["keys"], ring.tensors["values"]
     pages = ring.index if step.rows is None else ring.index[step.rows]
     batch, heads, _, dim = q.shape
-    kv_heads = keys.shape[1]
+    kv_heads, capacity = keys.shape[1], keys.shape[2]
     wide = torch.promote_types(q.dtype, torch.float32)
     queries = q.to(wide).view(batch, kv_heads, heads // kv_heads, dim)
     aside_logits = torch.matmul(queries, aside_keys.to(wide)[..., None])  # [B, Hkv, groups, 1]
     hidden = ~step.mask  # [B, 1, 1, capacity + 1]
+    ring_slot = torch.arange(1, capacity + 1, device=q.device)
+    ring_reads = (ring_slot * step.mask[:, 0, 0, :capacity]).amax(1).tolist()  # [B]: up to its last visible slot
     out = torch.empty(batch, kv_heads, heads // kv_heads, values.shape[-1], dtype=wide, device=q.device)
-    for row, page in enumerate(pages.tolist()):
-        logits = torch.cat([torch.matmul(queries[row], keys[page].to(wide).transpose(-1, -2)), aside_logits[row]], -1)
-        probs = torch.softmax(logits.masked_fill(hidden[row], float("-inf")) * dim ** -0.5, dim=-1)
-        out[row] = (torch.matmul(probs[..., :-1], values[page].to(wide))
+    for row, (page, seen) in enumerate(zip(pages.tolist(), ring_reads)):
+        logits = torch.cat([torch.matmul(queries[row], keys[page, :, :seen].to(wide).transpose(-1, -2)),
+                            aside_logits[row]], -1)
+        logits[..., :seen].masked_fill_(hidden[row, ..., :seen], float("-inf"))
+        logits[..., -1:].masked_fill_(hidden[row, ..., -1:], float("-inf"))
+        probs = torch.softmax(logits * dim ** -0.5, dim=-1)
+        out[row] = (torch.matmul(probs[..., :-1], values[page, :, :seen].to(wide))
                     + probs[..., -1:] * aside_values[row, :, None].to(wide))
     return out.to(q.dtype).view(batch, heads, 1, -1)
 
