@@ -1,7 +1,8 @@
-"""KVM's decoding attention over an engine's pages, two ways on CPU: gathering every request's state and window
+"""KVM's decoding attention over an engine's pages, three ways on CPU: gathering every request's state and window
 pages into one batch (`state_window_attention_torch`, the reference) against reading each request's pages in place
-one request at a time (`vllm.decode_kvm.state_window_attention_by_page`). The bytes a request reads where the two
-cross set `decode_kvm.IN_PLACE_MIN_BYTES`.
+one request at a time (`vllm.decode_kvm.state_window_attention_by_page`), the two eager forms; and the form the
+compiled decoding step runs (`state_window_attention_as_sums`, compiled: sums of products over the pages). The bytes
+a request reads where the eager two cross set `decode_kvm.IN_PLACE_MIN_BYTES`.
 
     python -m kvm_maglev.benchmarks.engine_attention --out docs/engine_attention.json
 
@@ -21,7 +22,12 @@ from pathlib import Path
 import torch
 
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
-from kvm_maglev.vllm.decode_kvm import IN_PLACE_MIN_BYTES, state_window_attention_by_page
+from kvm_maglev.vllm.decode_kvm import (
+    IN_PLACE_MIN_BYTES,
+    compiled,
+    state_window_attention_as_sums,
+    state_window_attention_by_page,
+)
 
 # (name, requests, query heads, key/value heads, head dim, state slots read, window slots read)
 CASES = (
@@ -70,18 +76,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    as_sums = compiled(state_window_attention_as_sums)
     rows = []
     for name, requests, heads, kv_heads, dim, state, window in CASES:
         inputs = case_inputs(requests, heads, kv_heads, dim, state, window)
         gathered = median_ms(state_window_attention_torch, inputs, args.repeats)
         in_place = median_ms(state_window_attention_by_page, inputs, args.repeats)
+        with torch._dynamo.config.patch(recompile_limit=len(CASES)):
+            sums = median_ms(as_sums, inputs, args.repeats)
         read = kv_heads * (state + window) * 2 * dim * 4  # float32 keys and values
         rows.append({"case": name, "requests": requests, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
                      "state_slots": state, "window_slots": window, "bytes_read_per_request": read,
                      "gathered_ms": round(gathered, 3), "in_place_ms": round(in_place, 3),
+                     "as_sums_compiled_ms": round(sums, 3),
                      "chosen": "in place" if read >= IN_PLACE_MIN_BYTES else "gathered"})
         print(f"{name}: {read / 1024:.0f} KiB a request; gathered {gathered:.2f} ms, in place {in_place:.2f} ms "
-              f"(chosen: {rows[-1]['chosen']})", flush=True)
+              f"(chosen: {rows[-1]['chosen']}); compiled as sums {sums:.2f} ms", flush=True)
     payload = {"command": "python -m kvm_maglev.benchmarks.engine_attention "
                           + shlex.join(sys.argv[1:] if argv is None else argv),
                "in_place_min_bytes": IN_PLACE_MIN_BYTES, "torch": torch.__version__, "threads": 1, "cases": rows}
