@@ -154,7 +154,8 @@ def first_chunk_entries(attention, k: torch.Tensor, v: torch.Tensor, gate: torch
                         state: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """What a decoding step writes into the states of layer `attention` for its requests in their first chunk:
     each token's state slot and read form (`KVMAttention.first_chunk_entries`) at slot `position`; the slot's old
-    values at slot 0 for the other requests (so that one write serves all). `state`: the STATE page tensors."""
+    values at slot 0 for the other requests (so that one write serves all, the shape a compiled step needs; eager
+    steps write the entering requests alone, `entering_requests`). `state`: the STATE page tensors."""
     position = positions[:count]
     first_chunk = position < attention.config.chunk_size
     entries = attention.first_chunk_entries(k[:count], v[:count], None if gate is None else gate[:count],
