@@ -168,7 +168,8 @@ def entering_requests(attention, k: torch.Tensor, v: torch.Tensor, gate: torch.T
                       page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """`first_chunk_entries` as eager code runs it: only the requests still in their first chunk (known on the host,
     `decode.seen`), with their pages and slots, so that nothing is read back to be written again."""
-    rows = [row for row, seen in enumerate(decode.seen) if seen < attention.config.chunk_size]
+    chunk = attention.config.chunk_size  # read once: a config attribute read is a Python call on this hot path
+    rows = [row for row, seen in enumerate(decode.seen) if seen < chunk]
     slot = decode.positions[:decode.count]
     if len(rows) < decode.count:
         index = torch.tensor(rows, device=k.device)
