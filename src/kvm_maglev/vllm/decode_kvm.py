@@ -20,10 +20,11 @@ requests fold a block into their state (once a chunk per request) runs its folds
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
+from typing import TypeVar
 
 import torch
 import torch.fx.experimental._config as shape_config
@@ -43,6 +44,7 @@ MIN_COMPILED_ROWS = 2  # dynamo specialises sizes 0 and 1: a graph for them woul
 # request costs less on CPU than gathering every request's into one batch (`reads_in_place`; the crossing measured
 # by benchmarks/engine_attention.py, docs/serving.md)
 IN_PLACE_MIN_BYTES = 256 * 1024
+T = TypeVar("T")
 
 
 def inference_dispatch_keys() -> tuple:
@@ -97,6 +99,15 @@ class EngineDecode:
     positions: torch.Tensor
     pages: list[torch.Tensor]
     reach: tuple[int, int, int]
+    shared: dict = field(default_factory=dict, repr=False)  # what `once` made for the step's layers
+
+    def once(self, key: Hashable, make: Callable[[], T]) -> T:
+        """`make()` as the first layer that asks for `key` made it in this step: what depends on the step's
+        schedule and not on a layer's weights (ring slots, visible slots, the rows' read extents) is made once per
+        step, not once per layer."""
+        if key not in self.shared:
+            self.shared[key] = make()
+        return self.shared[key]
 
 
 def engine_decode(config: KVMConfig, table: list[int], first, pages: list[torch.Tensor],
@@ -168,11 +179,13 @@ def entering_requests(attention, k: torch.Tensor, v: torch.Tensor, gate: torch.T
                       page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """`first_chunk_entries` as eager code runs it: only the requests still in their first chunk (known on the host,
     `decode.seen`), with their pages and slots, so that nothing is read back to be written again."""
-    chunk = attention.config.chunk_size  # read once: a config attribute read is a Python call on this hot path
-    rows = [row for row, seen in enumerate(decode.seen) if seen < chunk]
-    slot = decode.positions[:decode.count]
-    if len(rows) < decode.count:
-        index = torch.tensor(rows, device=k.device)
+    chunk = attention.config.chunk_size
+
+    def entering() -> torch.Tensor | None:
+        rows = [row for row, seen in enumerate(decode.seen) if seen < chunk]
+        return None if len(rows) == decode.count else torch.tensor(rows, device=k.device)
+    index, slot = decode.once(("entering", chunk), entering), decode.positions[:decode.count]
+    if index is not None:
         k, v, gate, page, slot = (None if t is None else t[index] for t in (k, v, gate, page, slot))
     return page, slot, attention.first_chunk_entries(k, v, gate, slice(None))
 
@@ -188,37 +201,65 @@ def reads_in_place(q: torch.Tensor, *pages: torch.Tensor) -> bool:
     return per_request >= IN_PLACE_MIN_BYTES
 
 
+@dataclass
+class RowReads:
+    """How far each request of a decoding step reads its pages, on the host (`row_reads`), for reading them a
+    request at a time: its page, its live state slots, its ring slots up to its last visible one, and whether a slot
+    before that one is hidden (only then are its logits masked)."""
+
+    pages: list[int]
+    state: list[int]
+    ring: list[int]
+    masked: list[int]
+
+
+def row_reads(page: torch.Tensor, state_slots: torch.Tensor, window_visible: torch.Tensor,
+              state_capacity: int) -> RowReads:
+    """`RowReads` of requests on pages `page` [B] with `state_slots` [B] live state slots (at most `state_capacity`
+    read) and ring slots `window_visible` [B, W] visible: one transfer to the host for all of them."""
+    ring_slot = torch.arange(1, window_visible.shape[1] + 1, device=page.device)
+    ring = (ring_slot * window_visible).amax(1)
+    masked = window_visible.sum(1) != ring  # some slot before the last visible one is hidden
+    return RowReads(*torch.stack([page, state_slots.clamp(max=state_capacity), ring, masked]).tolist())
+
+
+def widened(tensor: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """`tensor` in dtype `wide`, without a call when it is already (the per-request loops run it on every read)."""
+    return tensor if tensor.dtype == wide else tensor.to(wide)
+
+
 def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_keys: torch.Tensor,
                                    state_values: torch.Tensor, state_slots: torch.Tensor, window_keys: torch.Tensor,
                                    window_values: torch.Tensor, window_visible: torch.Tensor,
                                    state_temperature: torch.Tensor | None, window_temperature: torch.Tensor | None,
-                                   scale: float) -> torch.Tensor:
+                                   scale: float, reads: RowReads | None = None) -> torch.Tensor:
     """`state_window_attention_torch` (its arguments, its result) reading each request's page of the page tensors
     in place, one request at a time, instead of gathering every request's into one batch, and only as far as the
-    request reads: its live state slots and its ring up to the last visible slot (the batch's reach is its longest
-    request's). The same products and softmax per request, in at least float32."""
+    request reads (`reads`, from the masks when not given): its live state slots and its ring up to the last
+    visible slot (the batch's reach is its longest request's). The same products and softmax per request, in at
+    least float32; what is the same for every request (scale, temperatures, the widening) done once for all."""
     batch, heads, dim = q.shape
     kv_heads = state_keys.shape[1]
+    reads = reads or row_reads(page, state_slots, window_visible, state_keys.shape[2])
     wide = torch.promote_types(q.dtype, torch.float32)
-    queries = q.to(wide).view(batch, kv_heads, heads // kv_heads, dim)
+    queries = (q.to(wide) * scale).view(batch, kv_heads, heads // kv_heads, dim)
     state_queries, window_queries = (queries if temperature is None else queries * temperature.view(kv_heads, -1, 1).to(wide)
                                      for temperature in (state_temperature, window_temperature))
-    ring_slot = torch.arange(1, window_visible.shape[1] + 1, device=q.device)
-    ring_reads = (ring_slot * window_visible).amax(1).tolist()  # [B]: up to its last visible ring slot
-    state_reads = state_slots.clamp(max=state_keys.shape[2]).tolist()
-    hidden = ~window_visible[:, None, None]  # [B, 1, 1, W]
+
+    window_keys_t = window_keys.transpose(-1, -2)  # [pages, Hkv, D, W]: a view
     out = torch.empty(batch, kv_heads, heads // kv_heads, window_values.shape[-1], dtype=wide, device=q.device)
-    for row, (index, live, seen) in enumerate(zip(page.tolist(), state_reads, ring_reads)):
-        logits = torch.matmul(window_queries[row], window_keys[index, :, :seen].to(wide).transpose(-1, -2))
-        logits.masked_fill_(hidden[row, ..., :seen], float("-inf"))
-        values = window_values[index, :, :seen].to(wide)
+    for row, (index, live, seen, masked) in enumerate(zip(reads.pages, reads.state, reads.ring, reads.masked)):
+        logits = torch.bmm(window_queries[row], widened(window_keys_t[index].narrow(-1, 0, seen), wide))
+        if masked:
+            logits.masked_fill_(~window_visible[row, :seen], float("-inf"))
+        values = widened(window_values[index].narrow(1, 0, seen), wide)
         if not live:
-            torch.matmul(torch.softmax(logits * scale, dim=-1), values, out=out[row])
+            torch.bmm(torch.softmax(logits, dim=-1), values, out=out[row])
             continue
-        state = torch.matmul(state_queries[row], state_keys[index, :, :live].to(wide).transpose(-1, -2))
-        probs = torch.softmax(torch.cat([state, logits], dim=-1) * scale, dim=-1)
-        out[row] = (torch.matmul(probs[..., :live], state_values[index, :, :live].to(wide))
-                    + torch.matmul(probs[..., live:], values))
+        state = torch.bmm(state_queries[row], widened(state_keys[index].narrow(1, 0, live), wide).transpose(-1, -2))
+        probs = torch.softmax(torch.cat([state, logits], dim=-1), dim=-1)
+        out[row] = (torch.bmm(probs[..., :live], widened(state_values[index].narrow(1, 0, live), wide))
+                    + torch.bmm(probs[..., live:], values))
     return out.to(window_values.dtype).view(batch, heads, -1)
 
 
@@ -254,39 +295,58 @@ def state_window_attention_as_sums(q: torch.Tensor, page: torch.Tensor, state_ke
     return out.to(window_values.dtype).view(batch, heads, -1)
 
 
+def decode_geometry(config: KVMConfig, position: torch.Tensor,
+                    table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What decoding tokens at `position` [count] see on a layer once they are written: the ring slots visible to
+    each [count, ring size] and its live state slots [count] (none on a sliding-window layer: `table` None)."""
+    if table is None:
+        size = config.sliding_window_size
+        return visible_ring(position, size, position - size + 1), position * 0
+    chunk = config.chunk_size
+    block = torch.div(position, chunk, rounding_mode="floor") - config.window_chunks
+    visible = visible_ring(position, config.window_size, (block + 1).clamp(min=0) * chunk)
+    return visible, torch.where(block < 0, 0, table[block.clamp(min=0)])
+
+
 def attend_pages(attention, q: torch.Tensor, positions: torch.Tensor, page: torch.Tensor, count: int,
                  output: torch.Tensor, pages: dict[str, torch.Tensor], table: torch.Tensor | None,
-                 state_reach: int, window_reach: int) -> None:
+                 state_reach: int, window_reach: int,
+                 geometry: tuple[torch.Tensor, torch.Tensor, RowReads | None] | None = None) -> None:
     """Each request's query over its live state slots and visible ring slots, in one softmax, into `output` (zeros
-    past `count`), the step's tokens already in the pages (as `attend_decoding` reads them after its writes)."""
-    config = attention.config
-    position = positions[:count]
-    sliding = table is None
-    size = config.sliding_window_size if sliding else config.window_size
-    if sliding:
-        visible = visible_ring(position, size, position - size + 1)
-        state_slots = position * 0
-        read_keys = pages["window_keys"][:, :, :0]
-        read_values = pages["window_values"][:, :, :0]
+    past `count`), the step's tokens already in the pages (as `attend_decoding` reads them after its writes).
+    `geometry`: the step's `decode_geometry` cut to the reaches and its `RowReads` (the eager step's, made once per
+    step, `layer_geometry`); else made here (the compiled form)."""
+    if table is None:  # a sliding-window layer
+        read_keys, read_values = pages["window_keys"][:, :, :0], pages["window_values"][:, :, :0]
         temperatures = (None, None)
     else:
-        chunk = config.chunk_size
-        block = torch.div(position, chunk, rounding_mode="floor") - config.window_chunks
-        visible = visible_ring(position, size, (block + 1).clamp(min=0) * chunk)
-        state_slots = torch.where(block < 0, 0, table[block.clamp(min=0)])
-        read_keys = pages["read_keys"][:, :, :state_reach]
-        read_values = pages["read_values"][:, :, :state_reach]
+        read_keys, read_values = pages["read_keys"][:, :, :state_reach], pages["read_values"][:, :, :state_reach]
         temperatures = (attention.temperature("state_temperature"), attention.temperature("window_temperature"))
+    if geometry is None:
+        visible, state_slots = decode_geometry(attention.config, positions[:count], table)
+        geometry = visible[:, :window_reach], state_slots, None
+    visible, state_slots, reads = geometry
     window_keys, window_values = pages["window_keys"][:, :, :window_reach], pages["window_values"][:, :, :window_reach]
+    inputs = (q[:count], page, read_keys, read_values, state_slots, window_keys, window_values, visible,
+              *temperatures, q.shape[-1] ** -0.5)
     if torch.compiler.is_compiling():
-        attention_of = state_window_attention_as_sums
+        output[:count] = state_window_attention_as_sums(*inputs)
     elif reads_in_place(q, read_keys, read_values, window_keys, window_values):
-        attention_of = state_window_attention_by_page
+        output[:count] = state_window_attention_by_page(*inputs, reads=reads)
     else:
-        attention_of = state_window_attention_torch
-    output[:count] = attention_of(q[:count], page, read_keys, read_values, state_slots, window_keys, window_values,
-                                  visible[:, :window_reach], *temperatures, q.shape[-1] ** -0.5)
+        output[:count] = state_window_attention_torch(*inputs)
     output[count:] = 0
+
+
+def layer_geometry(config: KVMConfig, decode: EngineDecode, page: torch.Tensor, table: torch.Tensor | None,
+                   state_reach: int, window_reach: int) -> tuple[torch.Tensor, torch.Tensor, RowReads]:
+    """`attend_pages`' geometry of an eager step's layers of one kind (`table` None: sliding window) on pages
+    `page`: made by the first such layer of the step, shared by the others."""
+    def make() -> tuple[torch.Tensor, torch.Tensor, RowReads]:
+        visible, state_slots = decode_geometry(config, decode.positions[:decode.count], table)
+        visible = visible[:, :window_reach]
+        return visible, state_slots, row_reads(page, state_slots, visible, 0 if table is None else state_reach)
+    return decode.once(("geometry", table is None, id(page)), make)
 
 
 def decode_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
@@ -303,8 +363,8 @@ def decode_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     config = attention.config
     if k.shape[0] != count:  # vLLM's padding
         k, v, gate = k[:count], v[:count], None if gate is None else gate[:count]
-    position = positions if positions.shape[0] == count else positions[:count]
-    slot = position % (config.sliding_window_size if sliding else config.window_size)
+    size = config.sliding_window_size if sliding else config.window_size
+    slot = decode.once(("slot", size), lambda: positions[:count] % size)
     for name, new in (("window_keys", k), ("window_values", v), ("window_gates", gate)):
         if name in pages and new is not None:
             write_slots(pages[name], page, slot, new)
@@ -318,8 +378,12 @@ def decode_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         for tensor, value in zip(state, values):
             write_slots(tensor, entry_page, entry_slot, value)
     state_reach, window_reach, sliding_reach = decode.reach
-    (compiled_attend if compiled else attend_pages)(attention, q, positions, page, count, output, pages, table,
-                                                    state_reach, sliding_reach if sliding else window_reach)
+    window_reach = sliding_reach if sliding else window_reach
+    if compiled:
+        compiled_attend(attention, q, positions, page, count, output, pages, table, state_reach, window_reach)
+    else:
+        attend_pages(attention, q, positions, page, count, output, pages, table, state_reach, window_reach,
+                     layer_geometry(config, decode, page, table, state_reach, window_reach))
 
 
 def packed(tensor: torch.Tensor | None) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from kvm_maglev.models.common.step_plan import Step
 from kvm_maglev.models.maglev.cache_maglev import TokenStep
 from kvm_maglev.vllm import decode_kvm
-from kvm_maglev.vllm.decode_kvm import EngineDecode, decode_attention, decode_shift, packed
+from kvm_maglev.vllm.decode_kvm import EngineDecode, decode_attention, decode_shift, packed, row_reads, widened
 
 LIBRARY = Library("kvm_maglev", "FRAGMENT")  # alive as long as the module: the operators' lifetime
 
@@ -118,20 +118,22 @@ def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring
     batch, heads, _, dim = q.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
     wide = torch.promote_types(q.dtype, torch.float32)
-    queries = q.to(wide).view(batch, kv_heads, heads // kv_heads, dim)
-    aside_logits = torch.matmul(queries, aside_keys.to(wide)[..., None])  # [B, Hkv, groups, 1]
+    queries = (q.to(wide) * dim ** -0.5).view(batch, kv_heads, heads // kv_heads, dim)
     hidden = ~step.mask  # [B, 1, 1, capacity + 1]
-    ring_slot = torch.arange(1, capacity + 1, device=q.device)
-    ring_reads = (ring_slot * step.mask[:, 0, 0, :capacity]).amax(1).tolist()  # [B]: up to its last visible slot
+    aside_logits = torch.matmul(queries, widened(aside_keys, wide)[..., None])  # [B, Hkv, groups, 1]
+    aside_logits.masked_fill_(hidden[..., capacity:], float("-inf"))
+    aside_values = widened(aside_values, wide)[:, :, None]
+    reads = row_reads(pages, pages * 0, step.mask[:, 0, 0, :capacity], 0)
+    keys_t = keys.transpose(-1, -2)  # [pages, Hkv, D, capacity]: a view
     out = torch.empty(batch, kv_heads, heads // kv_heads, values.shape[-1], dtype=wide, device=q.device)
-    for row, (page, seen) in enumerate(zip(pages.tolist(), ring_reads)):
-        logits = torch.cat([torch.matmul(queries[row], keys[page, :, :seen].to(wide).transpose(-1, -2)),
+    for row, (page, seen, masked) in enumerate(zip(reads.pages, reads.ring, reads.masked)):
+        logits = torch.cat([torch.bmm(queries[row], widened(keys_t[page].narrow(-1, 0, seen), wide)),
                             aside_logits[row]], -1)
-        logits[..., :seen].masked_fill_(hidden[row, ..., :seen], float("-inf"))
-        logits[..., -1:].masked_fill_(hidden[row, ..., -1:], float("-inf"))
-        probs = torch.softmax(logits * dim ** -0.5, dim=-1)
-        out[row] = (torch.matmul(probs[..., :-1], values[page, :, :seen].to(wide))
-                    + probs[..., -1:] * aside_values[row, :, None].to(wide))
+        if masked:
+            logits[..., :seen].masked_fill_(hidden[row, ..., :seen], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        out[row] = (torch.bmm(probs[..., :-1], widened(values[page].narrow(1, 0, seen), wide))
+                    + probs[..., -1:] * aside_values[row])
     return out.to(q.dtype).view(batch, heads, 1, -1)
 
 
