@@ -186,13 +186,9 @@ class VllmMaglevForCausalLM(PagedStateModel):
     def run_rows(self, input_ids: torch.Tensor, step: ScheduledStep) -> torch.Tensor:
         """One forward of the model over the step's requests as rows (each its own tokens, padding after them), on a
         cache over their pages; then each request's carries back into its page. Rows that all start at position 0
-        make the model's first forward (under memory_prefill="prefiller", Q reads their prompts); others continue.
-        Where the decoding step is compiled, a recurrent folder's prompt runs token after token through it
-        (`run_token_by_token`)."""
+        make the model's first forward (under memory_prefill="prefiller", Q reads their prompts); others continue."""
         tokens = step.row_tokens(input_ids.device)
         width = max(step.counts)
-        if width > 1 and self.compiled_forward is not None and self.config.memory_prefill != "prefiller":
-            return self.run_token_by_token(input_ids, step)
         rows = input_ids.new_zeros(len(step.counts) * width)
         columns = tokens.row * width + tokens.local
         rows[columns] = input_ids
@@ -212,28 +208,6 @@ class VllmMaglevForCausalLM(PagedStateModel):
                                  return_dict=True, attention_mask=valid.view(-1, width).long() if ragged else None)
         self.write_carries(step.pages[0], cache)
         return outputs.last_hidden_state.reshape(-1, outputs.last_hidden_state.shape[-1])[columns]
-
-    def run_token_by_token(self, input_ids: torch.Tensor, step: ScheduledStep) -> torch.Tensor:
-        """A step in which some request reads several tokens, run as the recurrence it is: P reads each request's
-        tokens in order, one step per token of the requests that have one left (`MaglevModel.recurrent_rows`'
-        order), each step one token per request - the compiled decoding step once every such request has read a
-        token (a step with a request at position 0 is the model's first forward, eager)."""
-        bounds = [0]
-        for count in step.counts:
-            bounds.append(bounds[-1] + count)
-        hidden = None
-        for t in range(max(step.counts)):
-            rows = [row for row, count in enumerate(step.counts) if count > t]
-            index = torch.tensor(rows, device=step.pages[0].device)
-            part = ScheduledStep([step.starts[row] + t for row in rows], [1] * len(rows),
-                                 [pages if len(rows) == len(step.counts) else pages[index] for pages in step.pages],
-                                 len(rows))
-            tokens = torch.tensor([bounds[row] + t for row in rows], device=input_ids.device)
-            out = self.run_rows(input_ids[tokens], part)
-            if hidden is None:
-                hidden = out.new_empty(step.total, out.shape[-1])
-            hidden[tokens] = out
-        return hidden
 
     def compiled_decoding(self, input_ids: torch.Tensor, cache: MaglevCache):
         """A prepared step in which every request decodes, compiled: the rings and the model's step (its masks and
