@@ -32,6 +32,8 @@ from kvm_maglev.vllm.decode_kvm import (
 # (name, requests, query heads, key/value heads, head dim, state slots read, window slots read)
 CASES = (
     ("benchmark shape, short contexts", 32, 4, 2, 64, 16, 32),
+    ("benchmark shape, no state, 32 window slots", 32, 4, 2, 64, 2, 32),
+    ("benchmark shape, no state, 64 window slots", 32, 4, 2, 64, 2, 64),
     ("benchmark shape, window full", 32, 4, 2, 64, 64, 128),
     ("benchmark shape, 8 requests", 8, 4, 2, 64, 64, 128),
     ("benchmark shape, a larger state", 32, 4, 2, 64, 256, 128),

@@ -43,7 +43,7 @@ MIN_COMPILED_ROWS = 2  # dynamo specialises sizes 0 and 1: a graph for them woul
 # bytes of keys and values a request's attention reads from its pages, from which reading them in place request by
 # request costs less on CPU than gathering every request's into one batch (`reads_in_place`; the crossing measured
 # by benchmarks/engine_attention.py, docs/serving.md)
-IN_PLACE_MIN_BYTES = 256 * 1024
+IN_PLACE_MIN_BYTES = 64 * 1024
 T = TypeVar("T")
 
 
