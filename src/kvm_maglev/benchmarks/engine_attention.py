@@ -32,8 +32,6 @@ from kvm_maglev.vllm.decode_kvm import (
 # (name, requests, query heads, key/value heads, head dim, state slots read, window slots read)
 CASES = (
     ("benchmark shape, short contexts", 32, 4, 2, 64, 16, 32),
-    ("benchmark shape, no state, 32 window slots", 32, 4, 2, 64, 2, 32),
-    ("benchmark shape, no state, 64 window slots", 32, 4, 2, 64, 2, 64),
     ("benchmark shape, window full", 32, 4, 2, 64, 64, 128),
     ("benchmark shape, 8 requests", 8, 4, 2, 64, 64, 128),
     ("benchmark shape, a larger state", 32, 4, 2, 64, 256, 128),
@@ -42,6 +40,29 @@ CASES = (
     ("120M shape, contexts ~450", 8, 6, 6, 128, 200, 250),
     ("120M shape, 32 requests, window full", 32, 6, 6, 128, 256, 512),
 )
+
+
+# (name, requests, query heads, key/value heads, head dim, window slots read): requests early in their decoding, as
+# the decode-heavy workload's are (no live state slot; each request's ring visible from slot 0 to its position, at
+# half the reach to all of it) on pages of a whole ring's width, as vLLM's are: the cases whose crossing sets
+# IN_PLACE_MIN_BYTES (the random cases above give every request live state slots and hidden ring slots)
+EARLY_CASES = (
+    ("benchmark shape, early decoding, 16 window slots", 32, 4, 2, 64, 16),
+    ("benchmark shape, early decoding, 32 window slots", 32, 4, 2, 64, 32),
+    ("benchmark shape, early decoding, 64 window slots", 32, 4, 2, 64, 64),
+    ("benchmark shape, early decoding, 128 window slots", 32, 4, 2, 64, 128),
+)
+RING_SLOTS = 512  # KVMConfig's default window: 2 chunks of 256
+
+
+def early_inputs(requests: int, heads: int, kv_heads: int, dim: int, window: int) -> dict:
+    """`case_inputs` of requests early in their decoding (`EARLY_CASES`): the state's 2 slots read and none live,
+    ring pages `RING_SLOTS` wide read to `window`, each request seeing its ring's leading slots."""
+    inputs = case_inputs(requests, heads, kv_heads, dim, 2, RING_SLOTS)
+    seen = torch.randint(window // 2, window + 1, (requests,), generator=torch.Generator().manual_seed(1))
+    return dict(inputs, state_slots=torch.zeros(requests, dtype=torch.long),
+                window_keys=inputs["window_keys"][:, :, :window], window_values=inputs["window_values"][:, :, :window],
+                window_visible=torch.arange(window) < seen[:, None])
 
 
 def case_inputs(requests: int, heads: int, kv_heads: int, dim: int, state: int, window: int) -> dict:
@@ -80,11 +101,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     as_sums = compiled(state_window_attention_as_sums)
     rows = []
-    for name, requests, heads, kv_heads, dim, state, window in CASES:
-        inputs = case_inputs(requests, heads, kv_heads, dim, state, window)
+    cases = [(case, case_inputs(*case[1:])) for case in CASES]
+    cases += [((name, requests, heads, kv_heads, dim, 2, window), early_inputs(requests, heads, kv_heads, dim, window))
+              for name, requests, heads, kv_heads, dim, window in EARLY_CASES]
+    for (name, requests, heads, kv_heads, dim, state, window), inputs in cases:
         gathered = median_ms(state_window_attention_torch, inputs, args.repeats)
         in_place = median_ms(state_window_attention_by_page, inputs, args.repeats)
-        with torch._dynamo.config.patch(recompile_limit=len(CASES)):
+        with torch._dynamo.config.patch(recompile_limit=len(cases)):
             sums = median_ms(as_sums, inputs, args.repeats)
         read = kv_heads * (state + window) * 2 * dim * 4  # float32 keys and values
         rows.append({"case": name, "requests": requests, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
