@@ -116,9 +116,9 @@ def test_attention_reading_every_request_in_place_gives_the_same_tokens(folder, 
     calls = []
 
     def counted(function):
-        def run(*args):
+        def run(*args, **kwargs):
             calls.append(function.__name__)
-            return function(*args)
+            return function(*args, **kwargs)
         return run
     monkeypatch.setattr(decode_kvm, "state_window_attention_by_page", counted(decode_kvm.state_window_attention_by_page))
     monkeypatch.setattr(engine_ops, "attend_ring_in_place", counted(engine_ops.attend_ring_in_place))

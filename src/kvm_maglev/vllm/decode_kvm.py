@@ -245,7 +245,6 @@ def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_ke
     queries = (q.to(wide) * scale).view(batch, kv_heads, heads // kv_heads, dim)
     state_queries, window_queries = (queries if temperature is None else queries * temperature.view(kv_heads, -1, 1).to(wide)
                                      for temperature in (state_temperature, window_temperature))
-
     window_keys_t = window_keys.transpose(-1, -2)  # [pages, Hkv, D, W]: a view
     out = torch.empty(batch, kv_heads, heads // kv_heads, window_values.shape[-1], dtype=wide, device=q.device)
     for row, (index, live, seen, masked) in enumerate(zip(reads.pages, reads.state, reads.ring, reads.masked)):
