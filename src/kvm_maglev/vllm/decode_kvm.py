@@ -30,7 +30,7 @@ import torch
 import torch.fx.experimental._config as shape_config
 
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
-from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
+from kvm_maglev.models.kvm.decode_attention_kvm import at_least_float32, state_window_attention_torch
 from kvm_maglev.models.kvm.decode_step_kvm import rows_folding, visible_ring
 from kvm_maglev.models.kvm.state_kvm import slots_after_folds
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
@@ -42,7 +42,7 @@ SERVING_STANCE = "eager_on_recompile"
 MIN_COMPILED_ROWS = 2  # dynamo specialises sizes 0 and 1: a graph for them would not serve the other sizes
 # bytes of keys and values a request's attention reads from its pages, from which reading them in place request by
 # request costs less on CPU than gathering every request's into one batch (`reads_in_place`; the crossing measured
-# by benchmarks/engine_attention.py, docs/serving.md)
+# by benchmarks/engine_attention.py's early-decoding cases, docs/serving.md)
 IN_PLACE_MIN_BYTES = 64 * 1024
 T = TypeVar("T")
 
@@ -223,11 +223,6 @@ def row_reads(page: torch.Tensor, state_slots: torch.Tensor, window_visible: tor
     return RowReads(*torch.stack([page, state_slots.clamp(max=state_capacity), ring, masked]).tolist())
 
 
-def widened(tensor: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
-    """`tensor` in dtype `wide`, without a call when it is already (the per-request loops run it on every read)."""
-    return tensor if tensor.dtype == wide else tensor.to(wide)
-
-
 def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_keys: torch.Tensor,
                                    state_values: torch.Tensor, state_slots: torch.Tensor, window_keys: torch.Tensor,
                                    window_values: torch.Tensor, window_visible: torch.Tensor,
@@ -237,7 +232,7 @@ def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_ke
     in place, one request at a time, instead of gathering every request's into one batch, and only as far as the
     request reads (`reads`, from the masks when not given): its live state slots and its ring up to the last
     visible slot (the batch's reach is its longest request's). The same products and softmax per request, in at
-    least float32; what is the same for every request (scale, temperatures, the widening) done once for all."""
+    least float32; what is the same for every request (the scale, the temperatures) applied once for all."""
     batch, heads, dim = q.shape
     kv_heads = state_keys.shape[1]
     reads = reads or row_reads(page, state_slots, window_visible, state_keys.shape[2])
@@ -248,16 +243,16 @@ def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_ke
     window_keys_t = window_keys.transpose(-1, -2)  # [pages, Hkv, D, W]: a view
     out = torch.empty(batch, kv_heads, heads // kv_heads, window_values.shape[-1], dtype=wide, device=q.device)
     for row, (index, live, seen, masked) in enumerate(zip(reads.pages, reads.state, reads.ring, reads.masked)):
-        logits = torch.bmm(window_queries[row], widened(window_keys_t[index].narrow(-1, 0, seen), wide))
+        logits = torch.bmm(window_queries[row], at_least_float32(window_keys_t[index].narrow(-1, 0, seen)))
         if masked:
             logits.masked_fill_(~window_visible[row, :seen], float("-inf"))
-        values = widened(window_values[index].narrow(1, 0, seen), wide)
+        values = at_least_float32(window_values[index].narrow(1, 0, seen))
         if not live:
             torch.bmm(torch.softmax(logits, dim=-1), values, out=out[row])
             continue
-        state = torch.bmm(state_queries[row], widened(state_keys[index].narrow(1, 0, live), wide).transpose(-1, -2))
+        state = torch.bmm(state_queries[row], at_least_float32(state_keys[index].narrow(1, 0, live)).transpose(-1, -2))
         probs = torch.softmax(torch.cat([state, logits], dim=-1), dim=-1)
-        out[row] = (torch.bmm(probs[..., :live], widened(state_values[index].narrow(1, 0, live), wide))
+        out[row] = (torch.bmm(probs[..., :live], at_least_float32(state_values[index].narrow(1, 0, live)))
                     + torch.bmm(probs[..., live:], values))
     return out.to(window_values.dtype).view(batch, heads, -1)
 

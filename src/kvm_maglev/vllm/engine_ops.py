@@ -20,9 +20,10 @@ from vllm.forward_context import get_forward_context
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from kvm_maglev.models.common.step_plan import Step
+from kvm_maglev.models.kvm.decode_attention_kvm import at_least_float32
 from kvm_maglev.models.maglev.cache_maglev import TokenStep
 from kvm_maglev.vllm import decode_kvm
-from kvm_maglev.vllm.decode_kvm import EngineDecode, decode_attention, decode_shift, packed, row_reads, widened
+from kvm_maglev.vllm.decode_kvm import EngineDecode, decode_attention, decode_shift, packed, row_reads
 
 LIBRARY = Library("kvm_maglev", "FRAGMENT")  # alive as long as the module: the operators' lifetime
 
@@ -120,19 +121,19 @@ def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring
     wide = torch.promote_types(q.dtype, torch.float32)
     queries = (q.to(wide) * dim ** -0.5).view(batch, kv_heads, heads // kv_heads, dim)
     hidden = ~step.mask  # [B, 1, 1, capacity + 1]
-    aside_logits = torch.matmul(queries, widened(aside_keys, wide)[..., None])  # [B, Hkv, groups, 1]
+    aside_logits = torch.matmul(queries, at_least_float32(aside_keys)[..., None])  # [B, Hkv, groups, 1]
     aside_logits.masked_fill_(hidden[..., capacity:], float("-inf"))
-    aside_values = widened(aside_values, wide)[:, :, None]
+    aside_values = at_least_float32(aside_values)[:, :, None]
     reads = row_reads(pages, pages * 0, step.mask[:, 0, 0, :capacity], 0)
     keys_t = keys.transpose(-1, -2)  # [pages, Hkv, D, capacity]: a view
     out = torch.empty(batch, kv_heads, heads // kv_heads, values.shape[-1], dtype=wide, device=q.device)
     for row, (page, seen, masked) in enumerate(zip(reads.pages, reads.ring, reads.masked)):
-        logits = torch.cat([torch.bmm(queries[row], widened(keys_t[page].narrow(-1, 0, seen), wide)),
+        logits = torch.cat([torch.bmm(queries[row], at_least_float32(keys_t[page].narrow(-1, 0, seen))),
                             aside_logits[row]], -1)
         if masked:
             logits[..., :seen].masked_fill_(hidden[row, ..., :seen], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        out[row] = (torch.bmm(probs[..., :-1], widened(values[page].narrow(1, 0, seen), wide))
+        out[row] = (torch.bmm(probs[..., :-1], at_least_float32(values[page].narrow(1, 0, seen)))
                     + probs[..., -1:] * aside_values[row])
     return out.to(q.dtype).view(batch, heads, 1, -1)
 
