@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
-from kvm_maglev.vllm import decode_kvm
+from kvm_maglev.vllm import in_place_reads
 from kvm_maglev.vllm.decode_kvm import (
     EngineDecode,
     compiled,
@@ -22,8 +22,8 @@ from kvm_maglev.vllm.decode_kvm import (
     scratch_pages,
     state_slot_table,
     state_window_attention_as_sums,
-    state_window_attention_by_page,
 )
+from kvm_maglev.vllm.in_place_reads import state_window_attention_by_page
 from kvm_maglev.vllm.kvm import carry_columns, name_pages, page_layout
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages, layer_carries
 from tests.models.kvm.test_decode_attention import decode_inputs
@@ -230,7 +230,7 @@ def test_engine_step_reading_pages_in_place_equals_gathering_them(variant, monke
     inputs = layer_inputs(model, generator)
     results = []
     for threshold in (0, 1 << 40):
-        monkeypatch.setattr(decode_kvm, "IN_PLACE_MIN_BYTES", threshold)
+        monkeypatch.setattr(in_place_reads, "IN_PLACE_MIN_BYTES", threshold)
         pages = random_pages(model, torch.Generator().manual_seed(4))
         with torch.no_grad():
             results.append((engine_step(model, pages, inputs, compiled=False), pages))
@@ -251,39 +251,52 @@ def test_engine_attention_benchmark_times_every_way(tmp_path):
                                   else "gathered")
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4])
-def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads):
-    """Maglev's ring attention of a decoding step over an engine's pages, each request's ring read in place
-    (`attend_ring_in_place`), against the model's own (`TokenStep.attend`: the ring gathered): the same outputs and
-    the same pages afterwards, for requests on scattered pages before, at and past their window's width."""
+def small_maglev(kv_heads: int):
+    """A random recurrent Maglev decoder P (windows of 8 keys) with `kv_heads` key/value heads, in eval mode."""
     from kvm_maglev import MaglevConfig, MaglevForCausalLM
-    from kvm_maglev.vllm.engine_ops import attend_ring_in_place
-    from kvm_maglev.vllm.maglev import ring_slots
-    from kvm_maglev.vllm.page_caches import maglev_cache_over_pages
     from tests.models.maglev.test_maglev_model import randomize
 
     config = MaglevConfig(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                           num_key_value_heads=kv_heads, window_pattern="SL", sliding_window=8,
                           prefiller_window_pattern="SL", memory_gate_channels=12, has_prefiller=False)
-    model = randomize(MaglevForCausalLM(config), 0).eval().model
-    positions, page_of_row = [3, 20, 8, 1, 9], [5, 0, 3, 6, 2]
-    carry = torch.randn(len(positions), config.hidden_size, generator=torch.Generator().manual_seed(1))
+    return randomize(MaglevForCausalLM(config), 0).eval().model
+
+
+def maglev_over_random_pages(model, positions: list[int]):
+    """Random ring pages of `model`'s layers (8 pages) and a cache over them whose rows, at `positions`, are on
+    scattered pages with random carries: the same for the same arguments."""
+    from kvm_maglev.vllm.maglev import ring_slots
+    from kvm_maglev.vllm.page_caches import maglev_cache_over_pages
+
+    config, generator = model.config, torch.Generator().manual_seed(2)
+    rings = [{name: torch.randn(8, config.num_key_value_heads, slots, config.head_dim, generator=generator)
+              for name in ("keys", "values")} for slots in ring_slots(config, 64)]
+    index = [torch.tensor([5, 0, 3, 6, 2][:len(positions)])] * len(rings)
+    carry = torch.randn(len(positions), config.hidden_size, generator=generator)
+    return rings, maglev_cache_over_pages(config, rings, index, positions, carry, carry, model.memory_init)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads):
+    """Maglev's ring attention of a decoding step over an engine's pages, each request's ring read in place
+    (`attend_ring_in_place`), against the model's own (`TokenStep.attend`: the ring gathered): the same outputs and
+    the same pages afterwards, for requests on scattered pages before, at and past their window's width."""
+    from kvm_maglev.models.maglev.cache_maglev import TokenStep
+    from kvm_maglev.vllm.in_place_reads import attend_ring_in_place
+
+    model = small_maglev(kv_heads)
+    config, positions = model.config, [3, 20, 8, 1, 9]
 
     def cache_over_random_pages():
-        generator = torch.Generator().manual_seed(2)
-        rings = [{name: torch.randn(8, kv_heads, slots, config.head_dim, generator=generator)
-                  for name in ("keys", "values")} for slots in ring_slots(config, 64)]
-        index = [torch.tensor(page_of_row)] * len(rings)
-        cache = maglev_cache_over_pages(config, rings, index, positions, carry, carry, model.memory_init)
-        step = model.prepare_step(cache, torch.zeros(len(positions), 1, dtype=torch.long))
-        return rings, cache, step
+        rings, cache = maglev_over_random_pages(model, positions)
+        return rings, cache, model.prepare_step(cache, torch.zeros(len(positions), 1, dtype=torch.long))
 
     generator = torch.Generator().manual_seed(3)
     q = torch.randn(len(positions), 4, 1, config.head_dim, generator=generator)
     k, v = (torch.randn(len(positions), kv_heads, 1, config.head_dim, generator=generator) for _ in range(2))
     with torch.no_grad():
         rings, cache, step = cache_over_random_pages()
-        expected = [step.attend(layer.self_attn, ring, q, k, v, window)
+        expected = [TokenStep.attend(step, layer.self_attn, ring, q, k, v, window)
                     for layer, ring, window in zip(model.layers, cache.layers, config.decoder_windows)]
         engine_rings, engine_cache, _ = cache_over_random_pages()
         got = [attend_ring_in_place(q, k, v, ring) for ring in engine_cache.layers]
@@ -292,3 +305,34 @@ def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads
     for ours, reference in zip(engine_rings, rings):
         for name in ("keys", "values"):
             torch.testing.assert_close(ours[name], reference[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_maglev_recurrent_prompt_reading_rings_in_place_equals_gathering_them(kv_heads, monkeypatch):
+    """A recurrent prompt step over an engine's pages (rows of different token counts, one starting fresh, as
+    `VllmMaglevForCausalLM.run_rows` runs them): with every one-token step reading its rings in place (the threshold
+    at 0 bytes) the same head inputs, carries and pages as with every ring gathered."""
+    model = small_maglev(kv_heads)
+    positions, counts = [3, 0, 8, 1, 19], [5, 7, 1, 3, 2]
+    width = max(counts)
+    tokens = torch.randint(0, model.config.vocab_size, (len(counts), width), generator=torch.Generator().manual_seed(5))
+    valid = torch.arange(width)[None] < torch.tensor(counts)[:, None]
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return attend_in_place(*args)
+    attend_in_place = in_place_reads.attend_ring_in_place
+    monkeypatch.setattr(in_place_reads, "attend_ring_in_place", counted)
+    results = []
+    for threshold in (0, 1 << 40):
+        monkeypatch.setattr(in_place_reads, "IN_PLACE_MIN_BYTES", threshold)
+        rings, cache = maglev_over_random_pages(model, positions)
+        with torch.no_grad():
+            hidden = model(input_ids=tokens, past_key_values=cache, use_cache=True, attention_mask=valid.long(),
+                           return_dict=True).last_hidden_state[valid]
+        results.append([hidden, cache.last_memory, cache.previous_embedding]
+                       + [ring[name] for ring in rings for name in ("keys", "values")])
+    assert len(calls) == width * model.config.num_hidden_layers, "a recurrent step gathered its rings"
+    for ours, reference in zip(*results):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)

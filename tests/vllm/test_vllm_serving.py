@@ -105,14 +105,15 @@ def test_llm_generate_equals_hf_generate(folder, reference):
 
 
 def test_attention_reading_every_request_in_place_gives_the_same_tokens(folder, reference, monkeypatch):
-    """The decoding attention over every request's pages read in place, request by request (KVM's state and window,
-    Maglev's rings in its compiled decoding step, so at vLLM's default of compiling: `decode_kvm.reads_in_place` at
-    0 bytes), gives generate()'s tokens as the gathered reads do."""
+    """The decoding attention over every request's pages read in place, request by request (KVM's state and window;
+    Maglev's rings in every step of one token per request: its compiled decoding step, so at vLLM's default of
+    compiling, and each step of a recurrent prompt; `in_place_reads.reads_in_place` at 0 bytes), gives generate()'s
+    tokens as the gathered reads do."""
     from vllm import LLM
 
-    from kvm_maglev.vllm import decode_kvm, engine_ops
+    from kvm_maglev.vllm import decode_kvm, in_place_reads
 
-    monkeypatch.setattr(decode_kvm, "IN_PLACE_MIN_BYTES", 0)
+    monkeypatch.setattr(in_place_reads, "IN_PLACE_MIN_BYTES", 0)
     calls = []
 
     def counted(function):
@@ -121,7 +122,7 @@ def test_attention_reading_every_request_in_place_gives_the_same_tokens(folder, 
             return function(*args, **kwargs)
         return run
     monkeypatch.setattr(decode_kvm, "state_window_attention_by_page", counted(decode_kvm.state_window_attention_by_page))
-    monkeypatch.setattr(engine_ops, "attend_ring_in_place", counted(engine_ops.attend_ring_in_place))
+    monkeypatch.setattr(in_place_reads, "attend_ring_in_place", counted(in_place_reads.attend_ring_in_place))
     maglev = "maglev" in folder.name
     llm = LLM(model=str(folder), **{**ENGINE, "enforce_eager": not maglev})
     batch = prompts()

@@ -1,8 +1,8 @@
 """KVM's decoding attention over an engine's pages, three ways on CPU: gathering every request's state and window
 pages into one batch (`state_window_attention_torch`, the reference) against reading each request's pages in place
-one request at a time (`vllm.decode_kvm.state_window_attention_by_page`), the two eager forms; and the form the
+one request at a time (`vllm.in_place_reads.state_window_attention_by_page`), the two eager forms; and the form the
 compiled decoding step runs (`state_window_attention_as_sums`, compiled: sums of products over the pages). The bytes
-a request reads where the eager two cross set `decode_kvm.IN_PLACE_MIN_BYTES`.
+a request reads where the eager two cross set `in_place_reads.IN_PLACE_MIN_BYTES`.
 
     python -m kvm_maglev.benchmarks.engine_attention --out docs/engine_attention.json
 
@@ -22,12 +22,8 @@ from pathlib import Path
 import torch
 
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
-from kvm_maglev.vllm.decode_kvm import (
-    IN_PLACE_MIN_BYTES,
-    compiled,
-    state_window_attention_as_sums,
-    state_window_attention_by_page,
-)
+from kvm_maglev.vllm.decode_kvm import compiled, state_window_attention_as_sums
+from kvm_maglev.vllm.in_place_reads import IN_PLACE_MIN_BYTES, state_window_attention_by_page
 
 # (name, requests, query heads, key/value heads, head dim, state slots read, window slots read)
 CASES = (

@@ -30,9 +30,10 @@ import torch
 import torch.fx.experimental._config as shape_config
 
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
-from kvm_maglev.models.kvm.decode_attention_kvm import at_least_float32, state_window_attention_torch
+from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
 from kvm_maglev.models.kvm.decode_step_kvm import rows_folding, visible_ring
 from kvm_maglev.models.kvm.state_kvm import slots_after_folds
+from kvm_maglev.vllm.in_place_reads import RowReads, reads_in_place, row_reads, state_window_attention_by_page
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
 
 STATE = ("state_keys", "state_values", "state_norms", "read_keys", "read_values")
@@ -40,10 +41,6 @@ STATE = ("state_keys", "state_values", "state_norms", "read_keys", "read_values"
 # result) instead of compiling; the test of serving sets "fail_on_recompile", so that such a step fails it
 SERVING_STANCE = "eager_on_recompile"
 MIN_COMPILED_ROWS = 2  # dynamo specialises sizes 0 and 1: a graph for them would not serve the other sizes
-# bytes of keys and values a request's attention reads from its pages, from which reading them in place request by
-# request costs less on CPU than gathering every request's into one batch (`reads_in_place`; the crossing measured
-# by benchmarks/engine_attention.py's early-decoding cases, docs/serving.md)
-IN_PLACE_MIN_BYTES = 64 * 1024
 T = TypeVar("T")
 
 
@@ -188,73 +185,6 @@ def entering_requests(attention, k: torch.Tensor, v: torch.Tensor, gate: torch.T
     if index is not None:
         k, v, gate, page, slot = (None if t is None else t[index] for t in (k, v, gate, page, slot))
     return page, slot, attention.first_chunk_entries(k, v, gate, slice(None))
-
-
-def reads_in_place(q: torch.Tensor, *pages: torch.Tensor) -> bool:
-    """Whether `attend_pages` reads each request's pages in place (`state_window_attention_by_page`) rather than
-    gathering them (`state_window_attention_torch`): on CPU, outside compiled graphs, when a request reads at least
-    `IN_PLACE_MIN_BYTES` of `pages` (the key and value tensors it reads, [pages, ...]; a gather copies them all, a
-    request at a time costs a few operator calls each)."""
-    if q.device.type != "cpu" or torch.compiler.is_compiling():
-        return False
-    per_request = sum(tensor[0].numel() * tensor.element_size() for tensor in pages)
-    return per_request >= IN_PLACE_MIN_BYTES
-
-
-@dataclass
-class RowReads:
-    """How far each request of a decoding step reads its pages, on the host (`row_reads`), for reading them a
-    request at a time: its page, its live state slots, its ring slots up to its last visible one, and whether a slot
-    before that one is hidden (only then are its logits masked)."""
-
-    pages: list[int]
-    state: list[int]
-    ring: list[int]
-    masked: list[int]
-
-
-def row_reads(page: torch.Tensor, state_slots: torch.Tensor, window_visible: torch.Tensor,
-              state_capacity: int) -> RowReads:
-    """`RowReads` of requests on pages `page` [B] with `state_slots` [B] live state slots (at most `state_capacity`
-    read) and ring slots `window_visible` [B, W] visible: one transfer to the host for all of them."""
-    ring_slot = torch.arange(1, window_visible.shape[1] + 1, device=page.device)
-    ring = (ring_slot * window_visible).amax(1)
-    masked = window_visible.sum(1) != ring  # some slot before the last visible one is hidden
-    return RowReads(*torch.stack([page, state_slots.clamp(max=state_capacity), ring, masked]).tolist())
-
-
-def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_keys: torch.Tensor,
-                                   state_values: torch.Tensor, state_slots: torch.Tensor, window_keys: torch.Tensor,
-                                   window_values: torch.Tensor, window_visible: torch.Tensor,
-                                   state_temperature: torch.Tensor | None, window_temperature: torch.Tensor | None,
-                                   scale: float, reads: RowReads | None = None) -> torch.Tensor:
-    """`state_window_attention_torch` (its arguments, its result) reading each request's page of the page tensors
-    in place, one request at a time, instead of gathering every request's into one batch, and only as far as the
-    request reads (`reads`, from the masks when not given): its live state slots and its ring up to the last
-    visible slot (the batch's reach is its longest request's). The same products and softmax per request, in at
-    least float32; what is the same for every request (the scale, the temperatures) applied once for all."""
-    batch, heads, dim = q.shape
-    kv_heads = state_keys.shape[1]
-    reads = reads or row_reads(page, state_slots, window_visible, state_keys.shape[2])
-    wide = torch.promote_types(q.dtype, torch.float32)
-    queries = (q.to(wide) * scale).view(batch, kv_heads, heads // kv_heads, dim)
-    state_queries, window_queries = (queries if temperature is None else queries * temperature.view(kv_heads, -1, 1).to(wide)
-                                     for temperature in (state_temperature, window_temperature))
-    window_keys_t = window_keys.transpose(-1, -2)  # [pages, Hkv, D, W]: a view
-    out = torch.empty(batch, kv_heads, heads // kv_heads, window_values.shape[-1], dtype=wide, device=q.device)
-    for row, (index, live, seen, masked) in enumerate(zip(reads.pages, reads.state, reads.ring, reads.masked)):
-        logits = torch.bmm(window_queries[row], at_least_float32(window_keys_t[index].narrow(-1, 0, seen)))
-        if masked:
-            logits.masked_fill_(~window_visible[row, :seen], float("-inf"))
-        values = at_least_float32(window_values[index].narrow(1, 0, seen))
-        if not live:
-            torch.bmm(torch.softmax(logits, dim=-1), values, out=out[row])
-            continue
-        state = torch.bmm(state_queries[row], at_least_float32(state_keys[index].narrow(1, 0, live)).transpose(-1, -2))
-        probs = torch.softmax(torch.cat([state, logits], dim=-1), dim=-1)
-        out[row] = (torch.bmm(probs[..., :live], at_least_float32(state_values[index].narrow(1, 0, live)))
-                    + torch.bmm(probs[..., live:], values))
-    return out.to(window_values.dtype).view(batch, heads, -1)
 
 
 def state_window_attention_as_sums(q: torch.Tensor, page: torch.Tensor, state_keys: torch.Tensor,

@@ -20,10 +20,9 @@ from vllm.forward_context import get_forward_context
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from kvm_maglev.models.common.step_plan import Step
-from kvm_maglev.models.kvm.decode_attention_kvm import at_least_float32
 from kvm_maglev.models.maglev.cache_maglev import TokenStep
 from kvm_maglev.vllm import decode_kvm
-from kvm_maglev.vllm.decode_kvm import EngineDecode, decode_attention, decode_shift, packed, row_reads
+from kvm_maglev.vllm.decode_kvm import EngineDecode, decode_attention, decode_shift, packed
 
 LIBRARY = Library("kvm_maglev", "FRAGMENT")  # alive as long as the module: the operators' lifetime
 
@@ -94,48 +93,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Ten
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
     """Maglev layer `layer_name`'s attention of one token per request over its ring pages, the token written into
-    them (the model's decoding `TokenStep` over the step's rings: `MaglevAttention.attend_token`), into `output`;
-    large rings read in place, request by request (`attend_ring_in_place`)."""
+    them (the step's `PagedTokenStep` over the step's rings: `MaglevAttention.attend_token`, large rings read in
+    place), into `output`."""
     pages = get_forward_context().no_compile_layers[layer_name]
     served, index = pages.served, pages.index
     rings, step = served.step_rings
-    ring = rings[index]
-    if decode_kvm.reads_in_place(q, ring.tensors["keys"], ring.tensors["values"]):
-        output.copy_(attend_ring_in_place(q, k, v, ring))
-        return
     attention = served.model.layers[index].self_attn
-    output.copy_(step.attend(attention, ring, q, k, v, served.config.decoder_windows[index]))
-
-
-def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring) -> torch.Tensor:
-    """`MaglevAttention.attend_token` (its inputs, its result) over a ring whose rows are an engine's pages (`ring`:
-    a MaglevCacheLayer over them, its `RingStep` made), the token written as it writes it and then each request's
-    ring read in place, up to its last visible slot, instead of gathering every request's whole ring: the ring's
-    logits and the set-aside key's, the ring step's mask, one softmax, in at least float32."""
-    step = ring.step
-    aside_keys, aside_values = ring.write_slots(k[:, :, 0], v[:, :, 0], step)  # [B, Hkv, D]
-    keys, values = ring.tensors["keys"], ring.tensors["values"]
-    pages = ring.index if step.rows is None else ring.index[step.rows]
-    batch, heads, _, dim = q.shape
-    kv_heads, capacity = keys.shape[1], keys.shape[2]
-    wide = torch.promote_types(q.dtype, torch.float32)
-    queries = (q.to(wide) * dim ** -0.5).view(batch, kv_heads, heads // kv_heads, dim)
-    hidden = ~step.mask  # [B, 1, 1, capacity + 1]
-    aside_logits = torch.matmul(queries, at_least_float32(aside_keys)[..., None])  # [B, Hkv, groups, 1]
-    aside_logits.masked_fill_(hidden[..., capacity:], float("-inf"))
-    aside_values = at_least_float32(aside_values)[:, :, None]
-    reads = row_reads(pages, pages * 0, step.mask[:, 0, 0, :capacity], 0)
-    keys_t = keys.transpose(-1, -2)  # [pages, Hkv, D, capacity]: a view
-    out = torch.empty(batch, kv_heads, heads // kv_heads, values.shape[-1], dtype=wide, device=q.device)
-    for row, (page, seen, masked) in enumerate(zip(reads.pages, reads.ring, reads.masked)):
-        logits = torch.cat([torch.bmm(queries[row], at_least_float32(keys_t[page].narrow(-1, 0, seen))),
-                            aside_logits[row]], -1)
-        if masked:
-            logits[..., :seen].masked_fill_(hidden[row, ..., :seen], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        out[row] = (torch.bmm(probs[..., :-1], at_least_float32(values[page].narrow(1, 0, seen)))
-                    + probs[..., -1:] * aside_values[row])
-    return out.to(q.dtype).view(batch, heads, 1, -1)
+    output.copy_(step.attend(attention, rings[index], q, k, v, served.config.decoder_windows[index]))
 
 
 def token_shift_fake(x, mix, positions, output, layer_name, streams, first) -> None:

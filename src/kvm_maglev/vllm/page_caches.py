@@ -9,8 +9,9 @@ import torch
 from kvm_maglev.models.common.row_storage import RowStorage
 from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
-from kvm_maglev.models.maglev.cache_maglev import MaglevCache
+from kvm_maglev.models.maglev.cache_maglev import MaglevCache, TokenStep
 from kvm_maglev.models.maglev.configuration_maglev import MaglevConfig
+from kvm_maglev.vllm.in_place_reads import PagedTokenStep
 
 
 def bind_pages(storage: RowStorage, tensors: dict[str, torch.Tensor], index: torch.Tensor) -> None:
@@ -62,14 +63,22 @@ def kvm_cache_over_pages(config: KVMConfig, pages: list[dict[str, torch.Tensor]]
     return cache
 
 
+class PagedMaglevCache(MaglevCache):
+    """A MaglevCache whose rings are an engine's pages: its steps of one token per row (decoding, and each step of
+    a recurrent prompt) are `PagedTokenStep`s, which read a request's ring in place when it is large."""
+
+    def ring_steps(self, step: TokenStep) -> TokenStep:
+        return super().ring_steps(PagedTokenStep(step))
+
+
 def maglev_cache_over_pages(config: MaglevConfig, pages: list[dict[str, torch.Tensor]], index: list[torch.Tensor],
                             positions: list[int], memory: torch.Tensor, embedding: torch.Tensor,
-                            memory_init: torch.Tensor | None) -> MaglevCache:
+                            memory_init: torch.Tensor | None) -> PagedMaglevCache:
     """A MaglevCache whose layers read and write the pages in place: `pages[i]` are layer i's ring tensors ("keys",
     "values": [pages, Hkv, slots, D]), `index[i]` the page of each row in them; `positions` each row's position,
     `memory` and `embedding` [rows, H] each row's carries. Rows at position 0 start fresh whatever their pages hold:
     empty rings, no smear, memory `memory_init` (None: the memory is off)."""
-    cache = MaglevCache(config)
+    cache = PagedMaglevCache(config)
     device = embedding.device
     fresh = torch.tensor([position == 0 for position in positions], device=device)
     for layer, tensors, rows in zip(cache.layers, pages, index):
