@@ -311,7 +311,8 @@ def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads
 def test_maglev_recurrent_prompt_reading_rings_in_place_equals_gathering_them(kv_heads, monkeypatch):
     """A recurrent prompt step over an engine's pages (rows of different token counts, one starting fresh, as
     `VllmMaglevForCausalLM.run_rows` runs them): with every one-token step reading its rings in place (the threshold
-    at 0 bytes) the same head inputs, carries and pages as with every ring gathered."""
+    at 0 bytes) the same head inputs, carries and pages as with every ring gathered; the layers (one window, one
+    index tensor) share each step's read extents."""
     model = small_maglev(kv_heads)
     positions, counts = [3, 0, 8, 1, 19], [5, 7, 1, 3, 2]
     width = max(counts)
@@ -322,8 +323,10 @@ def test_maglev_recurrent_prompt_reading_rings_in_place_equals_gathering_them(kv
     def counted(*args):
         calls.append(args[0].shape[0])
         return attend_in_place(*args)
-    attend_in_place = in_place_reads.attend_ring_in_place
+    attend_in_place, extents = in_place_reads.attend_ring_in_place, in_place_reads.ring_reads
     monkeypatch.setattr(in_place_reads, "attend_ring_in_place", counted)
+    extent_calls = []
+    monkeypatch.setattr(in_place_reads, "ring_reads", lambda ring: extent_calls.append(1) or extents(ring))
     results = []
     for threshold in (0, 1 << 40):
         monkeypatch.setattr(in_place_reads, "IN_PLACE_MIN_BYTES", threshold)
@@ -334,5 +337,6 @@ def test_maglev_recurrent_prompt_reading_rings_in_place_equals_gathering_them(kv
         results.append([hidden, cache.last_memory, cache.previous_embedding]
                        + [ring[name] for ring in rings for name in ("keys", "values")])
     assert len(calls) == width * model.config.num_hidden_layers, "a recurrent step gathered its rings"
+    assert len(extent_calls) == width, "the layers of a step did not share its read extents"
     for ours, reference in zip(*results):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)

@@ -88,15 +88,24 @@ def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_ke
     return out.to(window_values.dtype).view(batch, heads, -1)
 
 
-def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring) -> torch.Tensor:
+def ring_reads(ring) -> RowReads:
+    """`RowReads` of the requests of `ring`'s step (a MaglevCacheLayer over an engine's pages, its `RingStep` made):
+    each request's page and its ring slots up to the last one its token sees."""
+    step = ring.step
+    pages = ring.index if step.rows is None else ring.index[step.rows]
+    return row_reads(pages, pages * 0, step.mask[:, 0, 0, :ring.tensors["keys"].shape[2]], 0)
+
+
+def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring,
+                         reads: RowReads | None = None) -> torch.Tensor:
     """`MaglevAttention.attend_token` (its inputs, its result) over a ring whose rows are an engine's pages (`ring`:
     a MaglevCacheLayer over them, its `RingStep` made), the token written as it writes it and then each request's
-    ring read in place, up to its last visible slot, instead of gathering every request's whole ring: the ring's
-    logits and the set-aside key's, the ring step's mask, one softmax, in at least float32."""
+    ring read in place, up to its last visible slot (`reads`: `ring_reads`, made here when not given), instead of
+    gathering every request's whole ring: the ring's logits and the set-aside key's, the ring step's mask, one
+    softmax, in at least float32."""
     step = ring.step
     aside_keys, aside_values = ring.write_slots(k[:, :, 0], v[:, :, 0], step)  # [B, Hkv, D]
     keys, values = ring.tensors["keys"], ring.tensors["values"]
-    pages = ring.index if step.rows is None else ring.index[step.rows]
     batch, heads, _, dim = q.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
     wide = torch.promote_types(q.dtype, torch.float32)
@@ -105,7 +114,7 @@ def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring
     aside_logits = torch.matmul(queries, at_least_float32(aside_keys)[..., None])  # [B, Hkv, groups, 1]
     aside_logits.masked_fill_(hidden[..., capacity:], float("-inf"))
     aside_values = at_least_float32(aside_values)[:, :, None]
-    reads = row_reads(pages, pages * 0, step.mask[:, 0, 0, :capacity], 0)
+    reads = reads or ring_reads(ring)
     keys_t = keys.transpose(-1, -2)  # [pages, Hkv, D, capacity]: a view
     out = torch.empty(batch, kv_heads, heads // kv_heads, values.shape[-1], dtype=wide, device=q.device)
     for row, (page, seen, masked) in enumerate(zip(reads.pages, reads.ring, reads.masked)):
@@ -126,8 +135,14 @@ class PagedTokenStep(TokenStep):
 
     def __init__(self, step: TokenStep) -> None:
         self.__dict__.update(vars(step))  # the step's plan, as the cache made it
+        # `ring_reads` of the step's rings, made by the first layer that reads a ring in place: the layers whose
+        # rings share a `RingStep` (one window) and pages share them (one host transfer a step, not one a layer)
+        self.reads: dict[tuple[int, int], RowReads] = {}
 
     def attend(self, attention, cache_layer, q, k, v, window: int) -> torch.Tensor:
-        if reads_in_place(q, cache_layer.tensors["keys"], cache_layer.tensors["values"]):
-            return attend_ring_in_place(q, k, v, cache_layer)
-        return super().attend(attention, cache_layer, q, k, v, window)
+        if not reads_in_place(q, cache_layer.tensors["keys"], cache_layer.tensors["values"]):
+            return super().attend(attention, cache_layer, q, k, v, window)
+        key = (id(cache_layer.step), id(cache_layer.index))
+        if key not in self.reads:
+            self.reads[key] = ring_reads(cache_layer)
+        return attend_ring_in_place(q, k, v, cache_layer, self.reads[key])

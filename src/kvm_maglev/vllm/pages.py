@@ -138,8 +138,12 @@ def scheduled_step(layers: nn.ModuleList, positions: torch.Tensor) -> ScheduledS
     bounds = first.query_start_loc[:requests + 1].tolist()
     counts = [end - begin for begin, end in zip(bounds[:-1], bounds[1:])]
     starts = positions[first.query_start_loc[:requests]].tolist()
-    pages = [metadata[layer.prefix].state_indices_tensor[:requests].long() for layer in layers]
-    return ScheduledStep(starts, counts, pages, bounds[-1])
+    indices = [metadata[layer.prefix].state_indices_tensor for layer in layers]
+    made: dict[int, torch.Tensor] = {}  # layers of one cache group share their index tensor: one copy of it each
+    for index in indices:
+        if id(index) not in made:
+            made[id(index)] = index[:requests].long()
+    return ScheduledStep(starts, counts, [made[id(index)] for index in indices], bounds[-1])
 
 
 class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
