@@ -1,6 +1,7 @@
 """The models' caches over a serving engine's pages: the plugin's adapter, which binds each cache layer to the pages
 vLLM allocated, so that the models' own layer code reads and writes them in place (no copy into a cache and back).
-The models know only that a layer's storage row of a forward's row i is `index[i]` (`RowStorage`)."""
+The models know only that a layer's storage row of a forward's row i is `index[i]` (`RowStorage`); a Maglev cache
+over pages also reads large rings in place in its one-token steps (`PagedMaglevCache`)."""
 
 from __future__ import annotations
 
