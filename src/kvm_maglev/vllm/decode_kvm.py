@@ -34,7 +34,7 @@ from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_to
 from kvm_maglev.models.kvm.decode_step_kvm import rows_folding, visible_ring
 from kvm_maglev.models.kvm.state_kvm import slots_after_folds
 from kvm_maglev.vllm.in_place_reads import RowReads, reads_in_place, row_reads, state_window_attention_by_page
-from kvm_maglev.vllm.page_caches import kvm_cache_over_pages
+from kvm_maglev.vllm.page_caches import kvm_cache_over_pages, step_page_indices
 
 STATE = ("state_keys", "state_values", "state_norms", "read_keys", "read_values")
 # how the compiled forms run while serving: a step whose inputs no start-up graph fits runs eagerly (the same
@@ -117,11 +117,8 @@ def engine_decode(config: KVMConfig, table: list[int], first, pages: list[torch.
     seen = positions[:count].tolist()
     if not all(seen):  # a one-token prompt starts its request on pages another request may have used
         return None
-    made: dict[int, torch.Tensor] = {}  # layers usually share one index tensor: one copy of it
-    # a new int64 tensor of this step (as the warm-up's page indices are): vLLM's index tensors are views of its
-    # buffers, not of the step's inference mode
-    pages = [made.setdefault(id(index), index[:count].to(torch.int64, copy=True)) for index in pages]
-    return EngineDecode(count, seen, positions, pages, reach(config, table, seen))
+    # new int64 tensors of this step, as the warm-up's page indices are (the graphs compiled there guard on that)
+    return EngineDecode(count, seen, positions, step_page_indices(pages, count), reach(config, table, seen))
 
 
 def fold_due(model, named_pages: list[dict[str, torch.Tensor]], decode: EngineDecode) -> None:

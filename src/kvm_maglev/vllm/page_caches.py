@@ -25,6 +25,17 @@ def bind_pages(storage: RowStorage, tensors: dict[str, torch.Tensor], index: tor
     storage.run = slice(pages[0], pages[0] + len(pages)) if consecutive else None
 
 
+def step_page_indices(indices: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """Each layer's page of the step's first `count` requests, from vLLM's index tensors of the layers (`indices`), as
+    new int64 tensors of this step (vLLM's are views of its buffers): one copy per distinct tensor, since the layers
+    of one cache group share theirs."""
+    made: dict[int, torch.Tensor] = {}
+    for index in indices:
+        if id(index) not in made:
+            made[id(index)] = index[:count].to(torch.int64, copy=True)
+    return [made[id(index)] for index in indices]
+
+
 def zero_rows(storage: RowStorage, rows: torch.Tensor) -> None:
     """Empty the pages of the forward's rows `rows`: requests starting at position 0 on pages another request used
     (a model's own storage starts empty)."""

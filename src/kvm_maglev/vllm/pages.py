@@ -27,6 +27,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from kvm_maglev.models.common.step_plan import RowTokens
 from kvm_maglev.models.common.tensor_parallel import local_tensor
 from kvm_maglev.vllm.engine_linears import use_engine_linears
+from kvm_maglev.vllm.page_caches import step_page_indices
 from kvm_maglev.vllm.tensor_parallel import rank_slice
 
 logger = logging.getLogger("vllm.kvm_maglev")  # under vLLM's logger: its handler prints our INFO lines with its own
@@ -138,12 +139,8 @@ def scheduled_step(layers: nn.ModuleList, positions: torch.Tensor) -> ScheduledS
     bounds = first.query_start_loc[:requests + 1].tolist()
     counts = [end - begin for begin, end in zip(bounds[:-1], bounds[1:])]
     starts = positions[first.query_start_loc[:requests]].tolist()
-    indices = [metadata[layer.prefix].state_indices_tensor for layer in layers]
-    made: dict[int, torch.Tensor] = {}  # layers of one cache group share their index tensor: one copy of it each
-    for index in indices:
-        if id(index) not in made:
-            made[id(index)] = index[:requests].long()
-    return ScheduledStep(starts, counts, [made[id(index)] for index in indices], bounds[-1])
+    pages = step_page_indices([metadata[layer.prefix].state_indices_tensor for layer in layers], requests)
+    return ScheduledStep(starts, counts, pages, bounds[-1])
 
 
 class PagedStateModel(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
