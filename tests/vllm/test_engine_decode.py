@@ -3,14 +3,15 @@ pages (`KVMModel.decoding_step`, `DecodeStep.token_shift` and `.attend` on a `kv
 outputs and the same pages afterwards, eager and compiled, for rows at scattered pages and positions - in their
 first chunk, past it, folding a block at this token - with vLLM's padding after the scheduled tokens; an
 attention's q, k and v streams shifted in one call over their carries' columns, as the operator shifts them. The
-warm-up's scratch pages against vLLM's binding of pages, and `packed` against a copy. The attention read request by
-request in place against the gathering reference, alone and inside the engine step."""
+warm-up's scratch pages against vLLM's binding of pages, and `packed` against a copy. The attention read in place -
+by the CPU kernel, and request by request - against the gathering reference, alone and inside the engine step, KVM's
+and Maglev's."""
 
 import pytest
 import torch
 
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
-from kvm_maglev.vllm import decode_kvm, in_place_reads
+from kvm_maglev.vllm import decode_kvm, in_place_reads, paged_attention_cpu
 from kvm_maglev.vllm.decode_kvm import (
     EngineDecode,
     compiled,
@@ -23,7 +24,7 @@ from kvm_maglev.vllm.decode_kvm import (
     state_slot_table,
     state_window_attention_as_sums,
 )
-from kvm_maglev.vllm.in_place_reads import state_window_attention_by_page
+from kvm_maglev.vllm.in_place_reads import state_window_attention_by_page, state_window_attention_kernel
 from kvm_maglev.vllm.kvm import carry_columns, name_pages, page_layout
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages, layer_carries
 from tests.models.kvm.test_decode_attention import decode_inputs
@@ -148,7 +149,9 @@ def test_engine_decode_equals_model_decoding_step(variant, compiled):
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=decode_kvm.WARM_UP_GRAPHS):
         expected = reference_step(model, pages, inputs)
         got = engine_step(model, engine_pages, inputs, compiled)
-    tolerance = dict(rtol=1e-5, atol=1e-5) if compiled else dict(rtol=0, atol=0)
+    # the same arithmetic but where the compiled graphs or the CPU kernel sum in another order
+    exact = not compiled and not paged_attention_cpu.available()
+    tolerance = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-5)
     assert len(got) == len(expected)
     for ours, reference in zip(got, expected):
         torch.testing.assert_close(ours, reference, **tolerance)
@@ -201,7 +204,7 @@ def sums_compiled(**inputs) -> torch.Tensor:
 
 
 READING_IN_PLACE = {"by page": state_window_attention_by_page, "as sums": state_window_attention_as_sums,
-                    "as sums, compiled": sums_compiled}
+                    "as sums, compiled": sums_compiled, "kernel": state_window_attention_kernel}
 
 
 @pytest.mark.parametrize(("form", "dtype"), [(form, dtype) for form in sorted(READING_IN_PLACE)
@@ -210,8 +213,11 @@ READING_IN_PLACE = {"by page": state_window_attention_by_page, "as sums": state_
 @pytest.mark.parametrize("temperatures", [False, True])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_attention_read_in_place_equals_the_gathering_reference(groups, temperatures, dtype, form):
-    """Both forms that read the pages where they lie (a request at a time, up to its last visible ring slot and live
-    state slot; sums of products, as compiled graphs run it) equal the reference, which gathers them."""
+    """Every form that reads the pages where they lie (a request at a time, up to its last visible ring slot and live
+    state slot; sums of products, as compiled graphs run it; the CPU kernel) equals the reference, which gathers
+    them."""
+    if form == "kernel" and not paged_attention_cpu.available():
+        pytest.skip("the CPU kernel did not build here")
     attention = READING_IN_PLACE[form]
     inputs = decode_inputs(groups, dtype, temperatures, seed=groups)
     out = attention(**inputs)
@@ -223,16 +229,26 @@ def test_attention_read_in_place_equals_the_gathering_reference(groups, temperat
     torch.testing.assert_close(attention(**no_state), state_window_attention_torch(**no_state), **tolerance)
 
 
+def read_pages(form: str, monkeypatch) -> None:
+    """Make the decoding attentions over pages read them as `form` says: "kernel" (the CPU kernel, the default
+    where it builds), "request by request" (torch, in place) or "gathered" (the reference)."""
+    if form == "kernel" and not paged_attention_cpu.available():
+        pytest.skip("the CPU kernel did not build here")
+    monkeypatch.setenv("KVM_MAGLEV_CPU_KERNEL", "1" if form == "kernel" else "0")
+    monkeypatch.setattr(in_place_reads, "IN_PLACE_MIN_BYTES", 0 if form == "request by request" else 1 << 40)
+
+
+@pytest.mark.parametrize("form", ["kernel", "request by request"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_engine_step_reading_pages_in_place_equals_gathering_them(variant, monkeypatch):
-    """The whole eager decoding step with every attention reading its requests' pages in place equals the step
-    that gathers them (the threshold at 0 bytes, then above any request's reads), outputs and pages."""
+def test_engine_step_reading_pages_in_place_equals_gathering_them(variant, form, monkeypatch):
+    """The whole eager decoding step with every attention reading its requests' pages in place (by the kernel, or
+    request by request) equals the step that gathers them, outputs and pages."""
     model = random_model(**VARIANTS[variant])
     generator = torch.Generator().manual_seed(3)
     inputs = layer_inputs(model, generator)
     results = []
-    for threshold in (0, 1 << 40):
-        monkeypatch.setattr(in_place_reads, "IN_PLACE_MIN_BYTES", threshold)
+    for arm in (form, "gathered"):
+        read_pages(arm, monkeypatch)
         pages = random_pages(model, torch.Generator().manual_seed(4))
         with torch.no_grad():
             results.append((engine_step(model, pages, inputs, compiled=False), pages))
@@ -249,8 +265,9 @@ def test_engine_attention_benchmark_times_every_way(tmp_path):
     assert (tmp_path / "attention.json").exists() and len(payload["cases"]) >= 4
     for case in payload["cases"]:
         assert case["gathered_ms"] > 0 and case["in_place_ms"] > 0 and case["as_sums_compiled_ms"] > 0
-        assert case["chosen"] == ("in place" if case["bytes_read_per_request"] >= payload["in_place_min_bytes"]
-                                  else "gathered")
+        assert case["kernel_ms"] > 0 if paged_attention_cpu.available() else case["kernel_ms"] is None
+        assert case["chosen_without_kernel"] == ("in place" if case["bytes_read_per_request"]
+                                                 >= payload["in_place_min_bytes"] else "gathered")
 
 
 def small_maglev(kv_heads: int):
@@ -278,14 +295,19 @@ def maglev_over_random_pages(model, positions: list[int]):
     return rings, maglev_cache_over_pages(config, rings, index, positions, carry, carry, model.memory_init)
 
 
+@pytest.mark.parametrize("form", ["kernel", "request by request"])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads):
-    """Maglev's ring attention of a decoding step over an engine's pages, each request's ring read in place
-    (`attend_ring_in_place`), against the model's own (`TokenStep.attend`: the ring gathered): the same outputs and
-    the same pages afterwards, for requests on scattered pages before, at and past their window's width."""
+def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads, form):
+    """Maglev's ring attention of a decoding step over an engine's pages, each request's ring read in place (by the
+    CPU kernel, `attend_ring_kernel`, or request by request, `attend_ring_in_place`), against the model's own
+    (`TokenStep.attend`: the ring gathered): the same outputs and the same pages afterwards, for requests on
+    scattered pages before, at and past their window's width."""
     from kvm_maglev.models.maglev.cache_maglev import TokenStep
-    from kvm_maglev.vllm.in_place_reads import attend_ring_in_place
 
+    if form == "kernel" and not paged_attention_cpu.available():
+        pytest.skip("the CPU kernel did not build here")
+    attend_in_place = {"kernel": in_place_reads.attend_ring_kernel,
+                       "request by request": in_place_reads.attend_ring_in_place}[form]
     model = small_maglev(kv_heads)
     config, positions = model.config, [3, 20, 8, 1, 9]
 
@@ -301,7 +323,7 @@ def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads
         expected = [TokenStep.attend(step, layer.self_attn, ring, q, k, v, window)
                     for layer, ring, window in zip(model.layers, cache.layers, config.decoder_windows)]
         engine_rings, engine_cache, _ = cache_over_random_pages()
-        got = [attend_ring_in_place(q, k, v, ring) for ring in engine_cache.layers]
+        got = [attend_in_place(q, k, v, ring) for ring in engine_cache.layers]
     for ours, reference in zip(got, expected):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
     for ours, reference in zip(engine_rings, rings):
@@ -309,29 +331,31 @@ def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads
             torch.testing.assert_close(ours[name], reference[name], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("form", ["kernel", "request by request"])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_maglev_recurrent_prompt_reading_rings_in_place_equals_gathering_them(kv_heads, monkeypatch):
+def test_maglev_recurrent_prompt_reading_rings_in_place_equals_gathering_them(kv_heads, form, monkeypatch):
     """A recurrent prompt step over an engine's pages (rows of different token counts, one starting fresh, as
-    `VllmMaglevForCausalLM.run_rows` runs them): with every one-token step reading its rings in place (the threshold
-    at 0 bytes) the same head inputs, carries and pages as with every ring gathered; the layers (one window, one
-    index tensor) share each step's read extents."""
+    `VllmMaglevForCausalLM.run_rows` runs them): with every one-token step reading its rings in place (by the
+    kernel, or request by request) the same head inputs, carries and pages as with every ring gathered; the layers
+    (one window, one index tensor) share each step's read extents."""
     model = small_maglev(kv_heads)
     positions, counts = [3, 0, 8, 1, 19], [5, 7, 1, 3, 2]
     width = max(counts)
     tokens = torch.randint(0, model.config.vocab_size, (len(counts), width), generator=torch.Generator().manual_seed(5))
     valid = torch.arange(width)[None] < torch.tensor(counts)[:, None]
     calls = []
+    attend_name = {"kernel": "attend_ring_kernel", "request by request": "attend_ring_in_place"}[form]
+    attend_in_place, extents = getattr(in_place_reads, attend_name), in_place_reads.ring_reads
 
     def counted(*args):
         calls.append(args[0].shape[0])
         return attend_in_place(*args)
-    attend_in_place, extents = in_place_reads.attend_ring_in_place, in_place_reads.ring_reads
-    monkeypatch.setattr(in_place_reads, "attend_ring_in_place", counted)
+    monkeypatch.setattr(in_place_reads, attend_name, counted)
     extent_calls = []
     monkeypatch.setattr(in_place_reads, "ring_reads", lambda ring: extent_calls.append(1) or extents(ring))
     results = []
-    for threshold in (0, 1 << 40):
-        monkeypatch.setattr(in_place_reads, "IN_PLACE_MIN_BYTES", threshold)
+    for arm in (form, "gathered"):
+        read_pages(arm, monkeypatch)
         rings, cache = maglev_over_random_pages(model, positions)
         with torch.no_grad():
             hidden = model(input_ids=tokens, past_key_values=cache, use_cache=True, attention_mask=valid.long(),

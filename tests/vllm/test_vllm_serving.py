@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 import kvm_maglev
 from kvm_maglev.cache_sizes import cache_bytes
 from kvm_maglev.models.kvm.state_kvm import state_slots_after
+from kvm_maglev.vllm import paged_attention_cpu
 from tests.vllm.folders import VOCAB, make_kvm_folder, make_maglev_folder
 
 # Maglev: window 8 keys, so rings wrap and the memory carries; the prefiller folder has a Q of its own whose long
@@ -104,16 +105,21 @@ def test_llm_generate_equals_hf_generate(folder, reference):
     del llm
 
 
-def test_attention_reading_every_request_in_place_gives_the_same_tokens(folder, reference, monkeypatch):
-    """The decoding attention over every request's pages read in place, request by request (KVM's state and window;
-    Maglev's rings in every step of one token per request: its compiled decoding step, so at vLLM's default of
-    compiling, and each step of a recurrent prompt; `in_place_reads.reads_in_place` at 0 bytes), gives generate()'s
-    tokens as the gathered reads do."""
+@pytest.mark.parametrize("form", ["kernel", "request by request"])
+def test_attention_reading_every_request_in_place_gives_the_same_tokens(folder, reference, form, monkeypatch):
+    """The decoding attention over every request's pages read in place (KVM's state and window; Maglev's rings in
+    every step of one token per request: its compiled decoding step, so at vLLM's default of compiling, and each
+    step of a recurrent prompt) gives generate()'s tokens as the gathered reads do: by the CPU kernel (the default
+    where it builds), and request by request in torch (the kernel off, `in_place_reads.reads_in_place` at 0 bytes)."""
     from vllm import LLM
 
     from kvm_maglev.vllm import decode_kvm, in_place_reads
 
-    monkeypatch.setattr(in_place_reads, "IN_PLACE_MIN_BYTES", 0)
+    if form == "kernel" and not paged_attention_cpu.available():
+        pytest.skip("the CPU kernel did not build here")
+    if form == "request by request":
+        monkeypatch.setenv("KVM_MAGLEV_CPU_KERNEL", "0")
+        monkeypatch.setattr(in_place_reads, "IN_PLACE_MIN_BYTES", 0)
     calls = []
 
     def counted(function):
@@ -121,15 +127,17 @@ def test_attention_reading_every_request_in_place_gives_the_same_tokens(folder, 
             calls.append(function.__name__)
             return function(*args, **kwargs)
         return run
-    monkeypatch.setattr(decode_kvm, "state_window_attention_by_page", counted(decode_kvm.state_window_attention_by_page))
-    monkeypatch.setattr(in_place_reads, "attend_ring_in_place", counted(in_place_reads.attend_ring_in_place))
+    kvm_form, maglev_form = {"kernel": ("state_window_attention_kernel", "attend_ring_kernel"),
+                             "request by request": ("state_window_attention_by_page", "attend_ring_in_place")}[form]
+    monkeypatch.setattr(decode_kvm, kvm_form, counted(getattr(decode_kvm, kvm_form)))
+    monkeypatch.setattr(in_place_reads, maglev_form, counted(getattr(in_place_reads, maglev_form)))
     maglev = "maglev" in folder.name
     llm = LLM(model=str(folder), **{**ENGINE, "enforce_eager": not maglev})
     batch = prompts()
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy())
     for prompt, output in zip(batch, outputs):
         assert list(output.outputs[0].token_ids) == reference(prompt), f"prompt of {len(prompt)} tokens"
-    assert calls, "no decoding step read its pages in place"
+    assert set(calls) == {maglev_form if maglev else kvm_form}, "no decoding step read its pages in place"
     del llm
 
 

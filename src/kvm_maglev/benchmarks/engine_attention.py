@@ -1,8 +1,10 @@
-"""KVM's decoding attention over an engine's pages, three ways on CPU: gathering every request's state and window
+"""KVM's decoding attention over an engine's pages, four ways on CPU: gathering every request's state and window
 pages into one batch (`state_window_attention_torch`, the reference) against reading each request's pages in place
-one request at a time (`vllm.in_place_reads.state_window_attention_by_page`), the two eager forms; and the form the
-compiled decoding step runs (`state_window_attention_as_sums`, compiled: sums of products over the pages). The bytes
-a request reads where the eager two cross set `in_place_reads.IN_PLACE_MIN_BYTES`.
+one request at a time (`vllm.in_place_reads.state_window_attention_by_page`), the two eager torch forms; the CPU
+kernel (`in_place_reads.state_window_attention_kernel`, every request in one call; the eager step's choice where it
+builds); and the form the compiled decoding step runs (`state_window_attention_as_sums`, compiled: sums of products
+over the pages). The bytes a request reads where the two torch forms cross set `in_place_reads.IN_PLACE_MIN_BYTES`
+(their choice without the kernel).
 
     python -m kvm_maglev.benchmarks.engine_attention --out docs/engine_attention.json
 
@@ -22,8 +24,13 @@ from pathlib import Path
 import torch
 
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
+from kvm_maglev.vllm import paged_attention_cpu
 from kvm_maglev.vllm.decode_kvm import compiled, state_window_attention_as_sums
-from kvm_maglev.vllm.in_place_reads import IN_PLACE_MIN_BYTES, state_window_attention_by_page
+from kvm_maglev.vllm.in_place_reads import (
+    IN_PLACE_MIN_BYTES,
+    state_window_attention_by_page,
+    state_window_attention_kernel,
+)
 
 # (name, requests, query heads, key/value heads, head dim, state slots read, window slots read)
 CASES = (
@@ -96,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     as_sums = compiled(state_window_attention_as_sums)
+    has_kernel = paged_attention_cpu.available()
     rows = []
     cases = [(case, case_inputs(*case[1:])) for case in CASES]
     cases += [((name, requests, heads, kv_heads, dim, 2, window), early_inputs(requests, heads, kv_heads, dim, window))
@@ -105,14 +113,17 @@ def main(argv: list[str] | None = None) -> dict:
         in_place = median_ms(state_window_attention_by_page, inputs, args.repeats)
         with torch._dynamo.config.patch(recompile_limit=len(cases)):
             sums = median_ms(as_sums, inputs, args.repeats)
+        kernel = median_ms(state_window_attention_kernel, inputs, args.repeats) if has_kernel else None
         read = kv_heads * (state + window) * 2 * dim * 4  # float32 keys and values
         rows.append({"case": name, "requests": requests, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
                      "state_slots": state, "window_slots": window, "bytes_read_per_request": read,
                      "gathered_ms": round(gathered, 3), "in_place_ms": round(in_place, 3),
-                     "as_sums_compiled_ms": round(sums, 3),
-                     "chosen": "in place" if read >= IN_PLACE_MIN_BYTES else "gathered"})
+                     "as_sums_compiled_ms": round(sums, 3), "kernel_ms": None if kernel is None else round(kernel, 3),
+                     "chosen_without_kernel": "in place" if read >= IN_PLACE_MIN_BYTES else "gathered"})
+        kernel_text = "did not build" if kernel is None else f"{kernel:.2f} ms"
         print(f"{name}: {read / 1024:.0f} KiB a request; gathered {gathered:.2f} ms, in place {in_place:.2f} ms "
-              f"(chosen: {rows[-1]['chosen']}); compiled as sums {sums:.2f} ms", flush=True)
+              f"(torch's choice: {rows[-1]['chosen_without_kernel']}); compiled as sums {sums:.2f} ms; kernel "
+              f"{kernel_text}", flush=True)
     payload = {"command": "python -m kvm_maglev.benchmarks.engine_attention "
                           + shlex.join(sys.argv[1:] if argv is None else argv),
                "in_place_min_bytes": IN_PLACE_MIN_BYTES, "torch": torch.__version__, "threads": 1, "cases": rows}

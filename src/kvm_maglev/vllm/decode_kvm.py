@@ -33,7 +33,14 @@ from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
 from kvm_maglev.models.kvm.decode_step_kvm import rows_folding, visible_ring
 from kvm_maglev.models.kvm.state_kvm import slots_after_folds
-from kvm_maglev.vllm.in_place_reads import RowReads, reads_in_place, row_reads, state_window_attention_by_page
+from kvm_maglev.vllm import paged_attention_cpu
+from kvm_maglev.vllm.in_place_reads import (
+    RowReads,
+    reads_in_place,
+    row_reads,
+    state_window_attention_by_page,
+    state_window_attention_kernel,
+)
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages, step_page_indices
 
 STATE = ("state_keys", "state_values", "state_norms", "read_keys", "read_values")
@@ -252,6 +259,8 @@ def attend_pages(attention, q: torch.Tensor, positions: torch.Tensor, page: torc
               *temperatures, q.shape[-1] ** -0.5)
     if torch.compiler.is_compiling():
         output[:count] = state_window_attention_as_sums(*inputs)
+    elif paged_attention_cpu.reads(q, read_keys, read_values, window_keys, window_values):
+        output[:count] = state_window_attention_kernel(*inputs, reads=reads)
     elif reads_in_place(q, read_keys, read_values, window_keys, window_values):
         output[:count] = state_window_attention_by_page(*inputs, reads=reads)
     else:

@@ -1,19 +1,23 @@
-"""The decoding attention's pages read in place, a request at a time, on CPU: the speed-up of reading an engine's
-pages for one token per request, whose reference gathers every request's keys and values into one batch first
-(KVM's `state_window_attention_torch`, Maglev's `MaglevAttention.attend_token` over a ring bound to the pages).
-Each request's reads stop at its last visible slot (the batch's reach is its longest request's), and nothing is
-copied. Which of the two a layer call takes is `reads_in_place`'s choice, by how many bytes a request reads; both
-give the same result (tests/vllm/test_engine_decode.py) and the crossing is measured by
-`python -m kvm_maglev.benchmarks.engine_attention` (docs/serving.md)."""
+"""The decoding attention's pages read in place on CPU: the speed-ups of reading an engine's pages for one token per
+request, whose reference gathers every request's keys and values into one batch first (KVM's
+`state_window_attention_torch`, Maglev's `MaglevAttention.attend_token` over a ring bound to the pages). Each
+request's reads stop at its last visible slot (the batch's reach is its longest request's), and nothing is copied.
+Two forms: one call of the compiled CPU kernel for every request (`paged_attention_cpu`, where it built), else a
+request at a time in torch when a request reads at least `IN_PLACE_MIN_BYTES` (`reads_in_place`; below, gathering
+costs less). All give the same result (tests/vllm/test_engine_decode.py, tests/models/kvm/test_paged_attention_cpu.py)
+and are timed by `python -m kvm_maglev.benchmarks.engine_attention` (docs/serving.md)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from kvm_maglev.models.kvm.decode_attention_kvm import at_least_float32
 from kvm_maglev.models.maglev.cache_maglev import TokenStep
+from kvm_maglev.vllm import paged_attention_cpu
+from kvm_maglev.vllm.paged_attention_cpu import PagedSegment, attend_segments
 
 # bytes of keys and values a request's attention reads from its pages, from which reading them in place request by
 # request costs less on CPU than gathering every request's into one batch (`reads_in_place`; the crossing measured
@@ -34,24 +38,26 @@ def reads_in_place(q: torch.Tensor, *pages: torch.Tensor) -> bool:
 
 @dataclass
 class RowReads:
-    """How far each request of a decoding step reads its pages, on the host (`row_reads`), for reading them a
-    request at a time: its page, its live state slots, its ring slots up to its last visible one, and whether a slot
-    before that one is hidden (only then are its logits masked)."""
+    """How far each request of a decoding step reads its pages (`row_reads`), for reading them where they lie:
+    `extents` [4, requests] int64, rows: its page, its live state slots read, its ring slots up to its last visible
+    one, and whether a slot before that one is hidden (only then are its logits masked). The kernel reads the rows
+    as tensors; the loop a request at a time reads them on the host (`rows`: one transfer)."""
 
-    pages: list[int]
-    state: list[int]
-    ring: list[int]
-    masked: list[int]
+    extents: torch.Tensor
+
+    @functools.cached_property
+    def rows(self) -> list[tuple[int, int, int, int]]:
+        return list(zip(*self.extents.tolist()))
 
 
 def row_reads(page: torch.Tensor, state_slots: torch.Tensor, window_visible: torch.Tensor,
               state_capacity: int) -> RowReads:
     """`RowReads` of requests on pages `page` [B] with `state_slots` [B] live state slots (at most `state_capacity`
-    read) and ring slots `window_visible` [B, W] visible: one transfer to the host for all of them."""
+    read) and ring slots `window_visible` [B, W] visible."""
     ring_slot = torch.arange(1, window_visible.shape[1] + 1, device=page.device)
     ring = (ring_slot * window_visible).amax(1)
     masked = window_visible.sum(1) != ring  # some slot before the last visible one is hidden
-    return RowReads(*torch.stack([page, state_slots.clamp(max=state_capacity), ring, masked]).tolist())
+    return RowReads(torch.stack([page, state_slots.clamp(max=state_capacity), ring, masked]).to(torch.int64))
 
 
 def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_keys: torch.Tensor,
@@ -73,7 +79,7 @@ def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_ke
                                      for temperature in (state_temperature, window_temperature))
     window_keys_t = window_keys.transpose(-1, -2)  # [pages, Hkv, D, W]: a view
     out = torch.empty(batch, kv_heads, heads // kv_heads, window_values.shape[-1], dtype=wide, device=q.device)
-    for row, (index, live, seen, masked) in enumerate(zip(reads.pages, reads.state, reads.ring, reads.masked)):
+    for row, (index, live, seen, masked) in enumerate(reads.rows):
         logits = torch.bmm(window_queries[row], at_least_float32(window_keys_t[index].narrow(-1, 0, seen)))
         if masked:
             logits.masked_fill_(~window_visible[row, :seen], float("-inf"))
@@ -86,6 +92,32 @@ def state_window_attention_by_page(q: torch.Tensor, page: torch.Tensor, state_ke
         out[row] = (torch.bmm(probs[..., :live], at_least_float32(state_values[index].narrow(1, 0, live)))
                     + torch.bmm(probs[..., live:], values))
     return out.to(window_values.dtype).view(batch, heads, -1)
+
+
+def head_scales(heads: int, scale: float, temperature: torch.Tensor | None) -> torch.Tensor:
+    """Each query head's factor on its logits, [heads] float32: the softmax scale, times the head's temperature."""
+    if temperature is None:
+        return torch.full((heads,), scale, dtype=torch.float32)
+    return (temperature.to(torch.float32) * scale).reshape(heads).contiguous()
+
+
+def state_window_attention_kernel(q: torch.Tensor, page: torch.Tensor, state_keys: torch.Tensor,
+                                  state_values: torch.Tensor, state_slots: torch.Tensor, window_keys: torch.Tensor,
+                                  window_values: torch.Tensor, window_visible: torch.Tensor,
+                                  state_temperature: torch.Tensor | None, window_temperature: torch.Tensor | None,
+                                  scale: float, reads: RowReads | None = None) -> torch.Tensor:
+    """`state_window_attention_torch` (its arguments, its result) as one call of the CPU kernel
+    (`paged_attention_cpu`): each request's live state slots and its ring up to its last visible slot (`reads`, from
+    the masks when not given), read where they lie, one softmax."""
+    reads = reads or row_reads(page, state_slots, window_visible, state_keys.shape[2])
+    heads = q.shape[1]
+    pages = reads.extents[0]
+    segments = [PagedSegment(window_keys, window_values, pages, reads.extents[2], window_visible,
+                             head_scales(heads, scale, window_temperature))]
+    if state_keys.shape[2]:  # a sliding-window layer reads no state
+        segments.insert(0, PagedSegment(state_keys, state_values, pages, reads.extents[1], None,
+                                        head_scales(heads, scale, state_temperature)))
+    return attend_segments(q, segments).to(window_values.dtype)
 
 
 def ring_reads(ring) -> RowReads:
@@ -117,7 +149,7 @@ def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring
     reads = reads or ring_reads(ring)
     keys_t = keys.transpose(-1, -2)  # [pages, Hkv, D, capacity]: a view
     out = torch.empty(batch, kv_heads, heads // kv_heads, values.shape[-1], dtype=wide, device=q.device)
-    for row, (page, seen, masked) in enumerate(zip(reads.pages, reads.ring, reads.masked)):
+    for row, (page, _, seen, masked) in enumerate(reads.rows):
         logits = torch.cat([torch.bmm(queries[row], at_least_float32(keys_t[page].narrow(-1, 0, seen))),
                             aside_logits[row]], -1)
         if masked:
@@ -128,21 +160,43 @@ def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring
     return out.to(q.dtype).view(batch, heads, 1, -1)
 
 
+def attend_ring_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring,
+                       reads: RowReads | None = None) -> torch.Tensor:
+    """`attend_ring_in_place` (its inputs, its result) as one call of the CPU kernel (`paged_attention_cpu`): the
+    token written as the model writes it, then each request's ring up to its last visible slot and its set-aside
+    key (a segment of one slot, read where the ring step's mask shows it) in one softmax."""
+    step = ring.step
+    aside_keys, aside_values = ring.write_slots(k[:, :, 0], v[:, :, 0], step)  # [B, Hkv, D]
+    keys, values = ring.tensors["keys"], ring.tensors["values"]
+    batch, heads, _, dim = q.shape
+    capacity = keys.shape[2]
+    reads = reads or ring_reads(ring)
+    visible = step.mask[:, 0, 0].contiguous()  # [B, capacity + 1]: the ring's slots, then the set-aside key
+    scales = head_scales(heads, dim ** -0.5, None)
+    aside = [tensor.to(keys.dtype)[:, :, None].contiguous() for tensor in (aside_keys, aside_values)]
+    segments = [PagedSegment(keys, values, reads.extents[0], reads.extents[2], visible, scales),
+                PagedSegment(*aside, torch.arange(batch), visible[:, capacity].to(torch.int64), None, scales)]
+    return attend_segments(q[:, :, 0], segments).to(q.dtype).view(batch, heads, 1, -1)
+
+
 class PagedTokenStep(TokenStep):
     """The model's step of one token per row over rings bound to an engine's pages (the cache
-    `page_caches.maglev_cache_over_pages` makes: a decoding step, and each step of a recurrent prompt): a layer
-    whose ring a request reads enough of reads it in place (`attend_ring_in_place`), the others as the model does."""
+    `page_caches.maglev_cache_over_pages` makes: a decoding step, and each step of a recurrent prompt): every layer
+    reads its rings in place by the CPU kernel where it runs (`attend_ring_kernel`); else a layer whose ring a request
+    reads enough of, a request at a time (`attend_ring_in_place`), the others as the model does."""
 
     def __init__(self, step: TokenStep) -> None:
         self.__dict__.update(vars(step))  # the step's plan, as the cache made it
         # `ring_reads` of the step's rings, made by the first layer that reads a ring in place: the layers whose
-        # rings share a `RingStep` (one window) and pages share them (one host transfer a step, not one a layer)
+        # rings share a `RingStep` (one window) and pages share them (made once a step, not once a layer)
         self.reads: dict[tuple[int, int], RowReads] = {}
 
     def attend(self, attention, cache_layer, q, k, v, window: int) -> torch.Tensor:
-        if not reads_in_place(q, cache_layer.tensors["keys"], cache_layer.tensors["values"]):
+        keys, values = cache_layer.tensors["keys"], cache_layer.tensors["values"]
+        kernel = paged_attention_cpu.reads(q, keys, values)
+        if not kernel and not reads_in_place(q, keys, values):
             return super().attend(attention, cache_layer, q, k, v, window)
         key = (id(cache_layer.step), id(cache_layer.index))
         if key not in self.reads:
             self.reads[key] = ring_reads(cache_layer)
-        return attend_ring_in_place(q, k, v, cache_layer, self.reads[key])
+        return (attend_ring_kernel if kernel else attend_ring_in_place)(q, k, v, cache_layer, self.reads[key])

@@ -1,0 +1,112 @@
+"""The CPU kernel of the decoding attention over an engine's pages (kvm_maglev.vllm.paged_attention_cpu, KVM's form
+`in_place_reads.state_window_attention_kernel`) against the torch reference that gathers the pages
+(`state_window_attention_torch`), on pages laid out as the engine binds them; its build (cached, atomic, refused
+cleanly without a compiler) and its refusal of indices outside the pages. Maglev's form is tested against the
+model's attention in tests/vllm/test_engine_decode.py."""
+
+import logging
+
+import pytest
+import torch
+
+from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
+from kvm_maglev.vllm import paged_attention_cpu
+from kvm_maglev.vllm.in_place_reads import state_window_attention_kernel
+from kvm_maglev.vllm.paged_attention_cpu import PagedSegment, attend_segments
+from tests.models.kvm.test_decode_attention import decode_inputs
+
+pytestmark = pytest.mark.skipif(not paged_attention_cpu.available(), reason="the CPU kernel did not build here")
+
+
+def as_engine_pages(inputs: dict) -> dict:
+    """The same inputs with each page tensor a view into one padded byte row per page, as vLLM binds state pages
+    (a page's stride larger than its tensor; the tensors side by side in the row)."""
+    names = ("state_keys", "state_values", "window_keys", "window_values")
+    pages, dtype = inputs[names[0]].shape[0], inputs[names[0]].dtype
+    sizes = [inputs[name][0].numel() for name in names]
+    rows = torch.zeros(pages, sum(sizes) + 5, dtype=dtype)
+    bound, offset = {}, 0
+    for name, size in zip(names, sizes):
+        bound[name] = rows[:, offset:offset + size].view(-1, *inputs[name].shape[1:])
+        bound[name].copy_(inputs[name])
+        offset += size
+    return dict(inputs, **bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperatures", [False, True])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_kernel_equals_the_gathering_reference(groups, temperatures, dtype):
+    """Every request's live state slots and visible ring slots, one softmax, with the states' and windows' own
+    temperatures: the reference's result, on plain and on engine-bound pages, and with no state (a sliding-window
+    layer)."""
+    inputs = decode_inputs(groups, dtype, temperatures, seed=groups)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    for case in (inputs, as_engine_pages(inputs)):
+        out = state_window_attention_kernel(**case)
+        assert out.dtype == dtype and out.shape == (4, 2 * groups, 8)
+        torch.testing.assert_close(out, state_window_attention_torch(**case), **tolerance)
+    no_state = dict(inputs, state_keys=inputs["state_keys"][:, :, :0], state_values=inputs["state_values"][:, :, :0],
+                    state_slots=inputs["state_slots"] * 0)
+    torch.testing.assert_close(state_window_attention_kernel(**no_state), state_window_attention_torch(**no_state),
+                               **tolerance)
+
+
+def test_kernel_on_several_threads_equals_one():
+    """With torch on two threads the kernel splits the requests' heads over them: the same result."""
+    inputs = decode_inputs(2, torch.float32, True, seed=4, dim=16, value_dim=16, capacity=40, ring=64)
+    one = state_window_attention_kernel(**inputs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = state_window_attention_kernel(**inputs)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(two, one, rtol=0, atol=0)
+
+
+def test_indices_outside_the_pages_are_refused():
+    """A page index or a read extent beyond the page tensors is refused by name, before the kernel reads memory."""
+    keys = torch.randn(3, 2, 5, 4)
+    q, scale = torch.randn(2, 2, 4), torch.ones(2)
+    for page, length in (([0, 3], [1, 1]), ([0, 1], [6, 1])):
+        segment = PagedSegment(keys, keys, torch.tensor(page), torch.tensor(length), None, scale)
+        with pytest.raises(ValueError, match="outside the page tensors"):
+            attend_segments(q, [segment])
+    segment = PagedSegment(keys, keys, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 1]), None, scale)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        attend_segments(q, [segment])
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """An empty kernel cache in `tmp_path`, the loaded library forgotten before and after."""
+    monkeypatch.setenv("KVM_MAGLEV_CACHE", str(tmp_path))
+    paged_attention_cpu.library.cache_clear()
+    yield tmp_path
+    paged_attention_cpu.library.cache_clear()
+
+
+def test_the_build_is_cached_and_leaves_only_the_library(fresh_build):
+    assert paged_attention_cpu.library() is not None
+    built = sorted(path.name for path in fresh_build.iterdir())
+    assert len(built) == 1 and built[0].startswith("paged_attention_cpu-") and built[0].endswith(".so")
+    paged_attention_cpu.library.cache_clear()
+    assert paged_attention_cpu.library() is not None
+    assert sorted(path.name for path in fresh_build.iterdir()) == built
+
+
+def test_without_a_working_compiler_the_torch_path_stays(fresh_build, monkeypatch, caplog):
+    """A compiler that fails (or none): no kernel, a warning saying so, nothing left in the cache; turned off by
+    the environment, the kernel is not used either."""
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level(logging.WARNING, logger=paged_attention_cpu.__name__):
+        assert not paged_attention_cpu.available()
+    assert "torch path" in caplog.text
+    assert list(fresh_build.iterdir()) == []
+    inputs = decode_inputs(1, torch.float32, False)
+    assert not paged_attention_cpu.reads(inputs["q"], inputs["window_keys"])
+    monkeypatch.delenv("CC")
+    paged_attention_cpu.library.cache_clear()
+    monkeypatch.setenv("KVM_MAGLEV_CPU_KERNEL", "0")
+    assert not paged_attention_cpu.reads(inputs["q"], inputs["window_keys"])
