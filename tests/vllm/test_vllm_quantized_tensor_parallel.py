@@ -21,6 +21,7 @@ from tests.vllm.test_vllm_quantized import (
     W4A16_LOGPROB_GAP,
     W8A8_LOGPROB_GAP,
     assert_scores_as_reference,
+    on_amx_kernels,
     references,
     served_logprobs,
 )
@@ -70,6 +71,8 @@ def greedy_with_margins(llm, batch: list[list[int]]) -> list[tuple[list[int], li
 def test_two_ranks_serve_a_quantized_folder_as_one_rank(wide_folder, scheme, tmp_path):
     kind, folder = wide_folder
     quantized = quantize_folder(folder, scheme, tmp_path / scheme, group_size=GROUP)
+    if on_amx_kernels(scheme, quantized, **TP_ENGINE, tensor_parallel_size=2):
+        return
     reference, float_model = references(folder, quantized, scheme, tp_size=2)
     batch = prompts()
     sequences = [prompt + hf_continuation(reference, prompt) for prompt in batch]

@@ -231,6 +231,18 @@ def check_compressed_tensors(architecture: str, model_config) -> None:
     if "W4A16" in schemes.values() and model_config.dtype == torch.float32:
         raise ValueError(f"{architecture}: a W4A16 folder runs vLLM's 4-bit kernel, which takes bfloat16 or float16 "
                          "activations, not float32: serve it with --dtype bfloat16")
+    if "W8A8" in schemes.values() and model_config.dtype == torch.float32 and amx_int8_kernel():
+        raise ValueError(f"{architecture}: on this CPU (AMX) a W8A8 folder runs vLLM's AMX int8 kernel, which takes "
+                         "bfloat16 or float16 activations, not float32: serve it with --dtype bfloat16")
+
+
+def amx_int8_kernel() -> bool:
+    """Whether vLLM's CPU build multiplies int8 weights with its AMX kernel here (an x86 CPU with AMX tiles:
+    `check_cpu_sgl_kernel`), which takes no float32 activations; elsewhere its oneDNN int8 kernel takes them."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    return (current_platform.is_cpu() and current_platform.get_cpu_architecture() == CpuArchEnum.X86
+            and torch.cpu._is_amx_tile_supported())
 
 
 def whole_prompt_scheduling(vllm_config) -> None:

@@ -58,6 +58,12 @@ class Projection:
     """What makes a vLLM linear layer a projection of our models: called on the input alone (vLLM's layers return
     no bias here: `return_bias=False`) and sized as nn.Linear, by this rank's share."""
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """vLLM's product over the tokens as rows ([tokens, features]: some of its CPU kernels, such as the int8 one
+        it picks where the CPU has AVX-512, take no other shape), in the input's leading shape."""
+        out = super().forward(x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], out.shape[-1])
+
     @property
     def in_features(self) -> int:
         return getattr(self, "input_size_per_partition", self.input_size)
