@@ -37,10 +37,10 @@ def float_folder(request, tmp_path_factory) -> tuple[str, Path]:
 
 
 def on_amx_kernels(scheme: str, quantized: Path, **engine) -> bool:
-    """Where vLLM's CPU build runs its AMX kernels (an x86 CPU with AMX tiles): a float32 W8A8 folder is refused
-    by name (that int8 kernel takes no float32 activations; True), and the W4A16 comparison is skipped (its 4-bit
-    kernel rounds otherwise than the oneDNN path the tolerance was set on: gaps up to 0.22 against 0.15 measured,
-    not compared here). False elsewhere: the test serves and compares."""
+    """On an x86 CPU with AMX tiles, where vLLM's CPU build multiplies int8 weights with its AMX kernel: a float32
+    W8A8 folder is refused by name (that kernel takes no float32 activations; True), and the W4A16 comparison is
+    skipped (there the scores differ from transformers' by up to 0.22, against the 0.15 tolerance set on a CPU
+    without AMX; not compared). False elsewhere: the test serves and compares."""
     from vllm import LLM
 
     from kvm_maglev.vllm.serving_config import amx_int8_kernel
@@ -48,7 +48,7 @@ def on_amx_kernels(scheme: str, quantized: Path, **engine) -> bool:
     if not amx_int8_kernel():
         return False
     if scheme == "W4A16":
-        pytest.skip("vLLM's AMX 4-bit kernel on this CPU: its rounding is not compared with transformers' here")
+        pytest.skip("a CPU with AMX: W4A16 scores are not compared with transformers' here (docs/quantization.md)")
     with pytest.raises(Exception, match=r"on this CPU \(AMX\) a W8A8 folder runs vLLM's AMX int8 kernel.*--dtype "
                                         r"bfloat16"):
         LLM(model=str(quantized), **{**ENGINE, **engine})
