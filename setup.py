@@ -9,7 +9,7 @@ setup(
     package_dir={"": "src"},
     packages=find_packages("src"),
     include_package_data=True,
-    package_data={"kvm_maglev": ["model_cards/*.md", "assets/**/*", "vllm/*.c"]},  # vllm/*.c: the CPU kernel, built on first use
+    package_data={"kvm_maglev": ["model_cards/*.md", "assets/**/*", "vllm/*.c"]},  # *.c: built on first use
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<3",

@@ -35,6 +35,7 @@ static inline float exp_nonpositive(float x) {
  * (NULL: all), and each query head's factor on its logits (softmax scale times the segment's temperature). */
 typedef struct {
     const void *keys, *values;
+    int64_t pages, slots;
     int64_t key_strides[3], value_strides[3];
     const int64_t *page, *length;
     const uint8_t *visible;
@@ -113,12 +114,18 @@ DEFINE_ATTEND_HEAD(attend_head_bfloat16, uint16_t, bf16_to_float)
 /* q [batch, heads, dim] float32, already in the heads' order (query head h under kv head h / groups); out [batch,
  * heads, value_dim] float32. `bfloat16`: the pages' element type (else float32); `max_read`: the most slots any
  * request reads over all segments; `threads` > 1 splits the (request, kv head) pairs over OpenMP threads where
- * built with it. Returns 0, or 1 for too many query heads per kv head, 2 when scratch memory is refused. */
+ * built with it. Returns 0, or 1 for too many query heads per kv head, 2 when scratch memory is refused, 3 when a
+ * request's page or read slots lie outside its segment's tensors (checked before anything is read). */
 int attend_segments(const float *q, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim,
                     int bfloat16, const segment_t *segments, int64_t count, int64_t max_read, int threads,
                     float *out) {
     int64_t groups = heads / kv_heads;
     if (groups > MAX_GROUPS) return 1;
+    for (int64_t s = 0; s < count; s++)
+        for (int64_t row = 0; row < batch; row++) {
+            int64_t page = segments[s].page[row], length = segments[s].length[row];
+            if (page < 0 || page >= segments[s].pages || length < 0 || length > segments[s].slots) return 3;
+        }
     max_read = max_read > 0 ? max_read : 1;
     int failed = 0;
 #ifdef _OPENMP

@@ -42,7 +42,8 @@ class Segment(ctypes.Structure):
     """`segment_t` of the source: one segment's page tensors, strides, and each request's page, read slots, seen
     slots and each query head's logit factor."""
 
-    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("key_strides", ctypes.c_int64 * 3),
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("pages", ctypes.c_int64),
+                ("slots", ctypes.c_int64), ("key_strides", ctypes.c_int64 * 3),
                 ("value_strides", ctypes.c_int64 * 3), ("page", ctypes.c_void_p), ("length", ctypes.c_void_p),
                 ("visible", ctypes.c_void_p), ("visible_stride", ctypes.c_int64), ("head_scale", ctypes.c_void_p)]
 
@@ -131,18 +132,16 @@ def reads(q: torch.Tensor, *pages: torch.Tensor) -> bool:
 
 
 def as_segment(segment: PagedSegment, heads: int) -> Segment:
-    """The C view of `segment`, its index tensors checked against its pages (a bad index would read out of them)."""
+    """The C view of `segment` (the kernel checks each request's page and read slots against its tensors' sizes)."""
     keys, values = segment.keys, segment.values
-    if segment.page.numel() and (int(segment.page.max()) >= keys.shape[0] or int(segment.length.max()) > keys.shape[2]):
-        raise ValueError(f"a request's page or read slots lie outside the page tensors {tuple(keys.shape)}")
     if segment.head_scale.shape != (heads,) or segment.head_scale.dtype != torch.float32:
         raise ValueError(f"head_scale must be float32 [{heads}], got {segment.head_scale.dtype} "
                          f"{tuple(segment.head_scale.shape)}")
     visible = segment.visible
-    return Segment(keys.data_ptr(), values.data_ptr(), (ctypes.c_int64 * 3)(*keys.stride()[:3]),
-                   (ctypes.c_int64 * 3)(*values.stride()[:3]), segment.page.data_ptr(), segment.length.data_ptr(),
-                   0 if visible is None else visible.data_ptr(), 0 if visible is None else visible.stride(0),
-                   segment.head_scale.data_ptr())
+    return Segment(keys.data_ptr(), values.data_ptr(), keys.shape[0], keys.shape[2],
+                   (ctypes.c_int64 * 3)(*keys.stride()[:3]), (ctypes.c_int64 * 3)(*values.stride()[:3]),
+                   segment.page.data_ptr(), segment.length.data_ptr(), 0 if visible is None else visible.data_ptr(),
+                   0 if visible is None else visible.stride(0), segment.head_scale.data_ptr())
 
 
 def attend_segments(q: torch.Tensor, segments: list[PagedSegment]) -> torch.Tensor:
@@ -165,6 +164,9 @@ def attend_segments(q: torch.Tensor, segments: list[PagedSegment]) -> torch.Tens
     status = library_.attend_segments(queries.data_ptr(), batch, heads, kv_heads, dim, value_dim,
                                       PAGE_DTYPES[segments[0].keys.dtype], array, len(segments), max_read,
                                       torch.get_num_threads(), out.data_ptr())
+    if status == 3:
+        raise ValueError("a request's page or read slots lie outside the page tensors "
+                         f"{[tuple(segment.keys.shape) for segment in segments]}")
     if status:
         raise RuntimeError(f"the CPU decoding attention kernel failed (status {status})")
     return out

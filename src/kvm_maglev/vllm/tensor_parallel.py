@@ -60,7 +60,7 @@ class Projection:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """vLLM's product over the tokens as rows ([tokens, features]: some of its CPU kernels, such as the int8 one
-        it picks where the CPU has AVX-512, take no other shape), in the input's leading shape."""
+        it picks where the CPU has AMX, take no other shape), in the input's leading shape."""
         out = super().forward(x.reshape(-1, x.shape[-1]))
         return out.view(*x.shape[:-1], out.shape[-1])
 
