@@ -149,9 +149,13 @@ def shift_tokens(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: 
 
 def decode_shift(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
                  output: torch.Tensor, compiled: bool = False) -> None:
-    """`shift_tokens` (compiled or not), then each request's token into its carry. The write stays eager, as do
-    the attention's page writes: a compiled graph writes a view of vLLM's page buffer by copying the whole view
-    (tens of milliseconds a write at the benchmark's pages)."""
+    """`shift_tokens` (compiled or not), then each request's token into its carry; eagerly, both in one call of the
+    CPU kernel where it runs (`paged_attention_cpu.shift_tokens`). The write stays eager, as do the attention's
+    page writes: a compiled graph writes a view of vLLM's page buffer by copying the whole view (tens of
+    milliseconds a write at the benchmark's pages)."""
+    if not compiled and paged_attention_cpu.shifts_tokens(x, mix, carry, output):
+        paged_attention_cpu.shift_tokens(x, mix, carry, page, count, output)
+        return
     (compiled_shift if compiled else shift_tokens)(x, mix, carry, page, count, output)
     carry[page] = x[0, :count].to(carry.dtype)
 

@@ -154,3 +154,37 @@ int attend_segments(const float *q, int64_t batch, int64_t heads, int64_t kv_hea
     (void)threads;
     return failed;
 }
+
+/* out[r] = x[r] + mix * (carry[page[r]] - x[r]) for the step's `count` tokens (float32 rows of `width`, strides in
+ * elements), then each token into its request's carry, and rows count..rows-1 of out zeroed (the engine's padding):
+ * a decoding step's token shift of one layer's streams. The product and the sum rounded apart, as torch's two
+ * operations round them (no fused multiply-add). Returns 0, or 3 when a page lies outside the carries. */
+#if defined(__clang__)
+#define SEPARATE_ROUNDING _Pragma("clang fp contract(off) reassociate(off)")
+#define SEPARATE_ROUNDING_ATTRIBUTE
+#elif defined(__GNUC__)
+#define SEPARATE_ROUNDING
+#define SEPARATE_ROUNDING_ATTRIBUTE __attribute__((optimize("fp-contract=off", "no-associative-math")))
+#else
+#define SEPARATE_ROUNDING
+#define SEPARATE_ROUNDING_ATTRIBUTE
+#endif
+SEPARATE_ROUNDING_ATTRIBUTE
+int shift_tokens(const float *x, int64_t x_stride, const float *mix, float *carry, int64_t carry_pages,
+                 int64_t carry_stride, const int64_t *page, int64_t count, int64_t width, float *out,
+                 int64_t out_stride, int64_t rows) {
+    SEPARATE_ROUNDING
+    for (int64_t r = 0; r < count; r++)
+        if (page[r] < 0 || page[r] >= carry_pages) return 3;
+    for (int64_t r = 0; r < count; r++) {
+        const float *token = x + r * x_stride, *previous = carry + page[r] * carry_stride;
+        float *o = out + r * out_stride;
+        for (int64_t d = 0; d < width; d++) {
+            float step = mix[d] * (previous[d] - token[d]);
+            o[d] = token[d] + step;
+        }
+    }
+    for (int64_t r = 0; r < count; r++) memcpy(carry + page[r] * carry_stride, x + r * x_stride, sizeof(float) * width);
+    for (int64_t r = count; r < rows; r++) memset(out + r * out_stride, 0, sizeof(float) * width);
+    return 0;
+}

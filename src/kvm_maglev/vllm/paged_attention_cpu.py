@@ -109,6 +109,10 @@ def library() -> ctypes.CDLL | None:
         loaded.attend_segments.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5
                                            + [ctypes.c_int, ctypes.POINTER(Segment), ctypes.c_int64, ctypes.c_int64,
                                               ctypes.c_int, ctypes.c_void_p])
+        loaded.shift_tokens.restype = ctypes.c_int
+        loaded.shift_tokens.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+                                        + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
+                                        + [ctypes.c_void_p] + [ctypes.c_int64] * 2)
         return loaded
     logger.warning("the CPU decoding attention kernel did not build (%s): its torch path is used instead",
                    errors[-1].strip())
@@ -170,3 +174,28 @@ def attend_segments(q: torch.Tensor, segments: list[PagedSegment]) -> torch.Tens
     if status:
         raise RuntimeError(f"the CPU decoding attention kernel failed (status {status})")
     return out
+
+
+def shifts_tokens(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether the kernel runs a decoding step's token shift of `x` [1, tokens, width] with `mix` [width] and the
+    carries `carry` [pages, width] into `output`: float32 on CPU, rows contiguous, outside compiled graphs, the
+    kernel `available()`."""
+    tensors = (x, mix, carry, output)
+    return (not torch.compiler.is_compiling() and all(t.device.type == "cpu" and t.dtype == torch.float32
+                                                      and t.stride(-1) == 1 for t in tensors)
+            and mix.numel() == x.shape[-1] and available())
+
+
+def shift_tokens(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
+                 output: torch.Tensor) -> None:
+    """`decode_kvm.decode_shift` in one call: `output[:, r] = x[:, r] + mix * (carry[page[r]] - x[:, r])` for the
+    first `count` tokens of x [1, tokens, width], zeros past them, then each token into its request's carry (`page`
+    [count] int64, contiguous)."""
+    if page.dtype != torch.int64 or not page.is_contiguous() or page.shape != (count,):
+        raise ValueError(f"page must be contiguous int64 [{count}]")
+    mix = mix.reshape(-1)
+    status = library().shift_tokens(x.data_ptr(), x.stride(1), mix.data_ptr(), carry.data_ptr(), carry.shape[0],
+                                    carry.stride(0), page.data_ptr(), count, x.shape[-1], output.data_ptr(),
+                                    output.stride(1), output.shape[1])
+    if status == 3:
+        raise ValueError(f"a request's page lies outside the carries {tuple(carry.shape)}")

@@ -1,8 +1,9 @@
-"""The CPU kernel of the decoding attention over an engine's pages (kvm_maglev.vllm.paged_attention_cpu, KVM's form
-`in_place_reads.state_window_attention_kernel`) against the torch reference that gathers the pages
-(`state_window_attention_torch`), on pages laid out as the engine binds them; its build (cached, atomic, refused
-cleanly without a compiler) and its refusal of indices outside the pages. Maglev's form is tested against the
-model's attention in tests/vllm/test_engine_decode.py."""
+"""The CPU kernels of the decoding step over an engine's pages (kvm_maglev.vllm.paged_attention_cpu): the attention
+(KVM's form `in_place_reads.state_window_attention_kernel`) against the torch reference that gathers the pages
+(`state_window_attention_torch`), the token shift against its torch form (decode_kvm with the
+kernel off), on pages laid out as the engine binds them; the build (cached, atomic, refused cleanly without a
+compiler) and the refusal of indices outside the pages. Maglev's form is tested against the model's attention in
+tests/vllm/test_engine_decode.py."""
 
 import logging
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
-from kvm_maglev.vllm import paged_attention_cpu
+from kvm_maglev.vllm import decode_kvm, paged_attention_cpu
 from kvm_maglev.vllm.in_place_reads import state_window_attention_kernel
 from kvm_maglev.vllm.paged_attention_cpu import PagedSegment, attend_segments
 from tests.models.kvm.test_decode_attention import decode_inputs
@@ -76,6 +77,49 @@ def test_indices_outside_the_pages_are_refused():
     segment = PagedSegment(keys, keys, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 1]), None, scale)
     with pytest.raises(ValueError, match="contiguous int64"):
         attend_segments(q, [segment])
+
+
+def bound_rows(pages: int, shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Random page tensors [pages, *shape] side by side in one padded row a page, as vLLM binds state pages."""
+    sizes = [torch.Size(shape).numel() for shape in shapes]
+    rows = torch.randn(pages, sum(sizes) + 3, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    tensors, offset = [], 1
+    for shape, size in zip(shapes, sizes):
+        tensors.append(rows[:, offset:offset + size].view(pages, *shape))
+        offset += size
+    return tensors
+
+
+def kernel_and_torch(monkeypatch, run) -> None:
+    """`run()` with the kernel and again with its torch form (`KVM_MAGLEV_CPU_KERNEL=0`)."""
+    run()
+    monkeypatch.setenv("KVM_MAGLEV_CPU_KERNEL", "0")
+    run()
+    monkeypatch.delenv("KVM_MAGLEV_CPU_KERNEL")
+
+
+def test_token_shift_equals_its_torch_form(monkeypatch):
+    """A decoding step's token shift of streams lying side by side in the carries (a column view, as
+    `kvm.carry_columns` makes), engine padding after the scheduled tokens: the same outputs and carries, bit for
+    bit; a page outside the carries refused."""
+    generator = torch.Generator().manual_seed(3)
+    x, mix = torch.randn(1, 6, 20, generator=generator), torch.rand(20, generator=generator)
+    page = torch.tensor([3, 8, 1, 0])
+    results = []
+
+    def run():
+        carries = bound_rows(9, [(30,)], torch.float32, seed=4)[0]
+        output = torch.full_like(x, float("nan"))
+        decode_kvm.decode_shift(x, mix, carries[:, 4:24], page, 4, output)
+        results.append((output, carries))
+    kernel_and_torch(monkeypatch, run)
+    (ours, our_carries), (reference, reference_carries) = results
+    assert torch.equal(ours, reference) and torch.equal(our_carries, reference_carries)
+    assert not ours[:, 4:].any()
+    with pytest.raises(ValueError, match="outside the carries"):
+        paged_attention_cpu.shift_tokens(x, mix, bound_rows(9, [(20,)], torch.float32, 4)[0],
+                                         torch.tensor([3, 9, 1, 0]), 4, torch.empty_like(x))
+    assert not paged_attention_cpu.shifts_tokens(x.bfloat16(), mix, x[0], x)  # bfloat16 keeps the torch form
 
 
 @pytest.fixture
