@@ -54,15 +54,17 @@ def token_shift(x: torch.Tensor, mix: torch.Tensor, positions: torch.Tensor, out
         return
     if rows is None and served.compile_decode and (pages.index, streams) not in served.warmed:
         served.warm_up_shift(pages.index, streams, x, mix)  # vLLM's warm-up run
-    output.zero_()
-    if rows is not None:
-        step, count, cache = rows
-        begin = 0
-        for name in streams.split(","):
-            end = begin + cache.layers[pages.index].tensors[f"carry.{name}"].shape[-1]
-            output[:, :count, begin:end] = step.token_shift(x[:, :count, begin:end], mix[..., begin:end],
-                                                            cache.layers[pages.index], name, first)
-            begin = end
+    if rows is None:
+        output.zero_()
+        return
+    step, count, cache = rows
+    output[:, count:] = 0  # the scheduled tokens' columns are all written below
+    begin = 0
+    for name in streams.split(","):
+        end = begin + cache.layers[pages.index].tensors[f"carry.{name}"].shape[-1]
+        output[:, :count, begin:end] = step.token_shift(x[:, :count, begin:end], mix[..., begin:end],
+                                                        cache.layers[pages.index], name, first)
+        begin = end
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
@@ -84,11 +86,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Ten
         return
     if rows is None and served.compile_decode and (index, "attention") not in served.warmed:
         served.warm_up_attention(index, q, k, v, gate, positions)  # vLLM's warm-up run
-    output.zero_()
-    if rows is not None:
-        step, count, cache = rows
-        output[:count] = step.attend(served.model.layers[index].self_attn, cache.layers[index], q[:count], k[:count],
-                                     v[:count], None if gate is None else gate[:count])
+    if rows is None:
+        output.zero_()
+        return
+    step, count, cache = rows
+    output[:count] = step.attend(served.model.layers[index].self_attn, cache.layers[index], q[:count], k[:count],
+                                 v[:count], None if gate is None else gate[:count])
+    output[count:] = 0
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

@@ -133,6 +133,8 @@ class VllmKVMForCausalLM(PagedStateModel):
                               self.config.logit_softcap or None)
         self.shards = shard_by_plan(self, self.config.base_model_tp_plan, device)
         self.split_heads()
+        for layer in self.model.layers:  # prompt pieces attend their key sets merged (speedups/merged_attention_kvm)
+            layer.self_attn.merged_key_sets = True
         self.layout = page_layout(self.config, self.model, vllm_config.model_config.max_model_len, dtype)
         self.state_layers = page_layers(prefix, [[shape for _, shape, _ in layer] for layer in self.layout],
                                         [[dtype for _, _, dtype in layer] for layer in self.layout])

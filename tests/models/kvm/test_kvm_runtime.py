@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvm_maglev.models.kvm import KVMCache, KVMConfig, KVMForCausalLM, modeling_kvm, state_kvm
-from kvm_maglev.models.speedups import onednn_linear
+from kvm_maglev.models.speedups import merged_attention_kvm, onednn_linear
 from tests.generation.testers import kvm_row_tensors
 
 
@@ -53,6 +53,61 @@ def test_fused_kernel_equals_the_explicit_joint_softmax(pieces, slots, window, q
     plain = modeling_kvm.joint_attention(q, key_sets, 2, 1 / math.sqrt(16))
     fused = modeling_kvm.fused_attention(q, key_sets, 2)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("per_query", [False, True], ids=["piece_masks", "query_masks"])
+def test_merged_key_sets_equal_the_fused_call(per_query, groups, dtype):
+    """A flash call per key set merged by log-sum-exp (speedups/merged_attention_kvm) against the key sets joined in
+    one fused call: masks of one row a piece (a KVM layer's state, ring and earlier tokens) or of one row a query (a
+    sliding-window layer's), a piece that sees none of a set, the pieces' own tokens causal, temperatures."""
+    generator = torch.Generator().manual_seed(groups)
+    pieces, width, kv_heads, dim = 5, 7, 2, 16
+    heads = kv_heads * groups
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+    key_sets = []
+    for size, rows in ((9, 1), (6, width if per_query else 1)):
+        visible = torch.rand(pieces, rows, size, generator=generator) < 0.5
+        visible[0] = False
+        key_sets.append(modeling_kvm.KeySet(tensor(pieces, kv_heads, size, dim), tensor(pieces, kv_heads, size, dim),
+                                            visible, 0.5 + torch.rand(heads, generator=generator)))
+    causal = torch.ones(width, width, dtype=torch.bool).tril().expand(pieces, -1, -1)
+    key_sets.append(modeling_kvm.KeySet(tensor(pieces, kv_heads, width, dim), tensor(pieces, kv_heads, width, dim),
+                                        causal, None, causal=True))
+    q = tensor(pieces, width, heads, dim)
+    assert merged_attention_kvm.applies(q, key_sets) and not merged_attention_kvm.applies(q, key_sets[:2])
+    merged = merged_attention_kvm.attend_key_sets(q, key_sets, groups)
+    assert merged.dtype == dtype
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(merged, modeling_kvm.fused_attention(q, key_sets, groups), **tolerance)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("layers", [dict(sliding_window_every=2, sliding_window=6), dict(num_key_value_heads=2)],
+                         ids=["sliding_layers", "grouped_queries"])
+def test_prompt_pieces_merged_equal_the_joined_key_sets(layers, monkeypatch):
+    """A model's prompts read in uneven forwards over a cache (pieces that read the ring, the state, earlier tokens
+    of the forward and their own; KVM and sliding-window layers) with the key sets merged, as the vLLM plugin reads
+    them, and joined: the same logits up to float rounding."""
+    model = random_model(**layers)
+    ids = torch.randint(0, 97, (2, 31), generator=torch.Generator().manual_seed(3))
+
+    def prompt() -> torch.Tensor:
+        cache = KVMCache(model.config)
+        return torch.cat([model(ids[:, begin:end], cache=cache).logits
+                          for begin, end in ((0, 6), (6, 7), (7, 19), (19, 31))], dim=1)
+    joined = prompt()
+    monkeypatch.setattr(modeling_kvm.KVMAttentionBase, "merged_key_sets", True)
+    calls = []
+    attend = merged_attention_kvm.attend_key_sets
+    monkeypatch.setattr(merged_attention_kvm, "attend_key_sets", lambda *args: calls.append(1) or attend(*args))
+    merged = prompt()
+    assert calls
+    torch.testing.assert_close(merged, joined, rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ from ..common.conventions import (
 )
 from ..common.generation_cache import CachedDecodingSaveMixin, OwnCacheGenerationMixin
 from ..common.model_inputs import check_cache, check_token_ids, take_cache
-from ..common.seams import speedups_block
+from ..common.seams import package_speedups, speedups_block
 from ..common.step_plan import (
     RowTokens,
     Step,
@@ -67,6 +67,10 @@ from .step_plan_kvm import (
 )
 
 logger = logging.get_logger(__name__)
+
+# the seam of the merged attention of prompt pieces (speedups/merged_attention_kvm): the module where the package's
+# speed-ups are, else None and the fused kernel runs over the key sets joined
+merged_attention_kvm = package_speedups("merged_attention_kvm")
 
 
 # ---- small math helpers --------------------------------------------------------------------
@@ -114,12 +118,14 @@ ATTENTION_BLOCK = 1 << 25
 
 class KeySet(NamedTuple):
     """Keys [P, Hkv, K, D] and values [P, Hkv, K, Dv] one softmax spans for each piece, which query sees which key
-    (`visible` [P, Q or 1, K]), and the per-query-head temperature [H] its logits take (None: none)."""
+    (`visible` [P, Q or 1, K]), and the per-query-head temperature [H] its logits take (None: none). `causal`: the
+    keys are the piece's own queries' tokens, query i seeing keys 0..i (`visible` is that lower triangle)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     visible: torch.Tensor
     temperature: torch.Tensor | None
+    causal: bool = False
 
 
 def grouped_queries(q: torch.Tensor, groups: int, temperature: torch.Tensor | None) -> torch.Tensor:
@@ -141,7 +147,7 @@ def joint_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int, scale:
     pieces, width, heads, _ = q.shape
     kv_heads = heads // groups
     scaled, logits = {}, []
-    for keys, _, visible, temperature in key_sets:
+    for keys, _, visible, temperature, _ in key_sets:
         if id(temperature) not in scaled:  # the window's key sets share their queries
             scaled[id(temperature)] = grouped_queries(at_least_float32(q), groups, temperature)
         scores = torch.matmul(scaled[id(temperature)], at_least_float32(keys).transpose(-1, -2))
@@ -149,7 +155,7 @@ def joint_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int, scale:
         logits.append(scores.view(pieces, kv_heads, groups * width, -1))
     probs = torch.softmax(torch.cat(logits, dim=-1) * scale, dim=-1)
     out, begin = None, 0
-    for keys, values, _, _ in key_sets:
+    for keys, values, *_ in key_sets:
         part = torch.matmul(probs[..., begin:begin + keys.shape[2]], at_least_float32(values))
         out, begin = part if out is None else out + part, begin + keys.shape[2]
     out = out.to(key_sets[-1].values.dtype).view(pieces, kv_heads, groups, width, -1)
@@ -161,7 +167,7 @@ def fused_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int) -> tor
     head) and values concatenated, one boolean mask. Queries [P, Q, H, D], output [P, Q, H, Dv]."""
     width = q.shape[1]
     keys, values = [], []
-    for set_keys, set_values, _, temperature in key_sets:
+    for set_keys, set_values, _, temperature, _ in key_sets:
         set_keys, set_values = at_least_float32(set_keys), at_least_float32(set_values)
         if groups > 1:
             set_keys, set_values = set_keys.repeat_interleave(groups, 1), set_values.repeat_interleave(groups, 1)
@@ -175,12 +181,16 @@ def fused_attention(q: torch.Tensor, key_sets: list[KeySet], groups: int) -> tor
     return out.transpose(1, 2).to(key_sets[-1].values.dtype)
 
 
-def attend_pieces(q: torch.Tensor, key_sets: list[KeySet], groups: int, eager: bool) -> torch.Tensor:
+def attend_pieces(q: torch.Tensor, key_sets: list[KeySet], groups: int, eager: bool,
+                  merged: bool = False) -> torch.Tensor:
     """Every piece's queries [P, Q, H, D] over its key sets, in blocks of pieces (memory stays bounded for long
-    prompts): the explicit products (`eager`, or one query per piece) or the fused kernel."""
+    prompts): the explicit products (`eager`, or one query per piece) or the fused kernel; with `merged`, a flash
+    call per key set merged by log-sum-exp where that speed-up runs (speedups/merged_attention_kvm)."""
     def attend(q, key_sets):
         if eager or q.shape[1] == 1:
             return joint_attention(q, key_sets, groups, 1.0 / math.sqrt(q.shape[-1]))
+        if merged and merged_attention_kvm is not None and merged_attention_kvm.applies(q, key_sets):
+            return merged_attention_kvm.attend_key_sets(q, key_sets, groups)
         return fused_attention(q, key_sets, groups)
 
     pieces = q.shape[0]
@@ -190,8 +200,9 @@ def attend_pieces(q: torch.Tensor, key_sets: list[KeySet], groups: int, eager: b
     block = max(1, ATTENTION_BLOCK // max(1, per_piece))
     if pieces <= block:
         return attend(q, key_sets)
-    return torch.cat([attend(q[begin:begin + block], [KeySet(*(t[begin:begin + block] for t in key_set[:3]),
-                                                             key_set.temperature) for key_set in key_sets])
+    return torch.cat([attend(q[begin:begin + block], [key_set._replace(**{name: getattr(key_set, name)[begin:begin + block]
+                                                                          for name in ("keys", "values", "visible")})
+                                                      for key_set in key_sets])
                       for begin in range(0, pieces, block)])
 
 
@@ -234,10 +245,12 @@ def write_ring(cache_layer, tokens: RowTokens, names: tuple[str, ...], tensors: 
 
 def window_key_sets(k, v, tokens: RowTokens, pieces: Pieces, cache_layer, names,
                     temperature: torch.Tensor | None) -> list[KeySet]:
-    """The window key sets of the pieces: the layer's cached ring of each piece's row (when a row has read tokens
-    before) and this forward's tokens in each piece's window, with which query sees which key."""
+    """The window key sets of the pieces, with which query sees which key: the layer's cached ring of each piece's
+    row (when a row has read tokens before), this forward's tokens before each piece's first query, and the
+    piece's own tokens (each query its own and the earlier ones)."""
     key_sets = []
-    low, high = pieces.query_low[:, :, None], pieces.query_pos[:, :, None]
+    # the queries of a KVM layer's piece share their lowest visible position: one mask row a piece
+    low = pieces.query_low[:, :1, None] if pieces.sliding is None else pieces.query_low[:, :, None]
     if pieces.reads_ring:
         # position p sits in slot p % size: while every row has read fewer tokens than the ring holds, only the
         # slots below the longest row's count were written
@@ -246,9 +259,17 @@ def window_key_sets(k, v, tokens: RowTokens, pieces: Pieces, cache_layer, names,
         keys, values = cached_ring(cache_layer, names[:2], pieces, slots)
         held = ring_positions(tokens.start[pieces.row], size)[:, None, :slots]
         key_sets.append(KeySet(keys.to(k.dtype), values.to(v.dtype), (held >= 0) & (held >= low), temperature))
-    position = pieces.new_pos[:, None, :]
-    key_sets.append(KeySet(k[pieces.new_index].transpose(1, 2), v[pieces.new_index].transpose(1, 2),
-                           (position >= 0) & (position >= low) & (position <= high), temperature))
+    # a piece's keys of this forward start at its lowest visible position of its row (`cut_pieces`): those before
+    # its first query come first
+    earlier = max([first - max(lowest, tokens.starts[row]) for row, first, _, lowest in pieces.spans], default=0)
+    if earlier > 0:
+        index, position = pieces.new_index[:, :earlier], pieces.new_pos[:, None, :earlier]
+        visible = (position >= 0) & (position >= low) & (position < pieces.query_pos[:, :1, None])
+        key_sets.append(KeySet(k[index].transpose(1, 2), v[index].transpose(1, 2), visible, temperature))
+    width = pieces.query_index.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=k.device).tril().expand(pieces.count, -1, -1)
+    key_sets.append(KeySet(k[pieces.query_index].transpose(1, 2), v[pieces.query_index].transpose(1, 2), causal,
+                           temperature, causal=True))
     return key_sets
 
 
@@ -271,6 +292,11 @@ def zero_initialised(linear: nn.Linear) -> nn.Linear:
 
 class KVMAttentionBase(nn.Module):
     """q/k/v projections with per-head layer norm, optional token shift and value residual."""
+
+    # Set by a runtime that takes the seam's merged attention (the vLLM plugin): prompt pieces attend each key set
+    # in its own flash call, merged by log-sum-exp (`attend_pieces`); False keeps the key sets joined in one fused
+    # call, the reference it equals up to float rounding.
+    merged_key_sets = False
 
     def __init__(self, config: KVMConfig, layer_idx: int, token_shift_on: bool, value_residual_mode: str):
         super().__init__()
@@ -377,7 +403,8 @@ class KVMSlidingWindowAttention(KVMAttentionBase):
         y = q.new_empty(q.shape[0], q.shape[1], v.shape[-1]) if len(groups) > 1 else None
         for _, group in groups:
             key_sets = window_key_sets(k, v, tokens, group, cache_layer, WINDOW, None)
-            y = gathered(y, attend_pieces(q[group.query_index], key_sets, self.groups, self.eager), group)
+            y = gathered(y, attend_pieces(q[group.query_index], key_sets, self.groups, self.eager,
+                                             self.merged_key_sets), group)
         if cache_layer is not None:
             write_ring(cache_layer, tokens, WINDOW[:2], [k, v])
         return y
@@ -454,7 +481,8 @@ class KVMAttention(KVMAttentionBase):
                 keys, values, slots = (t if index is None else t[index] for t in (*reads, schedule.piece_slots))
                 visible = torch.arange(keys.shape[2], device=q.device) < slots[:, None]
                 key_sets.insert(0, KeySet(keys, values, visible[:, None, :], self.temperature("state_temperature")))
-            y = gathered(y, attend_pieces(q[group.query_index], key_sets, self.groups, self.eager), group)
+            y = gathered(y, attend_pieces(q[group.query_index], key_sets, self.groups, self.eager,
+                                             self.merged_key_sets), group)
         if cache_layer is not None:
             write_ring(cache_layer, tokens, names, [k, v] + ([gate] if self.gated else []))
             cache_layer.fold_ahead(tokens.starts, tokens.counts, self.state_key_norm, k.dtype)
