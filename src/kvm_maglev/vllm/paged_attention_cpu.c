@@ -1,7 +1,8 @@
 /* One query per request attending, in one softmax, over segments of keys and values that lie in an engine's pages
  * (KVM: its state and its window ring; Maglev: its ring and the set-aside key), each request's page read where it
- * lies and only as far as the request reads it. Built and called by paged_attention_cpu.py, whose docstring says
- * why; the torch paths it equals are the reference (tests/models/kvm/test_paged_attention_cpu.py). */
+ * lies and only as far as the request reads it; and KVM's decoding token shift over the carries in those pages.
+ * Built and called by paged_attention_cpu.py, whose docstring says why; the torch paths it equals are the reference
+ * (tests/models/kvm/test_paged_attention_cpu.py). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

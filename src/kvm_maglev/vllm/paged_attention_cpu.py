@@ -5,6 +5,9 @@ as the request reads it, in one call for all requests and heads. The torch paths
 request at a time, or every request's pages gathered) spend most of a small model's step in operator calls and
 copies; this reads the bytes once (docs/serving.md, `python -m kvm_maglev.benchmarks.engine_attention`).
 
+The same library holds KVM's decoding token shift (`shift_tokens`: the shift, the carries' write and the padding's
+zeros in one call instead of six operators).
+
 The C source is compiled on first use with the machine's C compiler (`$CC`, else `cc`) into
 `$KVM_MAGLEV_CACHE` (default `~/.cache/kvm_maglev`), named by a hash of the source, flags and compiler, and loaded
 with ctypes; it needs no torch headers (a build takes well under a second). Without a compiler, where the build

@@ -62,7 +62,8 @@ def test_fused_kernel_equals_the_explicit_joint_softmax(pieces, slots, window, q
 def test_merged_key_sets_equal_the_fused_call(per_query, groups, dtype):
     """A flash call per key set merged by log-sum-exp (speedups/merged_attention_kvm) against the key sets joined in
     one fused call: masks of one row a piece (a KVM layer's state, ring and earlier tokens) or of one row a query (a
-    sliding-window layer's), a piece that sees none of a set, the pieces' own tokens causal, temperatures."""
+    sliding-window layer's), a piece that sees none of a set, a set no piece sees, the pieces' own tokens causal,
+    temperatures."""
     generator = torch.Generator().manual_seed(groups)
     pieces, width, kv_heads, dim = 5, 7, 2, 16
     heads = kv_heads * groups
@@ -70,16 +71,17 @@ def test_merged_key_sets_equal_the_fused_call(per_query, groups, dtype):
     def tensor(*shape):
         return torch.randn(*shape, generator=generator).to(dtype)
     key_sets = []
-    for size, rows in ((9, 1), (6, width if per_query else 1)):
+    for size, rows in ((9, 1), (6, width if per_query else 1), (3, 1)):
         visible = torch.rand(pieces, rows, size, generator=generator) < 0.5
         visible[0] = False
+        visible &= size != 3  # a set no piece sees a key of (a ring no piece's row has written)
         key_sets.append(modeling_kvm.KeySet(tensor(pieces, kv_heads, size, dim), tensor(pieces, kv_heads, size, dim),
                                             visible, 0.5 + torch.rand(heads, generator=generator)))
     causal = torch.ones(width, width, dtype=torch.bool).tril().expand(pieces, -1, -1)
     key_sets.append(modeling_kvm.KeySet(tensor(pieces, kv_heads, width, dim), tensor(pieces, kv_heads, width, dim),
                                         causal, None, causal=True))
     q = tensor(pieces, width, heads, dim)
-    assert merged_attention_kvm.applies(q, key_sets) and not merged_attention_kvm.applies(q, key_sets[:2])
+    assert merged_attention_kvm.applies(q, key_sets) and not merged_attention_kvm.applies(q, key_sets[:3])
     merged = merged_attention_kvm.attend_key_sets(q, key_sets, groups)
     assert merged.dtype == dtype
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
@@ -108,6 +110,22 @@ def test_prompt_pieces_merged_equal_the_joined_key_sets(layers, monkeypatch):
     merged = prompt()
     assert calls
     torch.testing.assert_close(merged, joined, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("merged", [False, True], ids=["joined", "merged"])
+def test_pieces_in_blocks_equal_one_call(merged, monkeypatch):
+    """Long prompts attend in blocks of pieces (`ATTENTION_BLOCK`): every key set, the causal own tokens included,
+    cut to each block's pieces, gives the one call's result."""
+    generator = torch.Generator().manual_seed(5)
+    key_sets = random_key_sets(3, 5, 6, generator)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril().expand(3, -1, -1)
+    key_sets.append(modeling_kvm.KeySet(torch.randn(3, 2, 4, 16, generator=generator),
+                                        torch.randn(3, 2, 4, 16, generator=generator), causal, None, causal=True))
+    q = torch.randn(3, 4, 4, 16, generator=generator)
+    whole = modeling_kvm.attend_pieces(q, key_sets, 2, False, merged)
+    monkeypatch.setattr(modeling_kvm, "ATTENTION_BLOCK", 1)  # a block of one piece
+    torch.testing.assert_close(modeling_kvm.attend_pieces(q, key_sets, 2, False, merged), whole, rtol=0, atol=0)
 
 
 @torch.no_grad()

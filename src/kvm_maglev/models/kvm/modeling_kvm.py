@@ -200,9 +200,10 @@ def attend_pieces(q: torch.Tensor, key_sets: list[KeySet], groups: int, eager: b
     block = max(1, ATTENTION_BLOCK // max(1, per_piece))
     if pieces <= block:
         return attend(q, key_sets)
-    return torch.cat([attend(q[begin:begin + block], [key_set._replace(**{name: getattr(key_set, name)[begin:begin + block]
-                                                                          for name in ("keys", "values", "visible")})
-                                                      for key_set in key_sets])
+    sliced = ("keys", "values", "visible")
+    return torch.cat([attend(q[begin:begin + block],
+                             [key_set._replace(**{name: getattr(key_set, name)[begin:begin + block] for name in sliced})
+                              for key_set in key_sets])
                       for begin in range(0, pieces, block)])
 
 

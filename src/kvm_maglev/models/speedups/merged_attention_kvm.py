@@ -54,16 +54,18 @@ def merged(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor,
     return out, top + total.log()
 
 
-def attend_key_set(queries: torch.Tensor, key_set, groups: int) -> tuple[torch.Tensor | None, torch.Tensor,
-                                                                         torch.Tensor]:
+def attend_key_set(queries: torch.Tensor, key_set, groups: int) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                                         torch.Tensor | None]:
     """Queries [P, H, Q, D] (float32) over one key set, only the pieces that see some key of it (a piece of a row's
     first chunk reads no state, nor earlier tokens): those pieces (None: all), and their output [p, H, Q, Dv] and
-    log-sum-exp [p, H, Q], 0 and -inf for a query that sees none of the set's keys."""
+    log-sum-exp [p, H, Q] (None where no piece sees any), 0 and -inf for a query that sees none of the set's keys."""
     pieces = None
     if not key_set.causal:
         seen = key_set.visible.flatten(1).any(-1)
         if not bool(seen.all()):
             pieces = seen.nonzero()[:, 0]
+            if not len(pieces):  # a ring none of these pieces' rows has written yet
+                return pieces, None, None
             queries = queries[pieces]
             key_set = key_set._replace(keys=key_set.keys[pieces], values=key_set.values[pieces],
                                        visible=key_set.visible[pieces])
