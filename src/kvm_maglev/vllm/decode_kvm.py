@@ -154,7 +154,7 @@ def decode_shift(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: 
     page writes: a compiled graph writes a view of vLLM's page buffer by copying the whole view (tens of
     milliseconds a write at the benchmark's pages)."""
     if not compiled and paged_attention_cpu.shifts_tokens(x, mix, carry, output):
-        paged_attention_cpu.shift_tokens(x, mix, carry, page, count, output)
+        paged_attention_cpu.shift_tokens(x, mix, carry, paged_attention_cpu.ShiftRows.decoding(page), "first", output)
         return
     (compiled_shift if compiled else shift_tokens)(x, mix, carry, page, count, output)
     carry[page] = x[0, :count].to(carry.dtype)

@@ -21,7 +21,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from kvm_maglev.models.common.step_plan import Step
 from kvm_maglev.models.maglev.cache_maglev import TokenStep
-from kvm_maglev.vllm import decode_kvm
+from kvm_maglev.vllm import decode_kvm, paged_attention_cpu
 from kvm_maglev.vllm.decode_kvm import EngineDecode, decode_attention, decode_shift, packed
 
 LIBRARY = Library("kvm_maglev", "FRAGMENT")  # alive as long as the module: the operators' lifetime
@@ -58,6 +58,14 @@ def token_shift(x: torch.Tensor, mix: torch.Tensor, positions: torch.Tensor, out
         output.zero_()
         return
     step, count, cache = rows
+    layer = cache.layers[pages.index]
+    carry = served.carry_columns(pages.index, streams)
+    if layer.record is None and paged_attention_cpu.shifts_tokens(x, mix, carry, output):
+        # every stream and request in one call of the CPU kernel (the loop below is its reference)
+        shift_rows = step.tokens.once(("shift rows", id(layer.index)), lambda: paged_attention_cpu.ShiftRows(
+            layer.index.to(torch.int64).contiguous(), step.tokens.offset, step.tokens.count, step.tokens.start))
+        paged_attention_cpu.shift_tokens(x, mix, carry, shift_rows, first, output)
+        return
     output[:, count:] = 0  # the scheduled tokens' columns are all written below
     begin = 0
     for name in streams.split(","):

@@ -156,10 +156,13 @@ int attend_segments(const float *q, int64_t batch, int64_t heads, int64_t kv_hea
     return failed;
 }
 
-/* out[r] = x[r] + mix * (carry[page[r]] - x[r]) for the step's `count` tokens (float32 rows of `width`, strides in
- * elements), then each token into its request's carry, and rows count..rows-1 of out zeroed (the engine's padding):
- * a decoding step's token shift of one layer's streams. The product and the sum rounded apart, as torch's two
- * operations round them (no fused multiply-add). Returns 0, or 3 when a page lies outside the carries. */
+/* A step's token shift of one layer's streams over every request's tokens (float32 rows of `width`, strides in
+ * elements): request r's `count[r]` tokens lie at rows offset[r].. of x; a token's predecessor is the token before
+ * it, or for the request's first token its carry (carry[page[r]], when it has read `start[r]` > 0 tokens before),
+ * else itself (`first_reads_itself`) or zero. out = x + mix * (predecessor - x), the product and the sum rounded
+ * apart, as torch's two operations round them (no fused multiply-add); then each request's last token into its
+ * carry, and out's rows after the last token up to `out_rows` zeroed (the engine's padding). Returns 0, or 3 when a
+ * page lies outside the carries (checked before anything is written). */
 #if defined(__clang__)
 #define SEPARATE_ROUNDING _Pragma("clang fp contract(off) reassociate(off)")
 #define SEPARATE_ROUNDING_ATTRIBUTE
@@ -172,20 +175,29 @@ int attend_segments(const float *q, int64_t batch, int64_t heads, int64_t kv_hea
 #endif
 SEPARATE_ROUNDING_ATTRIBUTE
 int shift_tokens(const float *x, int64_t x_stride, const float *mix, float *carry, int64_t carry_pages,
-                 int64_t carry_stride, const int64_t *page, int64_t count, int64_t width, float *out,
-                 int64_t out_stride, int64_t rows) {
+                 int64_t carry_stride, const int64_t *page, const int64_t *offset, const int64_t *count,
+                 const int64_t *start, int64_t requests, int first_reads_itself, int64_t width, float *out,
+                 int64_t out_stride, int64_t out_rows) {
     SEPARATE_ROUNDING
-    for (int64_t r = 0; r < count; r++)
+    int64_t tokens = 0;
+    for (int64_t r = 0; r < requests; r++) {
         if (page[r] < 0 || page[r] >= carry_pages) return 3;
-    for (int64_t r = 0; r < count; r++) {
-        const float *token = x + r * x_stride, *previous = carry + page[r] * carry_stride;
-        float *o = out + r * out_stride;
-        for (int64_t d = 0; d < width; d++) {
-            float step = mix[d] * (previous[d] - token[d]);
-            o[d] = token[d] + step;
-        }
+        if (offset[r] + count[r] > tokens) tokens = offset[r] + count[r];
     }
-    for (int64_t r = 0; r < count; r++) memcpy(carry + page[r] * carry_stride, x + r * x_stride, sizeof(float) * width);
-    for (int64_t r = count; r < rows; r++) memset(out + r * out_stride, 0, sizeof(float) * width);
+    for (int64_t r = 0; r < requests; r++) {
+        if (count[r] <= 0) continue;
+        float *own_carry = carry + page[r] * carry_stride;
+        for (int64_t t = 0; t < count[r]; t++) {
+            const float *token = x + (offset[r] + t) * x_stride;
+            const float *previous = t > 0 ? token - x_stride : start[r] > 0 ? own_carry : first_reads_itself ? token : NULL;
+            float *o = out + (offset[r] + t) * out_stride;
+            for (int64_t d = 0; d < width; d++) {
+                float step = mix[d] * ((previous ? previous[d] : 0.f) - token[d]);
+                o[d] = token[d] + step;
+            }
+        }
+        memcpy(own_carry, x + (offset[r] + count[r] - 1) * x_stride, sizeof(float) * width);
+    }
+    for (int64_t t = tokens; t < out_rows; t++) memset(out + t * out_stride, 0, sizeof(float) * width);
     return 0;
 }

@@ -5,8 +5,8 @@ as the request reads it, in one call for all requests and heads. The torch paths
 request at a time, or every request's pages gathered) spend most of a small model's step in operator calls and
 copies; this reads the bytes once (docs/serving.md, `python -m kvm_maglev.benchmarks.engine_attention`).
 
-The same library holds KVM's decoding token shift (`shift_tokens`: the shift, the carries' write and the padding's
-zeros in one call instead of six operators).
+The same library holds KVM's token shift over the carries in the pages (`shift_tokens`: a step's shift of every
+request's tokens, the carries' write and the padding's zeros in one call instead of six operators a stream).
 
 The C source is compiled on first use with the machine's C compiler (`$CC`, else `cc`) into
 `$KVM_MAGLEV_CACHE` (default `~/.cache/kvm_maglev`), named by a hash of the source, flags and compiler, and loaded
@@ -114,8 +114,9 @@ def library() -> ctypes.CDLL | None:
                                               ctypes.c_int, ctypes.c_void_p])
         loaded.shift_tokens.restype = ctypes.c_int
         loaded.shift_tokens.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-                                        + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
-                                        + [ctypes.c_void_p] + [ctypes.c_int64] * 2)
+                                        + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4
+                                        + [ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
+                                        + [ctypes.c_int64] * 2)
         return loaded
     logger.warning("the CPU decoding attention kernel did not build (%s): its torch path is used instead",
                    errors[-1].strip())
@@ -180,25 +181,48 @@ def attend_segments(q: torch.Tensor, segments: list[PagedSegment]) -> torch.Tens
 
 
 def shifts_tokens(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, output: torch.Tensor) -> bool:
-    """Whether the kernel runs a decoding step's token shift of `x` [1, tokens, width] with `mix` [width] and the
-    carries `carry` [pages, width] into `output`: float32 on CPU, rows contiguous, outside compiled graphs, the
-    kernel `available()`."""
+    """Whether the kernel runs a step's token shift of `x` [1, tokens, width] with `mix` [width] and the carries
+    `carry` [pages, width] into `output`: float32 on CPU, rows contiguous, outside compiled graphs, the kernel
+    `available()`."""
     tensors = (x, mix, carry, output)
     return (not torch.compiler.is_compiling() and all(t.device.type == "cpu" and t.dtype == torch.float32
                                                       and t.stride(-1) == 1 for t in tensors)
             and mix.numel() == x.shape[-1] and available())
 
 
-def shift_tokens(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
+@dataclass
+class ShiftRows:
+    """Where a step's requests lie in its flat tokens, for `shift_tokens`: request r's page, the offset of its first
+    token, its token count and the tokens it read before (int64, contiguous, [requests] each)."""
+
+    page: torch.Tensor
+    offset: torch.Tensor
+    count: torch.Tensor
+    start: torch.Tensor
+
+    @classmethod
+    def decoding(cls, page: torch.Tensor) -> ShiftRows:
+        """A decoding step's: one token per request, each past its first."""
+        ones = torch.ones_like(page)
+        return cls(page, torch.arange(len(page), device=page.device), ones, ones)
+
+
+def shift_tokens(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, rows: ShiftRows, first: str,
                  output: torch.Tensor) -> None:
-    """`decode_kvm.decode_shift` in one call: `output[:, r] = x[:, r] + mix * (carry[page[r]] - x[:, r])` for the
-    first `count` tokens of x [1, tokens, width], zeros past them, then each token into its request's carry (`page`
-    [count] int64, contiguous)."""
-    if page.dtype != torch.int64 or not page.is_contiguous() or page.shape != (count,):
-        raise ValueError(f"page must be contiguous int64 [{count}]")
+    """A step's token shift in one call: `output[:, t] = x[:, t] + mix * (predecessor - x[:, t])` over every
+    request's tokens of x [1, tokens, width] (a request's first token's predecessor its carry `carry[page]` when it
+    has read tokens before, else itself, `first="first"`, or zero, `"zero"`), zeros after them, then each request's
+    last token into its carry."""
+    requests = rows.page.shape[0]
+    for index in (rows.page, rows.offset, rows.count, rows.start):
+        if index.dtype != torch.int64 or not index.is_contiguous() or index.shape != (requests,):
+            raise ValueError(f"a request's page, offset, count and start must be contiguous int64 [{requests}]")
+    if first not in ("first", "zero"):
+        raise ValueError(f"first must be 'first' or 'zero', got {first!r}")
     mix = mix.reshape(-1)
     status = library().shift_tokens(x.data_ptr(), x.stride(1), mix.data_ptr(), carry.data_ptr(), carry.shape[0],
-                                    carry.stride(0), page.data_ptr(), count, x.shape[-1], output.data_ptr(),
-                                    output.stride(1), output.shape[1])
+                                    carry.stride(0), rows.page.data_ptr(), rows.offset.data_ptr(),
+                                    rows.count.data_ptr(), rows.start.data_ptr(), requests, int(first == "first"),
+                                    x.shape[-1], output.data_ptr(), output.stride(1), output.shape[1])
     if status == 3:
         raise ValueError(f"a request's page lies outside the carries {tuple(carry.shape)}")

@@ -1,6 +1,6 @@
 """The CPU kernels of the decoding step over an engine's pages (kvm_maglev.vllm.paged_attention_cpu): the attention
 (KVM's form `in_place_reads.state_window_attention_kernel`) against the torch reference that gathers the pages
-(`state_window_attention_torch`), the token shift against its torch form (decode_kvm with the
+(`state_window_attention_torch`), the token shift against its torch form and the model's (decode_kvm with the
 kernel off), on pages laid out as the engine binds them; the build (cached, atomic, refused cleanly without a
 compiler) and the refusal of indices outside the pages. Maglev's form is tested against the model's attention in
 tests/vllm/test_engine_decode.py."""
@@ -10,9 +10,13 @@ import logging
 import pytest
 import torch
 
+from kvm_maglev.models.common.row_storage import RowStorage
+from kvm_maglev.models.common.step_plan import RowTokens
+from kvm_maglev.models.kvm import step_plan_kvm
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
 from kvm_maglev.vllm import decode_kvm, paged_attention_cpu
 from kvm_maglev.vllm.in_place_reads import state_window_attention_kernel
+from kvm_maglev.vllm.page_caches import bind_pages
 from kvm_maglev.vllm.paged_attention_cpu import PagedSegment, attend_segments
 from tests.models.kvm.test_decode_attention import decode_inputs
 
@@ -118,8 +122,30 @@ def test_token_shift_equals_its_torch_form(monkeypatch):
     assert not ours[:, 4:].any()
     with pytest.raises(ValueError, match="outside the carries"):
         paged_attention_cpu.shift_tokens(x, mix, bound_rows(9, [(20,)], torch.float32, 4)[0],
-                                         torch.tensor([3, 9, 1, 0]), 4, torch.empty_like(x))
+                                         paged_attention_cpu.ShiftRows.decoding(torch.tensor([3, 9, 1, 0])), "first",
+                                         torch.empty_like(x))
     assert not paged_attention_cpu.shifts_tokens(x.bfloat16(), mix, x[0], x)  # bfloat16 keeps the torch form
+
+
+@pytest.mark.parametrize("first", ["first", "zero"])
+def test_prompt_token_shift_equals_the_models(first):
+    """A prompt step's token shift over requests of several tokens (new ones, one continuing from its carry, one
+    decoding), the streams side by side in the carries, engine padding after the tokens: the model's own
+    `shift_tokens` over storage bound to the same pages gives the same outputs and carries, bit for bit."""
+    generator = torch.Generator().manual_seed(6)
+    starts, counts, pages = [0, 5, 0, 9], [4, 3, 1, 1], torch.tensor([6, 2, 0, 4])
+    tokens = RowTokens(starts, counts, torch.device("cpu"))
+    x, mix = torch.randn(1, tokens.total + 2, 20, generator=generator), torch.rand(20, generator=generator)
+    reference_carries = bound_rows(8, [(30,)], torch.float32, seed=7)[0]
+    storage = RowStorage()
+    bind_pages(storage, {"carry.s": reference_carries[:, 4:24]}, pages)
+    reference = step_plan_kvm.shift_tokens(tokens, x[:, :tokens.total], mix, storage, "s", first)
+    carries = bound_rows(8, [(30,)], torch.float32, seed=7)[0]
+    output = torch.full_like(x, float("nan"))
+    rows = paged_attention_cpu.ShiftRows(pages, tokens.offset, tokens.count, tokens.start)
+    paged_attention_cpu.shift_tokens(x, mix, carries[:, 4:24], rows, first, output)
+    assert torch.equal(output[:, :tokens.total], reference) and not output[:, tokens.total:].any()
+    assert torch.equal(carries, reference_carries)
 
 
 @pytest.fixture
