@@ -148,13 +148,16 @@ def shift_tokens(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: 
 
 
 def decode_shift(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
-                 output: torch.Tensor, compiled: bool = False) -> None:
+                 output: torch.Tensor, compiled: bool = False,
+                 shift_rows: paged_attention_cpu.ShiftRows | None = None) -> None:
     """`shift_tokens` (compiled or not), then each request's token into its carry; eagerly, both in one call of the
-    CPU kernel where it runs (`paged_attention_cpu.shift_tokens`). The write stays eager, as do the attention's
-    page writes: a compiled graph writes a view of vLLM's page buffer by copying the whole view (tens of
-    milliseconds a write at the benchmark's pages)."""
+    CPU kernel where it runs (`paged_attention_cpu.shift_tokens`; `shift_rows`: the step's `ShiftRows.decoding` of
+    `page`, made once for its layers, else here). The write stays eager, as do the attention's page writes: a
+    compiled graph writes a view of vLLM's page buffer by copying the whole view (tens of milliseconds a write at the
+    benchmark's pages)."""
     if not compiled and paged_attention_cpu.shifts_tokens(x, mix, carry, output):
-        paged_attention_cpu.shift_tokens(x, mix, carry, paged_attention_cpu.ShiftRows.decoding(page), "first", output)
+        shift_rows = shift_rows or paged_attention_cpu.ShiftRows.decoding(page)
+        paged_attention_cpu.shift_tokens(x, mix, carry, shift_rows, "first", output)
         return
     (compiled_shift if compiled else shift_tokens)(x, mix, carry, page, count, output)
     carry[page] = x[0, :count].to(carry.dtype)

@@ -50,7 +50,8 @@ def token_shift(x: torch.Tensor, mix: torch.Tensor, positions: torch.Tensor, out
             with torch.compiler.set_stance(decode_kvm.SERVING_STANCE):
                 decode_shift(packed(x), mix.clone(), carry, page, rows.count, output, compiled=True)
         else:
-            decode_shift(x, mix, carry, page, rows.count, output)
+            shift_rows = rows.once(("shift rows", id(page)), lambda: paged_attention_cpu.ShiftRows.decoding(page))
+            decode_shift(x, mix, carry, page, rows.count, output, shift_rows=shift_rows)
         return
     if rows is None and served.compile_decode and (pages.index, streams) not in served.warmed:
         served.warm_up_shift(pages.index, streams, x, mix)  # vLLM's warm-up run

@@ -260,18 +260,28 @@ def window_key_sets(k, v, tokens: RowTokens, pieces: Pieces, cache_layer, names,
         keys, values = cached_ring(cache_layer, names[:2], pieces, slots)
         held = ring_positions(tokens.start[pieces.row], size)[:, None, :slots]
         key_sets.append(KeySet(keys.to(k.dtype), values.to(v.dtype), (held >= 0) & (held >= low), temperature))
-    # a piece's keys of this forward start at its lowest visible position of its row (`cut_pieces`): those before
-    # its first query come first
-    earlier = max([first - max(lowest, tokens.starts[row]) for row, first, _, lowest in pieces.spans], default=0)
+    earlier, visible, causal = tokens.once(("window key sets", id(pieces)), lambda: split_window(tokens, pieces, low))
     if earlier > 0:
-        index, position = pieces.new_index[:, :earlier], pieces.new_pos[:, None, :earlier]
-        visible = (position >= 0) & (position >= low) & (position < pieces.query_pos[:, :1, None])
+        index = pieces.new_index[:, :earlier]
         key_sets.append(KeySet(k[index].transpose(1, 2), v[index].transpose(1, 2), visible, temperature))
-    width = pieces.query_index.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=k.device).tril().expand(pieces.count, -1, -1)
     key_sets.append(KeySet(k[pieces.query_index].transpose(1, 2), v[pieces.query_index].transpose(1, 2), causal,
                            temperature, causal=True))
     return key_sets
+
+
+def split_window(tokens: RowTokens, pieces: Pieces, low: torch.Tensor) -> tuple[int, torch.Tensor | None,
+                                                                              torch.Tensor]:
+    """How the pieces' keys of this forward split (made once a forward, shared by the layers): how many come before
+    a piece's first query at most (a piece's keys start at its lowest visible position of its row, `cut_pieces`),
+    which of those each query sees, and the lower triangle of its own tokens."""
+    earlier = max([first - max(lowest, tokens.starts[row]) for row, first, _, lowest in pieces.spans], default=0)
+    visible = None
+    if earlier > 0:
+        position = pieces.new_pos[:, None, :earlier]
+        visible = (position >= 0) & (position >= low) & (position < pieces.query_pos[:, :1, None])
+    width = pieces.query_index.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril().expand(pieces.count, -1, -1)
+    return earlier, visible, causal
 
 
 # ---- attention -----------------------------------------------------------------------------
