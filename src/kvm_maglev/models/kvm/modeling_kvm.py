@@ -274,7 +274,7 @@ def split_window(tokens: RowTokens, pieces: Pieces, low: torch.Tensor) -> tuple[
     """How the pieces' keys of this forward split (made once a forward, shared by the layers): how many come before
     a piece's first query at most (a piece's keys start at its lowest visible position of its row, `cut_pieces`),
     which of those each query sees, and the lower triangle of its own tokens."""
-    earlier = max([first - max(lowest, tokens.starts[row]) for row, first, _, lowest in pieces.spans], default=0)
+    earlier = max([first - max(lowest, tokens.starts[row]) for row, first, _, lowest in pieces.spans] or [0])
     visible = None
     if earlier > 0:
         position = pieces.new_pos[:, None, :earlier]

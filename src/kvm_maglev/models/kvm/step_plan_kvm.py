@@ -65,8 +65,9 @@ class Pieces:
 def cut_pieces(tokens: RowTokens, spans: list[tuple[int, int, int, int]], sliding: int | None) -> Pieces:
     """`Pieces` from (row, first position, last position, lowest key position) spans, in row and position order.
     `sliding`: a sliding window's size (each query sees its last `sliding` positions), None for a KVM layer (the
-    piece's lowest key position holds for every query). Widths come from lists, not generator expressions: compiled
-    generation traces this, and dynamo breaks its graph on a generator inside `max`/`any`."""
+    piece's lowest key position holds for every query). Widths come from lists, not generator expressions, and an
+    empty list's default by `or`: compiled generation traces this, and dynamo breaks its graph on a generator inside
+    `max`/`any` and (torch 2.13) on `max(..., default=...)`."""
     device = tokens.device
     rows = [span[0] for span in spans]
     first = torch.tensor([span[1] for span in spans], dtype=torch.long, device=device)
@@ -75,14 +76,14 @@ def cut_pieces(tokens: RowTokens, spans: list[tuple[int, int, int, int]], slidin
     row = torch.tensor(rows, dtype=torch.long, device=device)
     start, offset = tokens.start[row], tokens.offset[row]
     length = last - first + 1
-    width = max([span[2] - span[1] + 1 for span in spans], default=1)
+    width = max([span[2] - span[1] + 1 for span in spans] or [1])
     steps = torch.arange(width, device=device)
     query_valid = steps < length[:, None]
     query_pos = first[:, None] + torch.minimum(steps, length[:, None] - 1)
     query_index = offset[:, None] + query_pos - start[:, None]
     query_low = query_pos - sliding + 1 if sliding is not None else low[:, None].expand_as(query_pos)
     new_first = torch.maximum(low, start)
-    keys = max([span[2] - max(span[3], tokens.starts[span[0]]) + 1 for span in spans], default=1)
+    keys = max([span[2] - max(span[3], tokens.starts[span[0]]) + 1 for span in spans] or [1])
     key_steps = torch.arange(keys, device=device)
     new_pos = new_first[:, None] + key_steps
     new_valid = new_pos <= last[:, None]
