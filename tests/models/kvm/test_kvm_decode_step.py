@@ -179,12 +179,14 @@ def test_prepared_prompt_chunks_trace_whole():
 @pytest.mark.parametrize("variant,padded", [("power_law_gated_temperatures", True),
                                             ("sliding_layers_initial_gate", False)])
 def test_compiled_prompt_chunks_equal_eager(variant, padded):
-    """fullgraph: a break would raise. Two chunks of a batch give eager's logits and leave its cache."""
+    """fullgraph: a break would raise. Two chunks of a batch give eager's logits and leave its cache. Traced and
+    functionalised as inductor receives them ("aot_eager"); inductor's own code for a whole KVM model is compiled
+    in tests/generation/test_compile.py (its C++ build would triple this test's time)."""
     model = build(variant)
     ids, mask = long_prompts(padded)
     eager_cache, compiled_cache = KVMCache(model.config), KVMCache(model.config)
     torch._dynamo.reset()
-    forward = torch.compile(model, fullgraph=True)
+    forward = torch.compile(model, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         for part in (slice(0, 9), slice(9, 21)):
             expected = model(**prompt_chunk_inputs(model, eager_cache, ids, mask, part)).logits
@@ -205,7 +207,7 @@ def test_generate_with_a_compiled_forward_equals_eager():
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, **kwargs, **{GENERATE_CACHE_KWARG: KVMCache(model.config)})
     torch._dynamo.reset()
-    model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
     try:
         got = model.generate(ids, **kwargs, **{GENERATE_CACHE_KWARG: KVMCache(model.config)})
     finally:
