@@ -28,6 +28,9 @@ from tests.vllm.test_vllm_quantized import (
 from tests.vllm.test_vllm_serving import NEW_TOKENS, hf_continuation, prompts
 from tests.vllm.test_vllm_tensor_parallel import TP_ENGINE, needs_two_ranks, rank_binding
 
+# two-rank engines one at a time, on one xdist worker (CI runs tests/vllm on two)
+pytestmark = pytest.mark.xdist_group("two_ranks")
+
 pytest.importorskip("compressed_tensors")
 
 # the one-rank test's folders twice as wide: each rank's share of every 4-bit projection a multiple of 32 columns

@@ -27,6 +27,9 @@ from tests.vllm.test_vllm_serving import (
     split_prompts,
 )
 
+# two-rank engines one at a time, on one xdist worker (CI runs tests/vllm on two)
+pytestmark = pytest.mark.xdist_group("two_ranks")
+
 # vLLM's worker RPCs take a callable only with this set (the callables below are the test's own)
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
