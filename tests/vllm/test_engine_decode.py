@@ -1,6 +1,7 @@
 """KVM's decoding engine step (kvm_maglev.vllm.decode_kvm) against the model's own decoding step over the same
 pages (`KVMModel.decoding_step`, `DecodeStep.token_shift` and `.attend` on a `kvm_cache_over_pages` cache): the same
-outputs and the same pages afterwards, eager and compiled, for rows at scattered pages and positions - in their
+outputs and the same pages afterwards (but a first-chunk token's state slot, which the engine enters at the window's
+end from the ring: against the model's own entries too), eager and compiled, for rows at scattered pages and positions - in their
 first chunk, past it, folding a block at this token - with vLLM's padding after the scheduled tokens; an
 attention's q, k and v streams shifted in one call over their carries' columns, as the operator shifts them. The
 warm-up's scratch pages against vLLM's binding of pages, and `packed` against a copy. The attention read in place -
@@ -10,13 +11,18 @@ and Maglev's."""
 import pytest
 import torch
 
+from kvm_maglev.models.common.transformers_versions import GENERATE_CACHE_KWARG
+from kvm_maglev.models.kvm.cache_kvm import KVMCache
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
 from kvm_maglev.vllm import decode_kvm, in_place_reads, paged_attention_cpu
 from kvm_maglev.vllm.decode_kvm import (
+    STATE,
     EngineDecode,
     compiled,
     decode_attention,
     decode_shift,
+    enter_first_chunks,
+    first_chunks_due,
     fold_due,
     packed,
     reach,
@@ -109,7 +115,8 @@ def engine_step(model, pages, inputs, compiled: bool) -> list:
     named = name_pages(page_layout(config, model.model, MAX_LEN, torch.float32), model.model, pages)
     table = state_slot_table(config, MAX_LEN)
     decode = EngineDecode(count, list(SEEN), positions, [page_index] * len(pages), reach(config, table.tolist(), SEEN))
-    assert min(SEEN) < config.chunk_size  # the first-chunk writes run
+    assert min(SEEN) < config.chunk_size  # a row in its first chunk, whose state slot the engine writes later
+    enter_first_chunks(model.model, named, decode.pages, decode.seen, [1] * count)  # as `build_rows` runs it
     fold_due(model.model, named, decode)
     outputs, shifted = [], {}
     for layer, layer_pages, layer_in in zip(model.model.layers, named, inputs):
@@ -144,6 +151,9 @@ def test_engine_decode_equals_model_decoding_step(variant, compiled):
     pages = random_pages(model, generator)
     inputs = layer_inputs(model, generator)
     engine_pages = random_pages(model, torch.Generator().manual_seed(3))  # the same values, their own buffer
+    before = random_pages(model, torch.Generator().manual_seed(3))
+    for state in (pages, engine_pages, before):
+        entered_at_the_windows_end(model, state)
     # room for this variant's graphs however many the process compiled before (serving tests compile the same
     # functions for their folders), as the engine's warm-up gives a process serving several models
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=decode_kvm.WARM_UP_GRAPHS):
@@ -155,9 +165,62 @@ def test_engine_decode_equals_model_decoding_step(variant, compiled):
     assert len(got) == len(expected)
     for ours, reference in zip(got, expected):
         torch.testing.assert_close(ours, reference, **tolerance)
-    for ours, reference in zip(engine_pages, pages):
-        for page, reference_page in zip(ours, reference):
-            torch.testing.assert_close(page, reference_page, **tolerance)
+    layout = page_layout(model.config, model.model, MAX_LEN, torch.float32)
+    for layer, layer_layout, ours, reference, old in zip(model.model.layers, layout, engine_pages, pages, before):
+        expected = engine_convention(model.config, layer, dict(zip([name for name, _, _ in layer_layout], reference)),
+                                     dict(zip([name for name, _, _ in layer_layout], old)))
+        for (name, _, _), page in zip(layer_layout, ours):
+            torch.testing.assert_close(page, expected[name], **tolerance)
+
+
+def entered_at_the_windows_end(model, pages) -> None:
+    """Random pages made as serving leaves a request at the window's end (a row of SEEN at `window_size`): its
+    first chunk in its state as its ring holds it (`enter_first_chunks`; the model's own entries of those tokens
+    are `test_first_chunks_entered_from_the_ring_equal_the_models_entries`)."""
+    named = name_pages(page_layout(model.config, model.model, MAX_LEN, torch.float32), model.model, pages)
+    assert first_chunks_due(model.config, SEEN, [1] * len(SEEN)) or model.config.window_size not in SEEN
+    enter_first_chunks(model.model, named, [torch.tensor(PAGE_OF_ROW)] * len(pages), SEEN, [1] * len(SEEN))
+
+
+def engine_convention(config, layer, reference: dict, before: dict) -> dict:
+    """A layer's pages after the model's step (`reference`), as the engine leaves them: the state slots of a token
+    in its first chunk as they were `before` the step (entered at the window's end)."""
+    if layer.sliding:
+        return reference
+    expected = {name: tensor.clone() for name, tensor in reference.items()}
+    for row, seen in enumerate(SEEN):
+        if seen < config.chunk_size:
+            for name in STATE:
+                expected[name][PAGE_OF_ROW[row], :, seen] = before[name][PAGE_OF_ROW[row], :, seen]
+    return expected
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_first_chunks_entered_from_the_ring_equal_the_models_entries(variant):
+    """The model enters each first-chunk token into its state as it reads it; the engine enters them all from the
+    ring when a request's tokens reach the window's end (`enter_first_chunks`): the same slots, on pages at rows of
+    the model's own cache after a prompt of `window_size` tokens (the ring whole, its first chunk not yet
+    overwritten); due are the requests whose tokens of a step include position `window_size`."""
+    model = random_model(**VARIANTS[variant])
+    config = model.config
+    ids = torch.randint(1, config.vocab_size, (2, config.window_size), generator=torch.Generator().manual_seed(5))
+    cache = KVMCache(config)
+    with torch.no_grad():
+        model(input_ids=ids, **{GENERATE_CACHE_KWARG: cache}, use_cache=True)
+    named = [{name: tensor.clone() for name, tensor in layer.tensors.items()} for layer in cache.layers]
+    kvm_layers = [index for index, layer in enumerate(model.model.layers) if not layer.sliding]
+    assert kvm_layers
+    for index in kvm_layers:
+        for name in STATE:
+            named[index][name][:, :, :config.chunk_size] = float("nan")
+    rows = torch.arange(2)
+    enter_first_chunks(model.model, named, [rows] * len(named), [config.window_size] * 2, [1, 1])
+    for index in kvm_layers:
+        for name in STATE:
+            ours = named[index][name][:, :, :config.chunk_size]
+            torch.testing.assert_close(ours, cache.layers[index].tensors[name][:, :, :config.chunk_size],
+                                       rtol=0, atol=0)
+    assert first_chunks_due(config, [0, config.window_size - 2, config.window_size + 1], [3, 3, 3]) == [1]
 
 
 def test_scratch_pages_are_laid_out_as_vllm_binds_pages():

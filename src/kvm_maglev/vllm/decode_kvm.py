@@ -1,11 +1,11 @@
-"""KVM's decoding engine step on vLLM at the engine's cost: when every scheduled request reads one token (the
-serving steady state), the step is described once by an `EngineDecode` (vLLM's positions and page indices, the
-host facts the step needs), and each layer's operator launches one function over the pages: `decode_shift` (a
-token shift) or `decode_attention` (the ring write, the first-chunk state entry and the state-and-window attention
-in one softmax). Both read everything that depends on the schedule - ring slots, visible slots, live state slots -
-from the positions tensor, so no operator runs Python over requests and no layer builds geometry. Each function
-also has a compiled form (`torch.compile`, dynamic shapes) of its reads and arithmetic, equal to it and far fewer
-aten calls; the writes into the pages stay eager (one `index_put_` each).
+"""KVM's decoding engine step on vLLM at the engine's cost: when every scheduled request reads one token (the serving
+steady state), the step is described once by an `EngineDecode` (vLLM's positions and page indices, the host facts
+the step needs), and each layer's operator launches one function over the pages: `decode_shift` (a token shift) or
+`decode_attention` (the ring write and the state-and-window attention in one softmax). Both read everything that
+depends on the schedule - ring slots, visible slots, live state slots - from the positions tensor, so no operator
+runs Python over requests and no layer builds geometry. Each function also has a compiled form (`torch.compile`,
+dynamic shapes) of its reads and arithmetic, equal to it and far fewer aten calls; the writes into the pages stay
+eager (one `index_put_` each).
 
 The compiled forms compile in vLLM's warm-up run, before any request (`VllmKVMForCausalLM.warm_up_shift`,
 `.warm_up_attention`), on inputs of the kinds a served step gives them: scratch pages laid out as vLLM binds its
@@ -16,6 +16,12 @@ requests (dynamo specialises sizes 0 and 1: a step of one request runs eagerly).
 The model's own decoding step (`KVMModel.decoding_step`, `DecodeStep.token_shift`, `KVMAttention.attend_decoding`
 over a `kvm_cache_over_pages` cache) is the reference they equal (tests/vllm/test_engine_decode.py); a step whose
 requests fold a block into their state (once a chunk per request) runs its folds through that path first.
+
+One difference from that reference: a request's first chunk enters its state pages late. The model writes each
+first-chunk token's state slot as it reads it; no attention reads those slots before the request's token at
+position `window_size` (until then its state holds no live slot), and until that token the ring still holds the
+whole first chunk. So the engine writes them from the ring in the step whose tokens reach that position
+(`enter_first_chunks`, for every kind of step, rare: once a request), not in every decoding step.
 """
 
 from __future__ import annotations
@@ -137,6 +143,36 @@ def fold_due(model, named_pages: list[dict[str, torch.Tensor]], decode: EngineDe
     model.decoding_step(cache, decode.seen, decode.positions.device)
 
 
+def first_chunks_due(config: KVMConfig, starts: list[int], counts: list[int]) -> list[int]:
+    """The requests (indices) whose tokens this step, `counts[r]` from position `starts[r]`, include position
+    `window_size`: the first whose attention reads the state, and the last step before which the ring holds the
+    first chunk."""
+    window = config.window_size
+    return [row for row, (start, count) in enumerate(zip(starts, counts)) if start <= window < start + count]
+
+
+def enter_first_chunks(model, named_pages: list[dict[str, torch.Tensor]], pages: list[torch.Tensor],
+                       starts: list[int], counts: list[int]) -> None:
+    """The first-chunk state slots (STATE) of the requests `first_chunks_due`, computed from their rings as
+    `KVMAttention.first_chunk_entries` computes them from the tokens' keys, values and merge gates (the ring holds
+    those as the attention received them): the slots of the tokens they read before this step, on every KVM
+    layer. A token of this step in the first chunk is entered by the model's own path, which reads it."""
+    rows = first_chunks_due(model.config, starts, counts)
+    if not rows:
+        return
+    chunk = model.config.chunk_size
+    for layer, layer_pages, layer_page in zip(model.layers, named_pages, pages):
+        if layer.sliding:
+            continue
+        for row in rows:
+            page, read = layer_page[row], min(starts[row], chunk)
+            ring = [layer_pages[name][page, :, :read].transpose(0, 1) if name in layer_pages else None
+                    for name in ("window_keys", "window_values", "window_gates")]
+            entries = layer.self_attn.first_chunk_entries(*ring, slice(None))
+            for name, entry in zip(STATE, entries):
+                layer_pages[name][page, :, :read] = entry.transpose(0, 1).to(layer_pages[name].dtype)
+
+
 def shift_tokens(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: torch.Tensor, count: int,
                  output: torch.Tensor) -> None:
     """Token shift of one stream over a decoding step's tokens x [1, tokens, D] into `output` (zeros past
@@ -166,36 +202,6 @@ def decode_shift(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, page: 
 def write_slots(tensor: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, values: torch.Tensor) -> None:
     """Slot `slot[r]` of page `page[r]` of `tensor` [pages, heads, slots, d] set to `values[r]` [heads, d]."""
     tensor[page, :, slot] = values.to(tensor.dtype)
-
-
-def first_chunk_entries(attention, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
-                        positions: torch.Tensor, page: torch.Tensor, count: int,
-                        state: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """What a decoding step writes into the states of layer `attention` for its requests in their first chunk:
-    each token's state slot and read form (`KVMAttention.first_chunk_entries`) at slot `position`; the slot's old
-    values at slot 0 for the other requests (so that one write serves all, the shape a compiled step needs; eager
-    steps write the entering requests alone, `entering_requests`). `state`: the STATE page tensors."""
-    position = positions[:count]
-    first_chunk = position < attention.config.chunk_size
-    entries = attention.first_chunk_entries(k[:count], v[:count], None if gate is None else gate[:count],
-                                            slice(None))
-    slot, keep = torch.where(first_chunk, position, 0), ~first_chunk[:, None, None]
-    return slot, [torch.where(keep, tensor[page, :, slot], new.to(tensor.dtype)) for tensor, new in zip(state, entries)]
-
-
-def entering_requests(attention, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, decode: EngineDecode,
-                      page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-    """`first_chunk_entries` as eager code runs it: only the requests still in their first chunk (known on the host,
-    `decode.seen`), with their pages and slots, so that nothing is read back to be written again."""
-    chunk = attention.config.chunk_size
-
-    def entering() -> torch.Tensor | None:
-        rows = [row for row, seen in enumerate(decode.seen) if seen < chunk]
-        return None if len(rows) == decode.count else torch.tensor(rows, device=k.device)
-    index, slot = decode.once(("entering", chunk), entering), decode.positions[:decode.count]
-    if index is not None:
-        k, v, gate, page, slot = (None if t is None else t[index] for t in (k, v, gate, page, slot))
-    return page, slot, attention.first_chunk_entries(k, v, gate, slice(None))
 
 
 def state_window_attention_as_sums(q: torch.Tensor, page: torch.Tensor, state_keys: torch.Tensor,
@@ -290,8 +296,8 @@ def decode_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                      decode: EngineDecode, page: torch.Tensor, output: torch.Tensor, pages: dict[str, torch.Tensor],
                      table: torch.Tensor | None, compiled: bool) -> None:
     """Layer `attention`'s decoding step into `output` (zeros past the step's tokens): each request's token
-    written into its ring slot (and, in its first chunk, its state slot), then its query over its live state
-    slots and visible ring slots in one softmax - `KVMAttention.attend_decoding` or
+    written into its ring slot (a first-chunk token's state slot later, `enter_first_chunks`), then its query over
+    its live state slots and visible ring slots in one softmax - `KVMAttention.attend_decoding` or
     `KVMSlidingWindowAttention.attend_decoding` over the pages. `page` [count]: each request's page; `table`:
     `state_slot_table` on the positions' device (None for a sliding-window layer); `compiled`: the tensor work in
     compiled graphs."""
@@ -305,15 +311,6 @@ def decode_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     for name, new in (("window_keys", k), ("window_values", v), ("window_gates", gate)):
         if name in pages and new is not None:
             write_slots(pages[name], page, slot, new)
-    if not sliding and min(decode.seen) < config.chunk_size:  # some request still in its first chunk
-        state = [pages[name] for name in STATE]
-        if compiled:
-            entry_page, (entry_slot, values) = page, compiled_entries(attention, k, v, gate, positions, page, count,
-                                                                      state)
-        else:
-            entry_page, entry_slot, values = entering_requests(attention, k, v, gate, decode, page)
-        for tensor, value in zip(state, values):
-            write_slots(tensor, entry_page, entry_slot, value)
     state_reach, window_reach, sliding_reach = decode.reach
     window_reach = sliding_reach if sliding else window_reach
     if compiled:
@@ -377,5 +374,4 @@ def compiled(function):
 
 
 compiled_shift = compiled(shift_tokens)
-compiled_entries = compiled(first_chunk_entries)
 compiled_attend = compiled(attend_pages)

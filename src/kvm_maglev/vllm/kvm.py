@@ -43,6 +43,7 @@ from kvm_maglev.vllm.decode_kvm import (
     decode_attention,
     decode_shift,
     engine_decode,
+    enter_first_chunks,
     fold_due,
     reach,
     scratch_pages,
@@ -263,9 +264,11 @@ class VllmKVMForCausalLM(PagedStateModel):
         decode = engine_decode(self.config, self.slot_list, layers[0],
                                [layer.state_indices_tensor for layer in layers], positions)
         if decode is not None:
+            enter_first_chunks(self.model, self.named_pages(), decode.pages, decode.seen, [1] * decode.count)
             fold_due(self.model, self.named_pages(), decode)
             return decode
         step = scheduled_step(self.state_layers, positions)
+        enter_first_chunks(self.model, self.named_pages(), step.pages, step.starts, step.counts)
         cache = kvm_cache_over_pages(self.config, self.named_pages(), step.pages, step.starts)
         tokens = step.row_tokens(positions.device)
         cache.prepare(tokens)
