@@ -157,7 +157,7 @@ def enter_first_chunks(model, named_pages: list[dict[str, torch.Tensor]], pages:
     `KVMAttention.first_chunk_entries` computes them from the tokens' keys, values and merge gates (the ring holds
     those as the attention received them): the slots of the tokens they read before this step, on every KVM
     layer. A token of this step in the first chunk is entered by the model's own path, which reads it."""
-    rows = first_chunks_due(model.config, starts, counts)
+    rows = [row for row in first_chunks_due(model.config, starts, counts) if starts[row]]  # a new one read none
     if not rows:
         return
     chunk = model.config.chunk_size
