@@ -35,6 +35,7 @@ from typing import TypeVar
 import torch
 import torch.fx.experimental._config as shape_config
 
+from kvm_maglev.models.kvm import cache_kvm
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
 from kvm_maglev.models.kvm.decode_step_kvm import rows_folding, visible_ring
@@ -49,7 +50,7 @@ from kvm_maglev.vllm.in_place_reads import (
 )
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages, step_page_indices
 
-STATE = ("state_keys", "state_values", "state_norms", "read_keys", "read_values")
+STATE = cache_kvm.STATE + cache_kvm.READ  # a KVM layer's state tensors, in `first_chunk_entries`' order
 # how the compiled forms run while serving: a step whose inputs no start-up graph fits runs eagerly (the same
 # result) instead of compiling; the test of serving sets "fail_on_recompile", so that such a step fails it
 SERVING_STANCE = "eager_on_recompile"
