@@ -360,17 +360,12 @@ def maglev_over_random_pages(model, positions: list[int]):
 
 @pytest.mark.parametrize("form", ["kernel", "request by request"])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads, form, monkeypatch):
+def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads, form):
     """Maglev's ring attention of a decoding step over an engine's pages, each request's ring read in place (by the
-    CPU kernel, `attend_ring_kernel`, its tokens written by the kernel too, or request by request,
-    `attend_ring_in_place`), against the model's own (`TokenStep.attend`: the ring gathered): the same outputs and
-    the same pages afterwards, for requests on scattered pages before, at and past their window's width."""
+    CPU kernel, `attend_ring_kernel`, or request by request, `attend_ring_in_place`), against the model's own
+    (`TokenStep.attend`: the ring gathered): the same outputs and the same pages afterwards, for requests on
+    scattered pages before, at and past their window's width."""
     from kvm_maglev.models.maglev.cache_maglev import TokenStep
-
-    kernel_writes = []
-    write_slots = paged_attention_cpu.write_slots
-    monkeypatch.setattr(paged_attention_cpu, "write_slots",
-                        lambda *args, **kwargs: kernel_writes.append(1) or write_slots(*args, **kwargs))
 
     if form == "kernel" and not paged_attention_cpu.available():
         pytest.skip("the CPU kernel did not build here")
@@ -392,7 +387,6 @@ def test_maglev_ring_read_in_place_equals_the_models_decoding_attention(kv_heads
                     for layer, ring, window in zip(model.layers, cache.layers, config.decoder_windows)]
         engine_rings, engine_cache, _ = cache_over_random_pages()
         got = [attend_in_place(q, k, v, ring) for ring in engine_cache.layers]
-    assert len(kernel_writes) == (2 * len(model.layers) if form == "kernel" else 0)
     for ours, reference in zip(got, expected):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
     for ours, reference in zip(engine_rings, rings):

@@ -10,7 +10,7 @@ and are timed by `python -m kvm_maglev.benchmarks.engine_attention` (docs/servin
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -120,49 +120,12 @@ def state_window_attention_kernel(q: torch.Tensor, page: torch.Tensor, state_key
     return attend_segments(q, segments).to(window_values.dtype)
 
 
-@dataclass
-class RingReads(RowReads):
-    """`RowReads` of a step's rings, with what the kernel reads of their `RingStep`, the same for every layer of
-    one window (`ring_reads`, made once a step): its mask (`visible` [B, capacity + 1] bool: the ring's slots, then
-    the set-aside key), whether each request's query sees its set-aside key (`aside_length` [B] int64, 0 or 1) and
-    each request's row in the set-aside tensors (`aside_row` [B])."""
-
-    visible: torch.Tensor
-    aside_length: torch.Tensor
-    aside_row: torch.Tensor
-    made_scales: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-
-    def scales(self, heads: int, dim: int) -> torch.Tensor:
-        """`head_scales` of the ring's queries (no temperature), made once a step."""
-        if (heads, dim) not in self.made_scales:
-            self.made_scales[heads, dim] = head_scales(heads, dim ** -0.5, None)
-        return self.made_scales[heads, dim]
-
-
-def ring_reads(ring) -> RingReads:
-    """`RingReads` of the requests of `ring`'s step (a MaglevCacheLayer over an engine's pages, its `RingStep`
-    made): each request's page and its ring slots up to the last one its token sees, and its mask."""
+def ring_reads(ring) -> RowReads:
+    """`RowReads` of the requests of `ring`'s step (a MaglevCacheLayer over an engine's pages, its `RingStep` made):
+    each request's page and its ring slots up to the last one its token sees."""
     step = ring.step
     pages = ring.index if step.rows is None else ring.index[step.rows]
-    capacity = ring.tensors["keys"].shape[2]
-    reads = row_reads(pages, pages * 0, step.mask[:, 0, 0, :capacity], 0)
-    visible = step.mask[:, 0, 0].contiguous()
-    return RingReads(reads.extents, visible, visible[:, capacity].to(torch.int64),
-                     torch.arange(pages.shape[0], device=pages.device))
-
-
-def write_ring_slots(ring, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`MaglevCacheLayer.write_slots` of a step's tokens (k, v [B, Hkv, 1, D]) into a ring bound to an engine's pages
-    (`pages` [B]: each request's, int64), with its results (the set-aside keys and values [B, Hkv, D]): one call of
-    the CPU kernel a tensor where it writes them (every row's token real, nothing recorded), else the layer's own."""
-    step, keys, values = ring.step, ring.tensors["keys"], ring.tensors["values"]
-    k, v = k[:, :, 0], v[:, :, 0]
-    if (step.valid is not None or ring.record is not None or step.slot.dtype != torch.int64
-            or not (paged_attention_cpu.writes_slots(keys, k) and paged_attention_cpu.writes_slots(values, v))):
-        return ring.write_slots(k, v, step)
-    slot = step.slot.contiguous()
-    return (paged_attention_cpu.write_slots(keys, pages, slot, k, keep_aside=True),
-            paged_attention_cpu.write_slots(values, pages, slot, v, keep_aside=True))
+    return row_reads(pages, pages * 0, step.mask[:, 0, 0, :ring.tensors["keys"].shape[2]], 0)
 
 
 def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring,
@@ -198,19 +161,21 @@ def attend_ring_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring
 
 
 def attend_ring_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring,
-                       reads: RingReads | None = None) -> torch.Tensor:
+                       reads: RowReads | None = None) -> torch.Tensor:
     """`attend_ring_in_place` (its inputs, its result) as one call of the CPU kernel (`paged_attention_cpu`): the
-    token written as the model writes it (`write_ring_slots`), then each request's ring up to its last visible slot
-    and its set-aside key (a segment of one slot, read where the ring step's mask shows it) in one softmax; what
-    the step's layers share taken from `reads` (`ring_reads`, made here when not given)."""
-    reads = reads or ring_reads(ring)
-    aside_keys, aside_values = write_ring_slots(ring, k, v, reads.extents[0])  # [B, Hkv, D]
+    token written as the model writes it, then each request's ring up to its last visible slot and its set-aside
+    key (a segment of one slot, read where the ring step's mask shows it) in one softmax."""
+    step = ring.step
+    aside_keys, aside_values = ring.write_slots(k[:, :, 0], v[:, :, 0], step)  # [B, Hkv, D]
     keys, values = ring.tensors["keys"], ring.tensors["values"]
     batch, heads, _, dim = q.shape
-    scales = reads.scales(heads, dim)
+    capacity = keys.shape[2]
+    reads = reads or ring_reads(ring)
+    visible = step.mask[:, 0, 0].contiguous()  # [B, capacity + 1]: the ring's slots, then the set-aside key
+    scales = head_scales(heads, dim ** -0.5, None)
     aside = [tensor.to(keys.dtype)[:, :, None].contiguous() for tensor in (aside_keys, aside_values)]
-    segments = [PagedSegment(keys, values, reads.extents[0], reads.extents[2], reads.visible, scales),
-                PagedSegment(*aside, reads.aside_row, reads.aside_length, None, scales)]
+    segments = [PagedSegment(keys, values, reads.extents[0], reads.extents[2], visible, scales),
+                PagedSegment(*aside, torch.arange(batch), visible[:, capacity].to(torch.int64), None, scales)]
     return attend_segments(q[:, :, 0], segments).to(q.dtype).view(batch, heads, 1, -1)
 
 
@@ -224,7 +189,7 @@ class PagedTokenStep(TokenStep):
         self.__dict__.update(vars(step))  # the step's plan, as the cache made it
         # `ring_reads` of the step's rings, made by the first layer that reads a ring in place: the layers whose
         # rings share a `RingStep` (one window) and pages share them (made once a step, not once a layer)
-        self.reads: dict[tuple[int, int], RingReads] = {}
+        self.reads: dict[tuple[int, int], RowReads] = {}
 
     def attend(self, attention, cache_layer, q, k, v, window: int) -> torch.Tensor:
         keys, values = cache_layer.tensors["keys"], cache_layer.tensors["values"]

@@ -201,22 +201,3 @@ int shift_tokens(const float *x, int64_t x_stride, const float *mix, float *carr
     for (int64_t t = tokens; t < out_rows; t++) memset(out + t * out_stride, 0, sizeof(float) * width);
     return 0;
 }
-
-/* A decoding step's tokens into their slots of a layer's page tensor [pages, heads, slots, width bytes] (strides in
- * bytes, each head's row contiguous): request r's row values[r] ([heads, width], any row and head strides) into slot
- * slot[r] of page page[r], after copying what that slot held into aside[r] (contiguous [requests, heads, width];
- * NULL: nothing kept). Bytes, so any element type. Returns 0, or 3 when a page or slot lies outside the tensor
- * (checked before anything is written). */
-int write_slots(const char *values, int64_t value_row_stride, int64_t value_head_stride, char *pages,
-                int64_t page_count, int64_t slot_count, const int64_t *page_strides, const int64_t *page,
-                const int64_t *slot, int64_t requests, int64_t heads, int64_t width, char *aside) {
-    for (int64_t r = 0; r < requests; r++)
-        if (page[r] < 0 || page[r] >= page_count || slot[r] < 0 || slot[r] >= slot_count) return 3;
-    for (int64_t r = 0; r < requests; r++)
-        for (int64_t h = 0; h < heads; h++) {
-            char *target = pages + page[r] * page_strides[0] + h * page_strides[1] + slot[r] * page_strides[2];
-            if (aside) memcpy(aside + (r * heads + h) * width, target, width);
-            memcpy(target, values + r * value_row_stride + h * value_head_stride, width);
-        }
-    return 0;
-}

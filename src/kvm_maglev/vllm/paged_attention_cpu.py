@@ -6,9 +6,7 @@ request at a time, or every request's pages gathered) spend most of a small mode
 copies; this reads the bytes once (docs/serving.md, `python -m kvm_maglev.benchmarks.engine_attention`).
 
 The same library holds KVM's token shift over the carries in the pages (`shift_tokens`: a step's shift of every
-request's tokens, the carries' write and the padding's zeros in one call instead of six operators a stream) and
-Maglev's ring writes of a decoding step (`write_slots`: each request's token into its slot, what the slot held set
-aside, in one call a tensor instead of an indexed read and an indexed write).
+request's tokens, the carries' write and the padding's zeros in one call instead of six operators a stream).
 
 The C source is compiled on first use with the machine's C compiler (`$CC`, else `cc`) into
 `$KVM_MAGLEV_CACHE` (default `~/.cache/kvm_maglev`), named by a hash of the source, flags and compiler, and loaded
@@ -114,10 +112,6 @@ def library() -> ctypes.CDLL | None:
         loaded.attend_segments.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5
                                            + [ctypes.c_int, ctypes.POINTER(Segment), ctypes.c_int64, ctypes.c_int64,
                                               ctypes.c_int, ctypes.c_void_p])
-        loaded.write_slots.restype = ctypes.c_int
-        loaded.write_slots.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
-                                       + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-                                       + [ctypes.c_void_p])
         loaded.shift_tokens.restype = ctypes.c_int
         loaded.shift_tokens.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
                                         + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4
@@ -232,34 +226,3 @@ def shift_tokens(x: torch.Tensor, mix: torch.Tensor, carry: torch.Tensor, rows: 
                                     x.shape[-1], output.data_ptr(), output.stride(1), output.shape[1])
     if status == 3:
         raise ValueError(f"a request's page lies outside the carries {tuple(carry.shape)}")
-
-
-def writes_slots(tensor: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether the kernel writes a decoding step's tokens `values` [requests, heads, d] into slots of the page tensor
-    `tensor` [pages, heads, slots, d] (`write_slots`): on CPU, outside compiled graphs, one element type, each head's
-    row contiguous in both, the kernel `available()`."""
-    return (not torch.compiler.is_compiling() and tensor.device.type == "cpu" and values.device.type == "cpu"
-            and values.dtype == tensor.dtype and tensor.stride(-1) == 1 and values.stride(-1) == 1
-            and values.dim() == 3 and tensor.dim() == 4 and values.shape[1:] == (tensor.shape[1], tensor.shape[3])
-            and available())
-
-
-def write_slots(tensor: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, values: torch.Tensor,
-                keep_aside: bool = False) -> torch.Tensor | None:
-    """`tensor[page, :, slot] = values` in one call (`writes_slots` says when it applies): request r's row `values[r]`
-    into slot `slot[r]` of page `page[r]` (int64, contiguous, [requests] each). With `keep_aside`, returns what those
-    slots held before, [requests, heads, d] (Maglev's set-aside keys and values); else None."""
-    requests, heads, width = values.shape
-    for index in (page, slot):
-        if index.dtype != torch.int64 or not index.is_contiguous() or index.shape != (requests,):
-            raise ValueError(f"a request's page and slot must be contiguous int64 [{requests}]")
-    size = tensor.element_size()
-    aside = torch.empty_like(values, memory_format=torch.contiguous_format) if keep_aside else None
-    status = library().write_slots(values.data_ptr(), values.stride(0) * size, values.stride(1) * size,
-                                   tensor.data_ptr(), tensor.shape[0], tensor.shape[2],
-                                   (ctypes.c_int64 * 3)(*(stride * size for stride in tensor.stride()[:3])),
-                                   page.data_ptr(), slot.data_ptr(), requests, heads, width * size,
-                                   0 if aside is None else aside.data_ptr())
-    if status == 3:
-        raise ValueError(f"a request's page or slot lies outside the page tensor {tuple(tensor.shape)}")
-    return aside

@@ -1,9 +1,9 @@
 """The CPU kernels of the decoding step over an engine's pages (kvm_maglev.vllm.paged_attention_cpu): the attention
 (KVM's form `in_place_reads.state_window_attention_kernel`) against the torch reference that gathers the pages
-(`state_window_attention_torch`), the token shift against its torch form and the model's (decode_kvm with the kernel
-off), the slot writes against an indexed write, on pages laid out as the engine binds them; the build (cached,
-atomic, refused cleanly without a compiler) and the refusal of indices outside the pages. Maglev's form is tested
-against the model's attention in tests/vllm/test_engine_decode.py."""
+(`state_window_attention_torch`), the token shift against its torch form and the model's (decode_kvm with the
+kernel off), on pages laid out as the engine binds them; the build (cached, atomic, refused cleanly without a
+compiler) and the refusal of indices outside the pages. Maglev's form is tested against the model's attention in
+tests/vllm/test_engine_decode.py."""
 
 import logging
 
@@ -125,29 +125,6 @@ def test_token_shift_equals_its_torch_form(monkeypatch):
                                          paged_attention_cpu.ShiftRows.decoding(torch.tensor([3, 9, 1, 0])), "first",
                                          torch.empty_like(x))
     assert not paged_attention_cpu.shifts_tokens(x.bfloat16(), mix, x[0], x)  # bfloat16 keeps the torch form
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_slot_writes_equal_an_indexed_write(dtype):
-    """A decoding step's tokens into their slots of a page tensor bound as vLLM binds pages, from a strided view (as
-    Maglev's k[:, :, 0]): the pages of an indexed write, bit for bit, and the slots' old contents set aside; a page
-    or slot outside the tensor refused before anything is written."""
-    generator = torch.Generator().manual_seed(6)
-    tokens = torch.randn(4, 3, 2, 8, generator=generator).to(dtype)[:, :, 0]  # [requests, heads, d], strided
-    page, slot = torch.tensor([5, 0, 2, 7]), torch.tensor([3, 9, 0, 3])
-    ours, reference = (bound_rows(8, [(3, 10, 8)], dtype, seed=7)[0] for _ in range(2))
-    expected_aside = reference[page, :, slot].clone()
-    reference[page, :, slot] = tokens
-    assert paged_attention_cpu.writes_slots(ours, tokens)
-    aside = paged_attention_cpu.write_slots(ours, page, slot, tokens, keep_aside=True)
-    assert torch.equal(ours, reference) and torch.equal(aside, expected_aside)
-    assert paged_attention_cpu.write_slots(ours, page, slot, tokens) is None
-    before = ours.clone()
-    for outside in ((torch.tensor([5, 0, 8, 7]), slot), (page, torch.tensor([3, 10, 0, 3]))):
-        with pytest.raises(ValueError, match="outside the page tensor"):
-            paged_attention_cpu.write_slots(ours, *outside, tokens)
-    assert torch.equal(ours, before)
-    assert not paged_attention_cpu.writes_slots(ours, tokens.float() if dtype == torch.bfloat16 else tokens.double())
 
 
 @pytest.mark.parametrize("first", ["first", "zero"])
