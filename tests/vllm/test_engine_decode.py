@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from kvm_maglev.models.common.transformers_versions import GENERATE_CACHE_KWARG
-from kvm_maglev.models.kvm.cache_kvm import KVMCache
+from kvm_maglev.models.kvm.cache_kvm import READ, STATE, KVMCache
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
 from kvm_maglev.vllm import decode_kvm, in_place_reads, paged_attention_cpu
 from kvm_maglev.vllm.decode_kvm import (
-    STATE,
     EngineDecode,
     compiled,
     decode_attention,
@@ -190,7 +189,7 @@ def engine_convention(config, layer, reference: dict, before: dict) -> dict:
     expected = {name: tensor.clone() for name, tensor in reference.items()}
     for row, seen in enumerate(SEEN):
         if seen < config.chunk_size:
-            for name in STATE:
+            for name in STATE + READ:
                 expected[name][PAGE_OF_ROW[row], :, seen] = before[name][PAGE_OF_ROW[row], :, seen]
     return expected
 
@@ -211,12 +210,12 @@ def test_first_chunks_entered_from_the_ring_equal_the_models_entries(variant):
     kvm_layers = [index for index, layer in enumerate(model.model.layers) if not layer.sliding]
     assert kvm_layers
     for index in kvm_layers:
-        for name in STATE:
+        for name in STATE + READ:
             named[index][name][:, :, :config.chunk_size] = float("nan")
     rows = torch.arange(2)
     enter_first_chunks(model.model, named, [rows] * len(named), [config.window_size] * 2, [1, 1])
     for index in kvm_layers:
-        for name in STATE:
+        for name in STATE + READ:
             ours = named[index][name][:, :, :config.chunk_size]
             torch.testing.assert_close(ours, cache.layers[index].tensors[name][:, :, :config.chunk_size],
                                        rtol=0, atol=0)

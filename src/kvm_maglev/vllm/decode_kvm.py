@@ -35,7 +35,7 @@ from typing import TypeVar
 import torch
 import torch.fx.experimental._config as shape_config
 
-from kvm_maglev.models.kvm import cache_kvm
+from kvm_maglev.models.kvm.cache_kvm import READ, STATE
 from kvm_maglev.models.kvm.configuration_kvm import KVMConfig
 from kvm_maglev.models.kvm.decode_attention_kvm import state_window_attention_torch
 from kvm_maglev.models.kvm.decode_step_kvm import rows_folding, visible_ring
@@ -50,7 +50,6 @@ from kvm_maglev.vllm.in_place_reads import (
 )
 from kvm_maglev.vllm.page_caches import kvm_cache_over_pages, step_page_indices
 
-STATE = cache_kvm.STATE + cache_kvm.READ  # a KVM layer's state tensors, in `first_chunk_entries`' order
 # how the compiled forms run while serving: a step whose inputs no start-up graph fits runs eagerly (the same
 # result) instead of compiling; the test of serving sets "fail_on_recompile", so that such a step fails it
 SERVING_STANCE = "eager_on_recompile"
@@ -154,7 +153,7 @@ def first_chunks_due(config: KVMConfig, starts: list[int], counts: list[int]) ->
 
 def enter_first_chunks(model, named_pages: list[dict[str, torch.Tensor]], pages: list[torch.Tensor],
                        starts: list[int], counts: list[int]) -> None:
-    """The first-chunk state slots (STATE) of the requests `first_chunks_due`, computed from their rings as
+    """The first-chunk state slots (STATE and READ) of the requests `first_chunks_due`, computed from their rings as
     `KVMAttention.first_chunk_entries` computes them from the tokens' keys, values and merge gates (the ring holds
     those as the attention received them): the slots of the tokens they read before this step, on every KVM
     layer. A token of this step in the first chunk is entered by the model's own path, which reads it."""
@@ -170,7 +169,7 @@ def enter_first_chunks(model, named_pages: list[dict[str, torch.Tensor]], pages:
             ring = [layer_pages[name][page, :, :read].transpose(0, 1) if name in layer_pages else None
                     for name in ("window_keys", "window_values", "window_gates")]
             entries = layer.self_attn.first_chunk_entries(*ring, slice(None))
-            for name, entry in zip(STATE, entries):
+            for name, entry in zip(STATE + READ, entries):
                 layer_pages[name][page, :, :read] = entry.transpose(0, 1).to(layer_pages[name].dtype)
 
 
