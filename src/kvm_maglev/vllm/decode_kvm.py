@@ -144,11 +144,11 @@ def fold_due(model, named_pages: list[dict[str, torch.Tensor]], decode: EngineDe
 
 
 def first_chunks_due(config: KVMConfig, starts: list[int], counts: list[int]) -> list[int]:
-    """The requests (indices) whose tokens this step, `counts[r]` from position `starts[r]`, include position
-    `window_size`: the first whose attention reads the state, and the last step before which the ring holds the
-    first chunk."""
+    """The requests (indices) that read tokens before this step and whose tokens this step, `counts[r]` from
+    position `starts[r]`, include position `window_size`: the first whose attention reads the state, and the last
+    step before which the ring holds the first chunk (a request new in the step reads its first chunk in it)."""
     window = config.window_size
-    return [row for row, (start, count) in enumerate(zip(starts, counts)) if start <= window < start + count]
+    return [row for row, (start, count) in enumerate(zip(starts, counts)) if 0 < start <= window < start + count]
 
 
 def enter_first_chunks(model, named_pages: list[dict[str, torch.Tensor]], pages: list[torch.Tensor],
@@ -157,7 +157,7 @@ def enter_first_chunks(model, named_pages: list[dict[str, torch.Tensor]], pages:
     `KVMAttention.first_chunk_entries` computes them from the tokens' keys, values and merge gates (the ring holds
     those as the attention received them): the slots of the tokens they read before this step, on every KVM
     layer. A token of this step in the first chunk is entered by the model's own path, which reads it."""
-    rows = [row for row in first_chunks_due(model.config, starts, counts) if starts[row]]  # a new one read none
+    rows = first_chunks_due(model.config, starts, counts)
     if not rows:
         return
     chunk = model.config.chunk_size
